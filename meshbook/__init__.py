@@ -1,0 +1,36 @@
+"""meshbook: the notebook as the single controller of a mesh of PyTorch ranks.
+
+Python API (usable anywhere)::
+
+    import meshbook
+    mesh = meshbook.start(4, dims={"dp": 2, "tp": 2})
+    mesh.run("dist.get_rank()").result()
+
+In Jupyter: ``%load_ext meshbook``, then ``%mesh start -n 4`` and ``%%mesh`` cells.
+"""
+
+from .mesh import (CellSyntaxError, Display, Error, Mesh, MeshError, MeshStoppedError,
+                   MeshTimeout, Output, RankFailure, RankValues, RemoteError, Result, Run,
+                   SelectionError, SendError, Topology, prewarm, start)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "start", "prewarm", "Mesh", "Run", "RankValues", "Topology",
+    "Output", "Display", "Result", "Error", "RankFailure",
+    "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
+    "SendError", "CellSyntaxError",
+]
+
+
+def load_ipython_extension(ipython):  # type: ignore[no-untyped-def]
+    """``%load_ext meshbook``: register the %mesh magics and the kernel hooks."""
+    from .magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython):  # type: ignore[no-untyped-def]
+    from .magics import unload
+
+    unload(ipython)

@@ -1,0 +1,350 @@
+"""The host agent: imports torch once, forks this host's ranks and supervises them.
+
+Run as ``python -m meshbook.mesh.agent`` by a launcher, one per host. It reads one JSON line
+of configuration on stdin (the mesh key never appears on a command line), then:
+
+* forks each rank from its clean, torch-imported state (no parallel op has run here, so the
+  children's OpenMP pools are safe) in well under a second for 8 ranks;
+* forwards the controller's requests to its ranks, sending the received frames on unchanged:
+  one message from the controller fans out to every local rank without being re-serialised;
+* reports a rank's death (exit code, signal, OOM kill, its crash dump and last output) as
+  soon as SIGCHLD arrives, and re-forks a rank under the same rank id on request;
+* never outlives the controller: stdin is a pipe from the controller, and EOF on it (the
+  controller died, however it died) kills every rank and ends the agent. ``PR_SET_PDEATHSIG``
+  backs this up where the launcher allows it, and ranks die with the agent the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+@dataclass
+class RankProcess:
+    rank: int
+    pid: int
+    pipes: dict[str, int]  # stream -> read end, drained after death for the last words
+    crash_path: str
+    oom_kills: int | None
+
+
+class Agent:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        import zmq
+
+        from . import wire
+        from .topology import Topology
+
+        self.cfg = cfg
+        self.host = cfg["host"]
+        self.my_ranks: list[int] = cfg["ranks"]
+        self.topology = Topology(tuple((k, v) for k, v in cfg["dims"]))
+        self.wire = wire.Wire(bytes.fromhex(cfg["key"]))
+        self.rundir = cfg.get("rundir") or tempfile.mkdtemp(prefix="meshbook-agent-")
+        self.own_rundir = "rundir" not in cfg
+        self.ctx = zmq.Context()
+        self.cmd = self.ctx.socket(zmq.DEALER)
+        self.cmd.setsockopt(zmq.IDENTITY, f"agent:{self.host}".encode())
+        self.events = self.ctx.socket(zmq.PUSH)
+        self.events.setsockopt(zmq.LINGER, 2000)
+        for sock, addr in ((self.cmd, cfg["cmd_addr"]), (self.events, cfg["events_addr"])):
+            _configure_curve(sock, cfg)
+            sock.connect(addr)
+        self.down: dict[str, Any] = {}
+        for channel in ("x", "c"):
+            sock = self.ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a re-forked rank takes over its id
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.bind(f"ipc://{self.rundir}/a{self.host}{channel}")
+            self.down[channel] = sock
+        self.procs: dict[int, RankProcess] = {}
+        # A rank's sockets are usable once it said hello on them; until then its messages wait.
+        self.connected: dict[str, set[int]] = {"x": set(), "c": set()}
+        self.backlog: dict[tuple[str, int], list[list[Any]]] = {}
+        self.dead: set[int] = set()
+        self.cuda = _cuda_count()
+        self.threads = max(1, (os.cpu_count() or 1) // max(1, len(self.my_ranks)))
+
+    # -- ranks -------------------------------------------------------------------------------
+
+    def spawn(self, rank: int, store_port: int, generation: int) -> None:
+        from .worker import RankConfig, run_rank
+
+        local_rank = self.my_ranks.index(rank)
+        use_cuda = self.cfg["backend"] != "gloo" and self.cuda > 0
+        backend = self.cfg["backend"]
+        if backend == "auto":
+            backend = "cuda:nccl,cpu:gloo" if use_cuda else "gloo"
+        pipes = {name: os.pipe() for name in ("stdout", "stderr")}
+        crash_path = os.path.join(self.rundir, f"crash-{rank}")
+        cfg = RankConfig(
+            rank=rank, local_rank=local_rank, local_world_size=len(self.my_ranks),
+            topology=self.topology, backend=backend, device_type="cuda" if use_cuda else "cpu",
+            store_host=self.cfg["store_host"], store_port=store_port, generation=generation,
+            collective_timeout=self.cfg["collective_timeout"], key=self.wire._key,
+            agent_pid=os.getpid(), request_addr=f"ipc://{self.rundir}/a{self.host}x",
+            control_addr=f"ipc://{self.rundir}/a{self.host}c", events_addr=self.cfg["events_addr"],
+            pipes=pipes, crash_path=crash_path, threads=self.threads)
+        oom = _oom_kills()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            run_rank(cfg)  # never returns
+        for _, write in pipes.values():
+            os.close(write)
+        self.procs[rank] = RankProcess(rank, pid, {n: r for n, (r, _) in pipes.items()}, crash_path, oom)
+        self.dead.discard(rank)
+
+    def reap(self) -> None:
+        """Collect dead ranks and tell the controller how each died."""
+        from .proc import describe_status
+
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            proc = next((p for p in self.procs.values() if p.pid == pid), None)
+            if proc is None:
+                continue
+            cause = describe_status(status)
+            if cause == "SIGKILL" and proc.oom_kills is not None and (_oom_kills() or 0) > proc.oom_kills:
+                cause = "SIGKILL (killed by the OOM killer)"
+            output = {name: _drain(fd) for name, fd in proc.pipes.items()}
+            crash = _read_and_remove(proc.crash_path)
+            del self.procs[proc.rank]
+            for channel, ranks in self.connected.items():
+                ranks.discard(proc.rank)
+                self.backlog.pop((channel, proc.rank), None)
+            self.dead.add(proc.rank)
+            self.emit("exit", None, {"cause": cause, "pid": pid, "output": output, "crash": crash},
+                      rank=proc.rank)
+
+    def kill(self, ranks: list[int], sig: int = signal.SIGKILL) -> None:
+        for rank in ranks:
+            proc = self.procs.get(rank)
+            if proc is not None:
+                try:
+                    # The rank leads its own session: take its children (os.system...) too.
+                    os.killpg(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def shutdown(self) -> None:
+        self.kill(list(self.procs))
+        deadline = time.monotonic() + 5
+        while self.procs and time.monotonic() < deadline:
+            self.reap()
+            time.sleep(0.01)
+        if self.own_rundir:
+            shutil.rmtree(self.rundir, ignore_errors=True)
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def emit(self, kind: str, request: int | None, body: Any = None, **header: Any) -> None:
+        from . import wire
+
+        wire.send(self.events, self.wire.pack({"k": kind, "id": request, "host": self.host, **header}, body))
+
+    def forward(self, channel: str, message: Any) -> None:
+        for rank in message.header["ranks"]:
+            if rank not in self.procs:
+                continue  # dead: its exit report already failed the request
+            if rank in self.connected[channel]:
+                self._send_down(channel, rank, message.frames)
+            else:
+                self.backlog.setdefault((channel, rank), []).append(message.frames)
+
+    def _send_down(self, channel: str, rank: int, frames: list[Any]) -> None:
+        import zmq
+
+        try:
+            self.down[channel].send_multipart([str(rank).encode(), *frames], copy=False)
+        except zmq.ZMQError:
+            pass  # the rank is dying: its exit report fails the request
+
+    def hello(self, channel: str) -> None:
+        """A rank connected on ``channel``: deliver what waited for it."""
+        identity, *_ = self.down[channel].recv_multipart()
+        rank = int(identity)
+        self.connected[channel].add(rank)
+        for frames in self.backlog.pop((channel, rank), []):
+            self._send_down(channel, rank, frames)
+
+    def operate(self, message: Any) -> bool:
+        """An operation for the agent itself; returns False when the agent should stop."""
+        body = message.body()
+        op = body["op"]
+        ranks = [r for r in message.header["ranks"] if r in self.my_ranks]
+        if op == "stop":
+            return False
+        if op == "signal":
+            self.kill(ranks, body["sig"])
+        elif op == "spawn":
+            for rank in ranks:
+                self.spawn(rank, body["store_port"], body["generation"])
+        elif op == "pyspy":
+            for rank in ranks:
+                self.emit("result", message.header["id"], _pyspy(self.procs.get(rank)), rank=rank)
+        return True
+
+    def serve(self) -> None:
+        import zmq
+
+        from . import wire
+
+        rfd, wfd = os.pipe()
+        os.set_blocking(wfd, False)
+        signal.set_wakeup_fd(wfd)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: None)  # handled below, through the wakeup fd
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        poller = zmq.Poller()
+        poller.register(self.cmd, zmq.POLLIN)
+        poller.register(sys.stdin.fileno(), zmq.POLLIN)
+        poller.register(rfd, zmq.POLLIN)
+        for sock in self.down.values():
+            poller.register(sock, zmq.POLLIN)
+        for rank in self.my_ranks:
+            self.spawn(rank, self.cfg["store_port"], 0)
+        self.emit("agent", None, {"pid": os.getpid(), "hostname": socket.gethostname(),
+                                  "pids": {r: p.pid for r, p in self.procs.items()}})
+        next_beat = 0.0
+        while True:
+            ready = dict(poller.poll(1000))
+            if rfd in ready:
+                signals = os.read(rfd, 4096)
+                if signal.SIGTERM in signals:
+                    return
+                self.reap()
+            if sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
+                return  # EOF: the controller is gone
+            for channel, sock in self.down.items():
+                while sock.poll(0):
+                    self.hello(channel)
+            if self.cmd in ready:
+                while self.cmd.poll(0):
+                    try:
+                        message = self.wire.unpack(wire.recv(self.cmd))
+                    except wire.BadMessage:
+                        continue
+                    channel = message.header.get("ch")
+                    if channel in ("x", "c"):
+                        self.forward(channel, message)
+                    elif channel == "a" and not self.operate(message):
+                        return
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + 1.0
+                self.emit("agent_hb", None, {"dead": sorted(self.dead)})
+
+
+def _configure_curve(sock: Any, cfg: dict[str, Any]) -> None:
+    if cfg.get("server_public"):
+        sock.curve_serverkey = cfg["server_public"].encode()
+        sock.curve_publickey = cfg["client_public"].encode()
+        sock.curve_secretkey = cfg["client_secret"].encode()
+
+
+def _cuda_count() -> int:
+    # NVML's count does not initialise CUDA, so the ranks can still be forked safely.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _oom_kills() -> int | None:
+    from .proc import oom_kills
+
+    return oom_kills()
+
+
+def _drain(fd: int) -> str:
+    chunks = []
+    os.set_blocking(fd, False)
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except (BlockingIOError, OSError):
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(fd)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def _read_and_remove(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+        os.unlink(path)
+        return text
+    except OSError:
+        return ""
+
+
+def _pyspy(proc: RankProcess | None) -> str:
+    """A native+Python stack of a rank whose own control thread cannot answer."""
+    if proc is None:
+        return "the rank is not running"
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(exe):
+        return "py-spy is not installed (pip install py-spy) so no native stack could be taken"
+    try:
+        done = subprocess.run([exe, "dump", "--pid", str(proc.pid)], capture_output=True,
+                              text=True, timeout=10)
+        return done.stdout or done.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"py-spy failed: {exc}"
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m meshbook.mesh.agent",
+                                     description="meshbook host agent (started by a launcher)")
+    parser.add_argument("--parent", type=int, default=None,
+                        help="pid of the controller; die with it (PR_SET_PDEATHSIG)")
+    args = parser.parse_args()
+    if args.parent is not None:
+        from .proc import die_with_parent
+
+        die_with_parent(args.parent)
+    import torch  # noqa: F401  - once, here, so every fork starts with it imported
+    import torch.distributed  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+
+    stdin = sys.stdin.fileno()
+    line = b""
+    while not line.endswith(b"\n"):
+        select.select([stdin], [], [])
+        chunk = os.read(stdin, 65536)
+        if not chunk:
+            return  # the controller went away before it needed us
+        line += chunk
+    agent = Agent(json.loads(line))
+    try:
+        agent.serve()
+    finally:
+        agent.shutdown()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Cell code: compile it like IPython does, and turn tracebacks into cell-relative frames.
+
+A cell is compiled as a module whose last statement, if it is an expression, is compiled
+separately in ``eval`` mode: its value is the cell's result. Line numbers are shifted by
+``first_line - 1`` so they match what the user sees (a ``%%mesh`` body starts on line 2 of its
+cell), and the source is registered in :mod:`linecache` under the cell's file name so
+tracebacks show the cell's own lines.
+
+The controller compiles first, to report a ``SyntaxError`` before anything is sent; ranks
+compile again from the same source (code objects do not travel).
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import traceback
+from dataclasses import dataclass
+from types import CodeType, TracebackType
+
+from .errors import CellSyntaxError, Frame, RankFailure
+
+#: File names of submitted code start with this, so their frames are recognised as cell code.
+CELL_PREFIX = "<mesh cell "
+
+
+def cell_filename(request_id: int | str) -> str:
+    return f"{CELL_PREFIX}{request_id}>"
+
+
+@dataclass(frozen=True)
+class CompiledCell:
+    body: CodeType
+    last_expr: CodeType | None
+
+
+def compile_cell(source: str, filename: str, first_line: int = 1) -> CompiledCell:
+    """Compile ``source``; the value of a final expression statement becomes the result."""
+    padded = "\n" * (first_line - 1) + source  # keeps line numbers (and SyntaxError's) right
+    try:
+        tree = ast.parse(padded, filename, "exec")
+    except SyntaxError as exc:
+        raise CellSyntaxError(exc.msg, (exc.filename, exc.lineno, exc.offset, exc.text,
+                                        exc.end_lineno, exc.end_offset)) from None
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    body = compile(tree, filename, "exec", dont_inherit=True)
+    expr = compile(last, filename, "eval", dont_inherit=True) if last is not None else None
+    return CompiledCell(body, expr)
+
+
+def register_source(filename: str, source: str, first_line: int = 1) -> None:
+    """Make ``filename``'s lines visible to tracebacks, pdb and stack dumps."""
+    text = "\n" * (first_line - 1) + source
+    lines = [line + "\n" for line in text.splitlines()]
+    linecache.cache[filename] = (len(text), None, lines, filename)
+
+
+def is_internal(filename: str) -> bool:
+    """Frames of meshbook's own rank machinery, hidden from users' tracebacks."""
+    return "/meshbook/mesh/" in filename.replace("\\", "/")
+
+
+def frames_of(tb: TracebackType | None) -> tuple[Frame, ...]:
+    """User-facing frames: meshbook's own frames at the top of the stack are dropped."""
+    summary = traceback.extract_tb(tb)
+    start = 0
+    while start < len(summary) and is_internal(summary[start].filename):
+        start += 1
+    return tuple(_frame(f.filename, f.lineno or 0, f.name, f.line or "")
+                 for f in summary[start:])
+
+
+def _frame(filename: str, lineno: int, name: str, line: str) -> Frame:
+    return Frame(filename, lineno, name, line.strip(), filename.startswith(CELL_PREFIX))
+
+
+def failure_from(rank: int, exc: BaseException) -> RankFailure:
+    """Describe ``exc`` raised on ``rank`` for the controller (no pickling of the exception)."""
+    cls = type(exc)
+    name = cls.__qualname__ if cls.__module__ in ("builtins", "__main__") else \
+        f"{cls.__module__}.{cls.__qualname__}"
+    message = _message(exc)
+    frames = frames_of(exc.__traceback__)
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        # The error is *in* the code, not raised by it: point at the offending line.
+        frames = frames + (_frame(exc.filename, exc.lineno, "<module>", exc.text or ""),)
+        message = exc.msg
+    return RankFailure(rank, name, message, frames)
+
+
+def _message(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return "<exception str() failed>"
+
+
+def stack_frames(frame: object, skip_internal: bool = True) -> tuple[Frame, ...]:
+    """Frames of a live stack (outermost first), as for a traceback."""
+    summary = traceback.extract_stack(frame)  # type: ignore[arg-type]
+    out = [_frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in summary]
+    if skip_internal:
+        out = [f for f in out if not is_internal(f.filename)]
+    return tuple(out)
+
+
+def current_cell_line(frame: object) -> int | None:
+    """The innermost cell line a live stack is on (cheap: no source lookups)."""
+    f = frame
+    while f is not None:
+        if f.f_code.co_filename.startswith(CELL_PREFIX):  # type: ignore[attr-defined]
+            return f.f_lineno  # type: ignore[attr-defined]
+        f = f.f_back  # type: ignore[attr-defined]
+    return None
+
+

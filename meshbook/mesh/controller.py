@@ -1,0 +1,454 @@
+"""The controller: the notebook's end of the wire, and the book-keeping of every rank.
+
+One :class:`Controller` per started mesh. It owns two sockets in a private (0700) runtime
+directory: a ROUTER to send requests to host agents (one send per host; the agent fans out)
+and a PULL on which ranks and agents send everything back directly. A receiver thread reads
+that PULL socket and feeds each message to the :class:`~meshbook.mesh.run.Run` it belongs to,
+tracks each rank's state and last heartbeat, and turns a rank's death into an error on every
+run that waited for it, within the agent's SIGCHLD latency.
+
+:class:`~meshbook.mesh.mesh.Mesh` is the user-facing view; this module is its engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from . import wire
+from .errors import MeshError, MeshStoppedError, RankFailure, SendError
+from .launchers import AgentHandle, HostPlan, Launcher
+from .run import Display, Error, Event, Output, Result, Run
+from .topology import Topology
+
+#: How many finished runs still get their late output routed to them.
+LATE_OUTPUT_RUNS = 256
+
+
+@dataclass
+class RankState:
+    rank: int
+    host: int
+    pid: int | None = None
+    hostname: str = ""
+    device: str = ""
+    state: str = "starting"  # starting | idle | busy | dead
+    cause: str = ""  # why it is dead
+    generation: int = -1
+    metrics: dict[str, Any] = field(default_factory=dict)
+    last_seen: float = 0.0
+    #: Set when the rank was restarted and its variables are gone.
+    lost_namespace: bool = False
+
+
+class Controller:
+    def __init__(self, topology: Topology, launcher: Launcher, backend: str = "auto",
+                 collective_timeout: float = 300.0) -> None:
+        self.topology = topology
+        self.backend = backend
+        self.collective_timeout = collective_timeout
+        self.launcher = launcher
+        self.wire = wire.Wire(secrets.token_bytes(32))
+        self.rundir = tempfile.mkdtemp(prefix="mb-", dir=_runtime_base())  # mode 0700
+        self.ctx = zmq.Context()
+        self.cmd = self.ctx.socket(zmq.ROUTER)
+        self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.cmd.setsockopt(zmq.SNDHWM, 0)
+        self.cmd.bind(f"ipc://{self.rundir}/cmd")
+        self.events = self.ctx.socket(zmq.PULL)
+        self.events.setsockopt(zmq.RCVHWM, 0)
+        self.events.bind(f"ipc://{self.rundir}/ev")
+        self._wake_send = self.ctx.socket(zmq.PAIR)
+        self._wake_recv = self.ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(f"inproc://wake-{id(self)}")
+        self._wake_send.connect(f"inproc://wake-{id(self)}")
+        self.plans: list[HostPlan] = launcher.plan(topology.world_size)
+        self.host_of = {r: p.host for p in self.plans for r in p.ranks}
+        self.ranks = {r: RankState(r, self.host_of[r]) for r in range(topology.world_size)}
+        self.generation = 0
+        self.stopped = False
+        self.stop_reason = ""
+        self.agents: list[AgentHandle] = []
+        self._lock = threading.RLock()
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._runs: dict[int, Run] = {}
+        self._queues: dict[int, deque[int]] = {r: deque() for r in self.ranks}
+        self._late: OrderedDict[int, Callable[[Event], None]] = OrderedDict()
+        self._generation_changed = threading.Condition(self._lock)
+        #: Called on the receiver thread with (rank, metrics) for every heartbeat.
+        self.heartbeat_listeners: list[Callable[[int, dict[str, Any]], None]] = []
+        #: Called with every new Run (the notebook layer attributes its output to a cell).
+        self.run_listeners: list[Callable[[Run], None]] = []
+        #: Called with (rank, cause) when a rank dies.
+        self.death_listeners: list[Callable[[int, str], None]] = []
+        self._receiver = threading.Thread(target=self._receive, name="meshbook-receiver", daemon=True)
+        self._receiver.start()
+        _LIVE.add(self)
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def launch(self, timeout: float) -> None:
+        """Start the agents and wait until every rank has torch.distributed ready."""
+        port = free_port()
+        configs = {p.host: self._agent_config(p, port) for p in self.plans}
+        try:
+            self.agents = self.launcher.launch(self.plans, configs)
+            self.wait_generation(0, list(self.ranks), timeout, "start")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _agent_config(self, plan: HostPlan, store_port: int) -> dict[str, Any]:
+        return {
+            "host": plan.host, "ranks": plan.ranks, "dims": list(self.topology.dims),
+            "key": self.wire._key.hex(), "backend": self.backend,
+            "store_host": self.launcher.store_host, "store_port": store_port,
+            "collective_timeout": self.collective_timeout, "rundir": self.rundir,
+            "cmd_addr": f"ipc://{self.rundir}/cmd", "events_addr": f"ipc://{self.rundir}/ev",
+        }
+
+    def wait_generation(self, generation: int, ranks: list[int], timeout: float, what: str) -> None:
+        """Wait for ``ranks`` to report ready in ``generation``; a clear error otherwise."""
+        deadline = time.monotonic() + timeout
+        with self._generation_changed:
+            while True:
+                states = [self.ranks[r] for r in ranks]
+                failed = [s for s in states if s.state == "dead" or
+                          (s.generation == generation and s.state == "failed")]
+                if failed or self.stopped:
+                    raise MeshError(self._startup_failure(failed, what))
+                if all(s.generation == generation and s.state != "starting" for s in states):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waiting = [s.rank for s in states if s.generation != generation]
+                    raise MeshError(
+                        f"{what} timed out after {timeout:g} s: rank(s) {waiting} never became ready. "
+                        f"{self._agent_report()}Pass a larger timeout= if the machine is slow.")
+                self._generation_changed.wait(min(left, 0.25))
+                self._check_agents()
+
+    def _startup_failure(self, failed: list[RankState], what: str) -> str:
+        lines = [f"{what} failed:"]
+        for s in failed:
+            lines.append(f"  rank {s.rank}: {s.cause}")
+        if self.stopped:
+            lines.append(f"  {self.stop_reason}")
+        return "\n".join(lines)
+
+    def _agent_report(self) -> str:
+        return "".join(f"(host agent {i}: {a.exit_reason()}) " for i, a in enumerate(self.agents)
+                       if not a.alive())
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def submit(self, kind: str, body: Any, ranks: list[int], what: str, channel: str = "x") -> Run:
+        """Send one request to ``ranks`` (one message per host) and return its Run."""
+        self.check_usable(ranks)
+        try:
+            raw, buffers = wire.dumps(body)
+        except Exception as exc:
+            raise SendError(f"{what}: cannot send {_describe_unpicklable(body, exc)}") from None
+        with self._lock:
+            request = next(self._ids)
+            run = Run(request, ranks, self.topology, what, self.interrupt)
+            self._runs[request] = run
+            if channel == "x":
+                for r in ranks:
+                    self._queues[r].append(request)
+                    self.ranks[r].state = "busy"
+        for listener in self.run_listeners:
+            listener(run)
+        frames = self.wire.pack({"k": kind, "id": request, "ranks": ranks, "ch": channel},
+                                raw_body=raw, buffers=buffers)
+        self._send_to_hosts(frames, ranks)
+        return run
+
+    def agent_op(self, op: str, ranks: list[int], **body: Any) -> Run | None:
+        """Ask the agents owning ``ranks`` to do ``op`` (signal, spawn, pyspy, stop)."""
+        request = next(self._ids)
+        run = None
+        if op == "pyspy":
+            run = Run(request, ranks, self.topology, f"native stacks of rank(s) {ranks}", self.interrupt)
+            with self._lock:
+                self._runs[request] = run
+        frames = self.wire.pack({"k": "op", "id": request, "ranks": ranks, "ch": "a"},
+                                dict(body, op=op))
+        self._send_to_hosts(frames, ranks)
+        return run
+
+    def _send_to_hosts(self, frames: list[Any], ranks: list[int]) -> None:
+        hosts = sorted({self.host_of[r] for r in ranks})
+        with self._send_lock:
+            for host in hosts:
+                for attempt in range(200):
+                    try:
+                        wire.send(self.cmd, frames, prefix=[f"agent:{host}".encode()], wait=True)
+                        break
+                    except zmq.ZMQError as exc:
+                        # EHOSTUNREACH: the agent's connection is not up yet (start-up only).
+                        if exc.errno != zmq.EHOSTUNREACH or attempt == 199:
+                            raise MeshError(f"cannot reach the host agent {host}: {exc}") from None
+                        time.sleep(0.01)
+
+    def interrupt(self, ranks: list[int]) -> None:
+        self.signal(ranks, signal.SIGINT)
+
+    def signal(self, ranks: list[int], sig: int) -> None:
+        live = [r for r in ranks if self.ranks[r].state != "dead"]
+        if live and not self.stopped:
+            self.agent_op("signal", live, sig=int(sig))
+
+    def check_usable(self, ranks: list[int]) -> None:
+        if self.stopped:
+            raise MeshStoppedError(f"the mesh is stopped ({self.stop_reason}); start a new one "
+                                   f"with meshbook.start(...)")
+        dead = [self.ranks[r] for r in ranks if self.ranks[r].state == "dead"]
+        if dead:
+            causes = "; ".join(f"rank {s.rank}: {s.cause}" for s in dead)
+            raise MeshError(f"the mesh is degraded ({causes}). Restart the dead rank(s) with "
+                            f"mesh.restart({[s.rank for s in dead]}) (or %mesh restart "
+                            f"{','.join(str(s.rank) for s in dead)}), or select live ranks only")
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.events, zmq.POLLIN)
+        poller.register(self._wake_recv, zmq.POLLIN)
+        next_check = 0.0
+        while not self.stopped:
+            ready = dict(poller.poll(250))
+            if self._wake_recv in ready:
+                break
+            if self.events in ready:
+                while True:
+                    try:
+                        frames = self.events.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(self.wire.unpack(frames))
+                    except wire.BadMessage:
+                        continue
+                    except Exception as exc:  # never let one bad message end the receiver
+                        _log(f"receiver: {type(exc).__name__}: {exc}")
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.25
+                self._check_agents()
+
+    def _handle(self, message: wire.Message) -> None:
+        header = message.header
+        kind = header["k"]
+        rank = header.get("rank")
+        if kind == "hb":
+            state = self.ranks[rank]
+            state.metrics = message.body()
+            state.last_seen = time.monotonic()
+            for listener in self.heartbeat_listeners:
+                listener(rank, state.metrics)
+            return
+        if kind in ("out", "display"):
+            body = message.body()
+            event: Event = Output(rank, body["stream"], body["text"]) if kind == "out" \
+                else Display(rank, body)
+            self._deliver(header["id"], event)
+            return
+        if kind in ("result", "error"):
+            body = message.body()
+            duration = header.get("t", 0.0)
+            event = Result(rank, body, duration) if kind == "result" else Error(rank, body, duration)
+            self._finish(header["id"], rank, event)
+            return
+        if kind == "exit":
+            self._rank_died(rank, message.body())
+            return
+        with self._lock:
+            body = message.body()
+            if kind == "hello":
+                self.ranks[rank].pid = body["pid"]
+                self.ranks[rank].hostname = body["host"]
+            elif kind == "ready":
+                state = self.ranks[rank]
+                state.device, state.pid = body["device"], body["pid"]
+                state.generation = header["generation"]
+                if not self._queues[rank]:
+                    state.state = "idle"
+                self._generation_changed.notify_all()
+            elif kind == "init_failed":
+                state = self.ranks[rank]
+                state.generation, state.state = header["generation"], "failed"
+                state.cause = f"torch.distributed did not initialise: {body.headline}"
+                self._generation_changed.notify_all()
+            elif kind == "agent":
+                for r, pid in body["pids"].items():
+                    self.ranks[int(r)].pid = pid
+
+    def _deliver(self, request: int | None, event: Event) -> None:
+        run = self._runs.get(request) if request is not None else None
+        if run is not None:
+            run._add(event)
+            return
+        late = self._late.get(request) if request is not None else None
+        (late or _print_stray)(event)
+
+    def _finish(self, request: int, rank: int, event: Event) -> None:
+        run = self._runs.get(request)
+        if run is None:
+            return
+        run._add(event)
+        with self._lock:
+            queue = self._queues[rank]
+            if queue and queue[0] == request:
+                queue.popleft()
+                state = self.ranks[rank]
+                if state.state == "busy" and not queue:
+                    state.state = "idle"
+            if run.done():
+                self._retire(run)
+
+    def _retire(self, run: Run) -> None:
+        del self._runs[run.id]
+        self._late[run.id] = run.on_late_output
+        while len(self._late) > LATE_OUTPUT_RUNS:
+            self._late.popitem(last=False)
+
+    def _rank_died(self, rank: int, body: dict[str, Any]) -> None:
+        cause = body["cause"]
+        detail = "\n".join(filter(None, [body.get("crash", "").strip()]))
+        with self._lock:
+            state = self.ranks[rank]
+            state.state, state.cause, state.pid = "dead", cause, None
+            queue = self._queues[rank]
+            current = queue[0] if queue else None
+            waiting = [run for run in self._runs.values() if rank in run.pending]
+            queue.clear()
+            self._generation_changed.notify_all()
+        for stream, text in body.get("output", {}).items():
+            if text:
+                self._deliver(current, Output(rank, stream, text))
+        failure = RankFailure(rank, "RankDied", f"rank {rank} died: {cause}", died=cause, detail=detail)
+        for run in waiting:
+            self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
+        for listener in self.death_listeners:
+            listener(rank, cause)
+
+    def _check_agents(self) -> None:
+        if self.stopped or not self.agents:
+            return
+        for host, agent in enumerate(self.agents):
+            if not agent.alive():
+                reason = f"host agent {host} died ({agent.exit_reason()})"
+                for r in self.plans[host].ranks:
+                    if self.ranks[r].state != "dead":
+                        self._rank_died(r, {"cause": reason})
+                self._mark_stopped(reason)
+
+    def _mark_stopped(self, reason: str) -> None:
+        with self._lock:
+            if not self.stopped:
+                self.stopped, self.stop_reason = True, reason
+                self._generation_changed.notify_all()
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def stop(self, reason: str = "stopped by the user") -> None:
+        """Kill every rank and agent, fail what still runs, and remove the runtime directory."""
+        with self._lock:
+            already = self.stopped and not self.agents
+            self._mark_stopped(reason)
+            agents, self.agents = self.agents, []
+        if already:
+            return
+        for agent in agents:
+            agent.terminate(5.0)
+        if threading.current_thread() is not self._receiver:
+            self._wake_send.send(b"stop")
+            self._receiver.join(5)
+        with self._lock:
+            runs = list(self._runs.values())
+        for run in runs:
+            for r in run.pending:
+                failure = RankFailure(r, "MeshStopped", f"the mesh was stopped ({self.stop_reason})",
+                                      died="stopped")
+                run._add(Error(r, failure, 0.0))
+        for state in self.ranks.values():
+            if state.state != "dead":
+                state.state, state.cause = "dead", "mesh stopped"
+        for sock in (self.cmd, self.events, self._wake_send, self._wake_recv):
+            sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.rundir, ignore_errors=True)
+        _LIVE.discard(self)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _runtime_base() -> str:
+    # ipc:// paths must stay under ~100 bytes; XDG_RUNTIME_DIR is private and short.
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK) and len(base) < 60:
+        return base
+    return tempfile.gettempdir()
+
+
+def _describe_unpicklable(body: Any, exc: Exception) -> str:
+    """Name the value that cannot be pickled: which argument, and its type."""
+    items: list[tuple[str, Any]] = []
+    if isinstance(body, dict):
+        items += [(f"argument {i + 1}", v) for i, v in enumerate(body.get("args", ()))]
+        items += [(f"keyword argument {k!r}", v) for k, v in body.get("kwargs", {}).items()]
+        items += [(f"value {k!r}", v) for k, v in body.get("values", {}).items()]
+        if "fn" in body:
+            items.append(("the function", body["fn"]))
+    for label, value in items:
+        try:
+            wire.dumps(value)
+        except Exception as inner:
+            return (f"{label} (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
+                    f"pickled: {inner}")
+    return f"the request cannot be pickled: {exc}"
+
+
+def _print_stray(event: Event) -> None:
+    from .run import print_late
+
+    print_late(event)
+
+
+def _log(text: str) -> None:
+    import sys
+
+    print(f"meshbook: {text}", file=sys.__stderr__)
+
+
+_LIVE: "weakref.WeakSet[Controller]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    from .launchers import discard_standby
+
+    for controller in list(_LIVE):
+        controller.stop("the Python process is exiting")
+    discard_standby()

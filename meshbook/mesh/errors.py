@@ -1,0 +1,162 @@
+"""Errors a user can cause or meet, each with a message that says what to do next.
+
+Everything meshbook raises on purpose is a :class:`MeshError`. Failures that happened *on the
+ranks* arrive as a :class:`RemoteError`, which carries one :class:`RankFailure` per failed rank
+and prints them grouped: ranks whose tracebacks are identical are shown once, with their rank
+list, so eight ranks failing the same way read like one failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+
+class MeshError(Exception):
+    """Base class of every error meshbook raises on purpose."""
+
+
+class SelectionError(MeshError, ValueError):
+    """A rank selection names a rank or a dimension the mesh does not have."""
+
+
+class MeshStoppedError(MeshError):
+    """The mesh was stopped (or its host agent died); start a new one."""
+
+
+class MeshTimeout(MeshError, TimeoutError):
+    """Waiting for a result took longer than the timeout; the ranks keep running."""
+
+
+class SendError(MeshError):
+    """A value could not be serialized for the wire; nothing was sent."""
+
+
+class CellSyntaxError(MeshError, SyntaxError):
+    """The submitted code does not compile; it was caught before anything was sent."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One traceback frame, with the submitted code's own line numbers."""
+
+    filename: str
+    lineno: int
+    name: str
+    line: str
+    in_cell: bool = False
+
+    def format(self) -> str:
+        where = f"cell line {self.lineno}" if self.in_cell else f"{self.filename}:{self.lineno}"
+        text = f"  {where}, in {self.name}"
+        return text + (f"\n    {self.line}" if self.line else "")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank: exception type, message and the user-facing frames."""
+
+    rank: int
+    type_name: str
+    message: str
+    frames: tuple[Frame, ...] = ()
+    #: Set when the rank process itself died (e.g. ``"SIGKILL"``), not just the code.
+    died: str | None = None
+    #: Extra text that belongs to the failure (a crash dump, a hint).
+    detail: str = ""
+
+    @property
+    def headline(self) -> str:
+        return f"{self.type_name}: {self.message}" if self.message else self.type_name
+
+    def body(self) -> str:
+        """The rank-independent part: identical bodies are grouped across ranks."""
+        parts = []
+        if self.frames:
+            parts.append("Traceback (most recent call last):")
+            parts.extend(f.format() for f in self.frames)
+        parts.append(self.headline)
+        if self.detail:
+            parts.append(self.detail)
+        return "\n".join(parts)
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"``: compact, sorted, ranges of three or more collapsed."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = None
+    for r in ordered + [None]:  # type: ignore[operator]
+        if start is not None and r is not None and r == prev + 1:  # type: ignore[operator]
+            prev = r
+            continue
+        if start is not None:
+            if prev == start:
+                parts.append(str(start))
+            elif prev == start + 1:
+                parts.append(f"{start},{prev}")
+            else:
+                parts.append(f"{start}-{prev}")
+        start = prev = r
+    return ",".join(parts)
+
+
+def group_by_text(texts: dict[int, str]) -> list[tuple[list[int], str]]:
+    """Group ranks whose text is identical, groups ordered by their lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(texts):
+        groups.setdefault(texts[rank], []).append(rank)
+    return [(ranks, text) for text, ranks in groups.items()]
+
+
+@dataclass(eq=False)
+class RemoteError(MeshError):
+    """Code failed on one or more ranks.
+
+    ``failures`` maps rank -> :class:`RankFailure`; ``partial`` holds the results of the ranks
+    that did succeed (a :class:`~meshbook.RankValues`), so nothing computed is lost.
+    """
+
+    failures: dict[int, RankFailure]
+    partial: Any = None
+    hint: str = ""
+    groups: list[tuple[list[int], str]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.groups = group_by_text({r: f.body() for r, f in self.failures.items()})
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.failures)
+
+    def __str__(self) -> str:
+        total = len(self.failures)
+        head = f"{total} rank{'s' if total != 1 else ''} failed"
+        first = self.failures[self.groups[0][0][0]]
+        lines = [f"{head}; first: [{format_ranks(self.groups[0][0])}] {first.headline}"]
+        return "\n".join(lines + ([self.hint] if self.hint else []))
+
+    def render(self) -> str:
+        """The full grouped report: each distinct failure once, headed by its ranks."""
+        out = []
+        for ranks, _ in self.groups:
+            failure = self.failures[ranks[0]]
+            out.append(f"[{format_ranks(ranks)}] {failure.headline}")
+            out.extend("  " + line for f in failure.frames for line in f.format().splitlines())
+            out.extend("  " + line for line in failure.detail.splitlines())
+        if self.hint:
+            out.append(self.hint)
+        return "\n".join(out)
+
+    def summary_lines(self) -> list[str]:
+        """One line per group: ``[1,3] ZeroDivisionError: division by zero``."""
+        return [f"[{format_ranks(r)}] {self.failures[r[0]].headline}" for r, _ in self.groups]
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing our controller-side frames, which would only
+        # show meshbook internals; the remote frames are what the user needs.
+        return self.render().splitlines()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RemoteError, (self.failures, self.partial, self.hint))

@@ -1,0 +1,167 @@
+"""The Python API: start a mesh, run code on its ranks, get per-rank values back.
+
+>>> import meshbook
+>>> mesh = meshbook.start(4, dims={"dp": 2, "tp": 2})
+>>> mesh.run("x = torch.full((2,), float(rank)); dist.all_reduce(x); x.sum().item()").result()
+[0-3] 12.0
+>>> mesh.run("x * 2", ranks=[0, 2]).result()          # namespaces persist across calls
+>>> mesh.apply(lambda a: rank + a, 10).result()       # a notebook function, per-rank results
+>>> mesh.slice(dp=0)                                  # a view over the ranks with dp == 0
+>>> mesh.stop()
+
+A :class:`Mesh` is a *view*: a set of ranks of one running mesh. :meth:`Mesh.slice` returns
+another view of the same ranks' processes, so ``mesh.slice(dp=0).run(...)`` runs on half the
+mesh and the namespaces it touches are the same ones the full mesh sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from .cell import cell_filename, compile_cell
+from .controller import Controller, RankState
+from .errors import MeshError
+from .launchers import Launcher, get_launcher
+from .run import Run
+from .topology import DimSelector, Topology, resolve
+
+def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
+          launcher: str | Launcher = "local", timeout: float = 120.0,
+          collective_timeout: float = 300.0) -> "Mesh":
+    """Start a mesh of ranks and return it once torch.distributed is ready on every rank.
+
+    ``n`` ranks, or named ``dims`` whose product is the world size (``{"dp": 2, "tp": 2}``);
+    each rank's namespace then holds ``device_mesh``, a torch ``DeviceMesh`` with those names.
+    ``backend="auto"`` is gloo on CPU and NCCL (plus gloo for CPU tensors) with one GPU per
+    rank when CUDA is present. ``collective_timeout`` bounds how long a collective may hang
+    before it fails on its own.
+    """
+    topology = Topology.create(n, dims)
+    if backend not in ("auto", "gloo", "nccl") and ":" not in backend:
+        raise MeshError(f"backend {backend!r}: use 'auto', 'gloo', 'nccl' or a torch backend "
+                        f"string like 'cuda:nccl,cpu:gloo'")
+    controller = Controller(topology, get_launcher(launcher), backend, collective_timeout)
+    controller.launch(timeout)
+    return Mesh(controller, list(range(topology.world_size)))
+
+
+class Mesh:
+    """A set of ranks of a running mesh; run code on them and collect per-rank results."""
+
+    def __init__(self, controller: Controller, ranks: list[int]) -> None:
+        self._controller = controller
+        self._ranks = ranks
+
+    # -- shape -------------------------------------------------------------------------------
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    @property
+    def topology(self) -> Topology:
+        return self._controller.topology
+
+    @property
+    def dims(self) -> dict[str, int]:
+        return dict(self.topology.dims)
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def stopped(self) -> bool:
+        return self._controller.stopped
+
+    def select(self, ranks: Sequence[int] | str | int | None = None,
+               where: Mapping[str, DimSelector] | None = None) -> list[int]:
+        """Resolve a selection (explicit ranks and/or dimension filters) within this view."""
+        return resolve(self.topology, ranks, where, self._ranks)
+
+    def slice(self, **where: DimSelector) -> "Mesh":
+        """A view over the ranks matching ``where``, e.g. ``mesh.slice(dp=0)``."""
+        return Mesh(self._controller, self.select(where=where))
+
+    # -- running code ------------------------------------------------------------------------
+
+    def run(self, code: str, ranks: Sequence[int] | str | int | None = None, *,
+            where: Mapping[str, DimSelector] | None = None, first_line: int = 1,
+            name: str | int | None = None) -> Run:
+        """Run ``code`` in each selected rank's namespace; the value of a final expression is
+        that rank's result. A ``SyntaxError`` is raised here, before anything is sent.
+
+        ``first_line`` numbers the code's first line (tracebacks then use the numbers a user
+        sees in a notebook cell); ``name`` names the code in tracebacks and stacks.
+        """
+        if not isinstance(code, str):
+            raise MeshError(f"run() takes code as a string, not {type(code).__name__}; "
+                            f"use apply() to call a function")
+        chosen = self.select(ranks, where)
+        cell_name = name if name is not None else "run"
+        compile_cell(code, cell_filename(cell_name), first_line)
+        body = {"code": code, "first_line": first_line, "name": cell_name}
+        return self._controller.submit("exec", body, chosen, _describe_code(code))
+
+    def apply(self, fn: Callable[..., Any], *args: Any,
+              ranks: Sequence[int] | str | int | None = None,
+              where: Mapping[str, DimSelector] | None = None, **kwargs: Any) -> Run:
+        """Call ``fn(*args, **kwargs)`` on each selected rank; its return value is the result.
+
+        A function defined in the notebook sees the rank's namespace (``rank``, ``torch``,
+        ``dist``, your variables) before the notebook names it carried along; assigning a
+        global inside it does not persist (use :meth:`run` for state).
+        """
+        if not callable(fn):
+            raise MeshError(f"apply() needs a function, got a {type(fn).__name__}")
+        chosen = self.select(ranks, where)
+        body = {"fn": fn, "args": args, "kwargs": kwargs,
+                "rebind": getattr(fn, "__module__", None) == "__main__"}
+        return self._controller.submit("apply", body, chosen, f"apply({_name_of(fn)})")
+
+    def call(self, fn: Callable[..., Any], *args: Any, ranks: Sequence[int] | None = None,
+             control: bool = False, what: str = "", **kwargs: Any) -> Run:
+        """Run one of meshbook's own rank operations: ``fn(worker, *args, **kwargs)``.
+
+        ``control=True`` runs it on the rank's control thread, so it answers even while the
+        rank is busy (stacks, metrics). For extensions of meshbook, not for user code.
+        """
+        chosen = self.select(ranks)
+        body = {"fn": fn, "args": args, "kwargs": kwargs}
+        return self._controller.submit("call", body, chosen, what or _name_of(fn),
+                                       channel="c" if control else "x")
+
+    # -- managing ----------------------------------------------------------------------------
+
+    def status(self) -> list[RankState]:
+        """Each rank's state: pid, host, device, idle/busy/dead, last heartbeat."""
+        return [self._controller.ranks[r] for r in self._ranks]
+
+    def interrupt(self, ranks: Sequence[int] | str | int | None = None) -> None:
+        """SIGINT to the selected ranks: running user code raises ``KeyboardInterrupt``."""
+        self._controller.interrupt(self.select(ranks))
+
+    def stop(self) -> None:
+        """Stop the whole mesh (every rank and agent), not only this view's ranks."""
+        self._controller.stop()
+
+    def __enter__(self) -> "Mesh":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "stopped" if self.stopped else "running"
+        view = "" if len(self._ranks) == self.world_size else f", ranks {self._ranks}"
+        return f"<Mesh {self.topology.describe()}{view}: {state}>"
+
+
+def _describe_code(code: str) -> str:
+    first = next((line.strip() for line in code.splitlines() if line.strip()), "")
+    return f"run({first[:40] + ('...' if len(first) > 40 else '')!r})"
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+

@@ -1,0 +1,62 @@
+"""Process plumbing shared by the host agent and the ranks: death signals, exit causes."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` when our parent dies; exit now if it already has.
+
+    Linux ties PDEATHSIG to the *thread* that forked us, so callers only use it where that
+    thread lives as long as the process (the agent's main thread, which forks the ranks).
+    The check after the call closes the race where the parent died before we asked.
+    """
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def flush_c_stdio() -> None:
+    """Flush C ``stdio`` buffers, so C-level prints reach the pipe before a result is sent."""
+    if _libc is not None:
+        _libc.fflush(None)
+
+
+def describe_status(status: int) -> str:
+    """A waitpid status as people say it: ``"SIGKILL"``, ``"exit code 3"``."""
+    if os.WIFSIGNALED(status):
+        return signal_name(os.WTERMSIG(status))
+    if os.WIFEXITED(status):
+        return f"exit code {os.WEXITSTATUS(status)}"
+    return f"status {status}"
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def oom_kills() -> int | None:
+    """The OOM-kill count of our cgroup (cgroup v2), to tell an OOM kill from a plain SIGKILL."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = f.read().strip().split("::", 1)[-1]
+        with open(f"/sys/fs/cgroup{path}/memory.events") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None

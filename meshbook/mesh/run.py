@@ -1,0 +1,209 @@
+"""A request in flight on some ranks, and the events it produces.
+
+:class:`Run` is the future every mesh call returns. Its events arrive on the controller's
+receiver thread and are kept in order; any thread can wait for them:
+
+* :meth:`Run.result` waits for every rank and returns a :class:`~meshbook.RankValues`, or
+  raises :class:`~meshbook.RemoteError` (the successful ranks' values ride along as
+  ``partial``). While it waits it prints the ranks' output, merged across ranks, so a script
+  sees what the ranks print as they print it.
+* :meth:`Run.events` yields :class:`Output`, :class:`Display`, :class:`Result` and
+  :class:`Error` events as they arrive: the notebook layer renders from it.
+
+Output a rank writes after its run finished (a background thread it started) is handed to
+``on_late_output``, so it can be attributed to the run that started it, not to whatever runs
+next.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Union
+
+from .errors import MeshTimeout, RankFailure, RemoteError, format_ranks
+from .topology import Topology
+from .values import RankValues
+
+
+@dataclass(frozen=True)
+class Output:
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    text: str
+
+
+@dataclass(frozen=True)
+class Display:
+    rank: int
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Result:
+    rank: int
+    value: Any
+    duration: float
+
+
+@dataclass(frozen=True)
+class Error:
+    rank: int
+    failure: RankFailure
+    duration: float
+
+
+Event = Union[Output, Display, Result, Error]
+
+
+class Run:
+    """Handle on one request to a set of ranks."""
+
+    def __init__(self, request_id: int, ranks: list[int], topology: Topology, what: str,
+                 interrupt: Callable[[list[int]], None]) -> None:
+        self.id = request_id
+        self.ranks = list(ranks)
+        self.what = what
+        self.submitted_at = time.monotonic()
+        self._topology = topology
+        self._interrupt = interrupt
+        self._cond = threading.Condition()
+        self._events: list[Event] = []
+        self._values: dict[int, Any] = {}
+        self._failures: dict[int, RankFailure] = {}
+        self._durations: dict[int, float] = {}
+        self._pending = set(ranks)
+        self._echoed = 0  # events already printed by result()
+        #: Called with each Output/Display event that arrives after the run finished (also
+        #: after this object is gone: the controller keeps the callable for a while).
+        self.on_late_output: Callable[[Event], None] = print_late
+
+    # -- fed by the controller's receiver thread ---------------------------------------------
+
+    def _add(self, event: Event) -> None:
+        with self._cond:
+            late = not self._pending and isinstance(event, (Output, Display))
+            if isinstance(event, (Result, Error)):
+                if event.rank not in self._pending:
+                    return  # a second answer (e.g. death after the result): keep the first
+                self._pending.discard(event.rank)
+                self._durations[event.rank] = event.duration
+                if isinstance(event, Result):
+                    self._values[event.rank] = event.value
+                else:
+                    self._failures[event.rank] = event.failure
+            self._events.append(event)
+            self._cond.notify_all()
+        if late:
+            self.on_late_output(event)
+
+    # -- the public face ---------------------------------------------------------------------
+
+    def done(self) -> bool:
+        return not self._pending
+
+    @property
+    def pending(self) -> list[int]:
+        """Ranks that have not answered yet."""
+        return sorted(self._pending)
+
+    @property
+    def durations(self) -> dict[int, float]:
+        """Seconds each finished rank spent on the request."""
+        return dict(self._durations)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout)
+
+    def events(self) -> Iterator[Event]:
+        """Every event in arrival order, blocking until the run is done."""
+        index = 0
+        while True:
+            batch, index = self.events_since(index, None)
+            if not batch and self.done():
+                return
+            yield from batch
+
+    def events_since(self, index: int, timeout: float | None) -> tuple[list[Event], int]:
+        """Events from position ``index`` on (waiting up to ``timeout`` for one), and the next
+        position. For renderers that must wake up on their own schedule too."""
+        with self._cond:
+            if len(self._events) <= index and self._pending:
+                self._cond.wait(timeout)
+            return self._events[index:], len(self._events)
+
+    def values(self) -> RankValues:
+        """Results of the ranks that have succeeded so far."""
+        return RankValues(self._values, self._topology)
+
+    def result(self, timeout: float | None = None, echo: bool = True) -> RankValues:
+        """Wait for every rank; per-rank values, or :class:`RemoteError`.
+
+        ``echo`` prints the ranks' output (merged across ranks) while waiting.
+        """
+        from .output import LineMerger
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        merger = LineMerger(self.ranks, _write) if echo else None
+        seen = self._echoed
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = merger.next_deadline() if merger else None
+            events, seen = self.events_since(seen, min(filter(None, (left, wait)), default=left))
+            if merger:
+                for event in events:
+                    if isinstance(event, Display):
+                        merger.flush()
+                        _write("stdout", f"[{event.rank}] {event.data.get('text/plain', '')}\n")
+                    merger.feed_event(event)
+                merger.poll()
+                self._echoed = seen
+            if self.done() and seen == len(self._events):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                if merger:
+                    merger.close()
+                raise MeshTimeout(
+                    f"{self.what} still running on rank(s) {format_ranks(self.pending)} after "
+                    f"{timeout:g} s; it keeps running: wait again, or interrupt it with "
+                    f"run.interrupt()")
+        if merger:
+            merger.close()
+        return self._outcome()
+
+    def _outcome(self) -> RankValues:
+        values = self.values()
+        if self._failures:
+            raise RemoteError(dict(self._failures), partial=values)
+        return values
+
+    def exception(self) -> RemoteError | None:
+        """The :class:`RemoteError` of a finished run, or ``None``."""
+        try:
+            self._outcome()
+        except RemoteError as exc:
+            return exc
+        return None
+
+    def interrupt(self) -> None:
+        """Send SIGINT to the ranks still running this request."""
+        if self._pending:
+            self._interrupt(self.pending)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else f"running on {format_ranks(self.pending)}"
+        return f"<Run {self.id} {self.what}: {state}>"
+
+
+def _write(stream: str, text: str) -> None:
+    target = sys.stderr if stream == "stderr" else sys.stdout
+    target.write(text)
+    target.flush()
+
+
+def print_late(event: Event) -> None:
+    if isinstance(event, Output):
+        _write(event.stream, "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines()))

@@ -1,0 +1,143 @@
+"""Rank-side output capture: every byte a rank writes reaches the controller, tagged.
+
+Two paths, both ending in the rank's single outbound socket:
+
+* **Python writes** (``print``, logging to ``sys.stderr``) go through :class:`RankStream`,
+  which tags each write with the request of the *thread* that wrote it. A thread inherits the
+  request that was running when it was started, so a background thread's prints keep going
+  to the cell that started it, never to a later one.
+* **C-level writes** to fds 1 and 2 (C++ warnings, ``os.system``, NCCL/gloo logs) land in
+  pipes that :class:`FdPump` reads on a thread and tags with the request running now.
+
+Before a request's result is sent, :meth:`FdPump.drain` and :meth:`RankStream.flush` push out
+everything written so far, so output always arrives before the result it belongs to.
+"""
+
+from __future__ import annotations
+
+import codecs
+import fcntl
+import io
+import os
+import select
+import struct
+import termios
+import threading
+from typing import Callable
+
+#: Called with (request id or None, stream name, text) to send output to the controller.
+Sink = Callable[["int | None", str, str], None]
+
+_REQUEST_ATTR = "_meshbook_request"
+
+
+def request_of(thread: threading.Thread, main_request: int | None) -> int | None:
+    if thread is threading.main_thread():
+        return main_request
+    return getattr(thread, _REQUEST_ATTR, main_request)
+
+
+def install_thread_tagging(current_request: Callable[[], "int | None"]) -> None:
+    """Make threads remember the request running when they were started.
+
+    This wraps ``threading.Thread.start`` inside the rank process only (ipykernel does the same
+    to route threads' output to their cell); nothing outside the rank is touched.
+    """
+    original = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        setattr(self, _REQUEST_ATTR, request_of(threading.current_thread(), current_request()))
+        original(self)
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+
+
+class RankStream(io.TextIOBase):
+    """``sys.stdout``/``sys.stderr`` of a rank: line-buffered per request, thread-aware."""
+
+    def __init__(self, name: str, fd: int, sink: Sink, current_request: Callable[[], "int | None"]) -> None:
+        super().__init__()
+        self.name = name
+        self._fd = fd
+        self._sink = sink
+        self._current = current_request
+        self._lock = threading.Lock()
+        self._partial: dict[int | None, str] = {}
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    def fileno(self) -> int:
+        return self._fd  # C-level writers (faulthandler, subprocess) use the captured fd
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        request = request_of(threading.current_thread(), self._current())
+        with self._lock:
+            pending = self._partial.get(request, "") + text
+            cut = pending.rfind("\n") + 1
+            self._partial[request] = pending[cut:]
+            complete = pending[:cut]
+        if complete:
+            self._sink(request, self.name, complete)
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._partial = self._partial, {}
+        for request, text in pending.items():
+            if text:
+                self._sink(request, self.name, text)
+
+
+class FdPump:
+    """Redirects fds 1 and 2 into pipes and forwards what C code writes there."""
+
+    def __init__(self, pipes: dict[str, tuple[int, int]], sink: Sink,
+                 current_request: Callable[[], "int | None"]) -> None:
+        # pipes: stream name -> (read end, write end); the write ends become fds 1 and 2.
+        self._sink = sink
+        self._current = current_request
+        self._lock = threading.Lock()
+        self._readers = {read: name for name, (read, _) in pipes.items()}
+        self._decoders = {read: codecs.getincrementaldecoder("utf-8")("replace") for read in self._readers}
+        for read in self._readers:
+            os.set_blocking(read, False)
+        threading.Thread(target=self._pump, name="meshbook-fd-pump", daemon=True).start()
+
+    def _pump(self) -> None:
+        poller = select.poll()
+        for read in self._readers:
+            poller.register(read, select.POLLIN)
+        while True:
+            for read, _ in poller.poll():
+                with self._lock:
+                    self._forward(read)
+
+    def _forward(self, read: int) -> None:
+        try:
+            data = os.read(read, 1 << 16)
+        except BlockingIOError:
+            return
+        text = self._decoders[read].decode(data)
+        if text:
+            self._sink(self._current(), self._readers[read], text)
+
+    def drain(self) -> None:
+        """Forward everything already written to fds 1 and 2 (call after flushing stdio)."""
+        with self._lock:
+            for read in self._readers:
+                while _unread(read):
+                    self._forward(read)
+
+
+def _unread(fd: int) -> int:
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]

@@ -1,0 +1,189 @@
+"""Signed, zero-copy messages between controller, host agents and ranks.
+
+A message is a list of ZeroMQ frames::
+
+    [signature, header, body, buffer_0, buffer_1, ...]
+
+* ``header`` is a small pickled ``dict`` that routers read (kind, request id, target ranks);
+* ``body`` is the payload, pickled with protocol 5 by cloudpickle (so notebook-defined
+  functions travel), with numpy arrays and CPU tensors (bf16 included, through a byte view)
+  lifted out as separate ``buffer`` frames that are neither copied nor pickled;
+* ``signature`` is HMAC-SHA256, with the per-mesh key, over header, body and the buffers'
+  count and lengths. Like the Jupyter protocol, the bulk buffers themselves are not hashed:
+  they are raw bytes that only a signed body can give meaning to, and hashing gigabytes would
+  halve the throughput.
+
+Nothing is unpickled before its signature checks out, so an unsigned, forged or garbled
+message is dropped by :meth:`Wire.unpack` (raising :class:`BadMessage`) and can never run code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import pickle
+import struct
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import cloudpickle
+import zmq
+
+PROTOCOL = 5
+
+#: Frames at least this big travel without a copy (smaller ones are cheaper to copy).
+ZERO_COPY_MIN = 64 * 1024
+
+
+class BadMessage(Exception):
+    """A message failed its signature check or could not be decoded; it is dropped."""
+
+
+def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...], requires_grad: bool,
+                    parameter: bool) -> Any:
+    import torch
+
+    if isinstance(buffer, bytes):  # in-band (no out-of-band buffers): never alias immutable bytes
+        buffer = bytearray(buffer)
+    view = memoryview(buffer)
+    if view.nbytes == 0:
+        tensor = torch.empty(shape, dtype=dtype)
+    else:
+        with warnings.catch_warnings():
+            # Received frames are private heap memory that libzmq exposes read-only; aliasing
+            # them is the point of zero-copy, and nothing else holds them.
+            warnings.simplefilter("ignore")
+            tensor = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _reduce_tensor(tensor: Any) -> Any:
+    import torch
+
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+        return NotImplemented  # torch's own pickling handles the exotic layouts
+    parameter = isinstance(tensor, torch.nn.Parameter)
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()  # the notebook side is CPU; push moves it back to the rank's device
+    data = data.resolve_conj().resolve_neg().contiguous()
+    raw = data.reshape(-1).view(torch.uint8).numpy()
+    return (_rebuild_tensor,
+            (pickle.PickleBuffer(raw), tensor.dtype, tuple(tensor.shape),
+             tensor.requires_grad, parameter))
+
+
+class _Pickler(cloudpickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            return _reduce_tensor(obj)
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle ``obj``; large contiguous buffers are returned separately, uncopied."""
+    buffers: list[pickle.PickleBuffer] = []
+    out = io.BytesIO()
+    _Pickler(out, protocol=PROTOCOL, buffer_callback=buffers.append).dump(obj)
+    return out.getvalue(), buffers
+
+
+def loads(body: Any, buffers: Sequence[Any] = ()) -> Any:
+    return pickle.loads(body, buffers=buffers)
+
+
+@dataclass
+class Message:
+    """A verified message: its header, and its body still pickled until :meth:`body` is asked."""
+
+    header: dict[str, Any]
+    frames: list[Any]  # [signature, header, body, *buffers] exactly as received, for forwarding
+    _body: Any = field(default=None, repr=False)
+    _decoded: bool = field(default=False, repr=False)
+
+    @property
+    def kind(self) -> str:
+        return self.header["k"]
+
+    def body(self) -> Any:
+        if not self._decoded:
+            raw = self.frames[2]
+            buffers = [_buffer(f) for f in self.frames[3:]]
+            self._body = loads(_buffer(raw), buffers) if len(_buffer(raw)) else None
+            self._decoded = True
+        return self._body
+
+
+def _buffer(frame: Any) -> Any:
+    return frame.buffer if isinstance(frame, zmq.Frame) else frame
+
+
+class Wire:
+    """Signs, packs, verifies and unpacks messages with one mesh's key."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("the mesh key must be at least 16 bytes")
+        self._key = key
+        self.dropped = 0  # messages rejected by unpack(), for tests and diagnostics
+
+    def _signature(self, header: Any, body: Any, buffers: Sequence[Any]) -> bytes:
+        mac = hmac.new(self._key, digestmod=hashlib.sha256)
+        mac.update(header)
+        mac.update(body)
+        lengths = [memoryview(b).nbytes for b in buffers]
+        mac.update(struct.pack(f"<{len(lengths) + 1}Q", len(lengths), *lengths))
+        return mac.digest()
+
+    def pack(self, header: dict[str, Any], body: Any = None, *, raw_body: bytes | None = None,
+             buffers: Sequence[Any] = ()) -> list[Any]:
+        """Frames for ``header`` and ``body`` (or an already pickled ``raw_body``)."""
+        head = pickle.dumps(header, protocol=PROTOCOL)
+        if raw_body is None:
+            raw_body, buffers = dumps(body) if body is not None else (b"", [])
+        return [self._signature(head, raw_body, buffers), head, raw_body, *buffers]
+
+    def unpack(self, frames: Sequence[Any]) -> Message:
+        """Verify and decode the header; raises :class:`BadMessage` (and counts it) otherwise."""
+        try:
+            if len(frames) < 3:
+                raise BadMessage(f"{len(frames)} frames; a message has at least 3")
+            sig, head, body = (_buffer(f) for f in frames[:3])
+            expected = self._signature(head, body, [_buffer(f) for f in frames[3:]])
+            if not hmac.compare_digest(bytes(sig), expected):
+                raise BadMessage("bad signature")
+            header = pickle.loads(head)
+            if not isinstance(header, dict) or "k" not in header:
+                raise BadMessage("header is not a message header")
+        except BadMessage:
+            self.dropped += 1
+            raise
+        except Exception as exc:  # garbled bytes must never take the receiver down
+            self.dropped += 1
+            raise BadMessage(f"undecodable message: {exc}") from None
+        return Message(header, list(frames))
+
+
+def send(sock: zmq.Socket, frames: list[Any], prefix: Sequence[bytes] = (), wait: bool = False) -> None:
+    """Send frames, big buffers without a copy.
+
+    With ``wait=True`` the call returns only once ZeroMQ has released the big buffers, so the
+    caller may mutate the tensors it sent (and a failure leaves nothing half-sent).
+    """
+    big = any(memoryview(_buffer(f)).nbytes >= ZERO_COPY_MIN for f in frames[3:])
+    if not big:
+        sock.send_multipart([*prefix, *frames], copy=True)
+        return
+    tracker = sock.send_multipart([*prefix, *frames], copy=False, track=wait)
+    if wait and tracker is not None:
+        tracker.wait()
+
+
+def recv(sock: zmq.Socket) -> list[Any]:
+    return sock.recv_multipart(copy=False)

@@ -1,0 +1,397 @@
+"""The rank process: a persistent namespace that runs what the controller sends.
+
+A rank is forked by its host agent (see :mod:`meshbook.mesh.agent`) and runs three threads:
+
+* the **main thread** takes requests from the agent in order and runs them: cell code
+  (``exec``, the value of a last expression is the result), notebook functions (``apply``) and
+  meshbook's own operations (``call``). It is the only thread that runs user code, and the one
+  SIGINT interrupts;
+* the **control thread** answers control calls (stacks, metrics) while the main thread is busy
+  (torch.distributed releases the GIL while it waits), sends heartbeats, flushes partial output
+  lines, and exits the rank if its agent is gone;
+* the **fd pump** forwards C-level output (see :mod:`meshbook.mesh.streams`).
+
+Every reply and every output line leaves through one PUSH socket straight to the controller,
+shared under a lock, so a rank's output always precedes the result it belongs to.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import FunctionType
+from typing import Any, Callable
+
+import psutil
+import zmq
+
+from . import proc, wire
+from .cell import cell_filename, compile_cell, current_cell_line, failure_from, register_source
+from .errors import RankFailure, SendError
+from .streams import FdPump, RankStream, install_thread_tagging
+from .topology import Topology
+
+HEARTBEAT_S = 0.5
+TICK_S = 0.2
+
+
+@dataclass
+class RankConfig:
+    """Everything a forked rank needs; handed over in memory by the fork, never pickled."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    topology: Topology
+    backend: str  # "gloo", or "cuda:nccl,cpu:gloo" on GPUs
+    device_type: str  # "cpu" or "cuda"
+    store_host: str
+    store_port: int
+    generation: int
+    collective_timeout: float
+    key: bytes
+    agent_pid: int
+    request_addr: str
+    control_addr: str
+    events_addr: str
+    pipes: dict[str, tuple[int, int]]
+    crash_path: str
+    threads: int
+
+
+class Worker:
+    """One rank: its namespace, its sockets and the loop that serves requests."""
+
+    def __init__(self, cfg: RankConfig) -> None:
+        self.cfg = cfg
+        self.rank = cfg.rank
+        self.wire = wire.Wire(cfg.key)
+        self.namespace: dict[str, Any] = {}
+        self.request: int | None = None  # what the main thread runs now (None: idle)
+        self.last_request: int | None = None
+        self.started_at = 0.0
+        self.executing = False  # SIGINT raises KeyboardInterrupt only in user code
+        self.last_exception: BaseException | None = None
+        self.generation = cfg.generation
+        self._ctx = zmq.Context()
+        self._out = self._ctx.socket(zmq.PUSH)
+        self._out.setsockopt(zmq.LINGER, 2000)
+        self._out.connect(cfg.events_addr)
+        self._out_lock = threading.Lock()
+        self._process = psutil.Process()
+        self._process.cpu_percent()
+        #: Extra fields for heartbeats, filled by other rooms (e.g. straggler sampling).
+        self.heartbeat_extras: dict[str, Callable[[], Any]] = {}
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def emit(self, kind: str, request: int | None, body: Any = None, wait: bool = False,
+             **header: Any) -> None:
+        frames = self.wire.pack({"k": kind, "id": request, "rank": self.rank, **header}, body)
+        with self._out_lock:
+            wire.send(self._out, frames, wait=wait)
+
+    def _output(self, request: int | None, stream: str, text: str) -> None:
+        self.emit("out", request if request is not None else self.last_request,
+                  {"stream": stream, "text": text})
+
+    def current_request(self) -> int | None:
+        return self.request if self.request is not None else self.last_request
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.cfg
+        self.stdout = RankStream("stdout", 1, self._output, self.current_request)
+        self.stderr = RankStream("stderr", 2, self._output, self.current_request)
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        install_thread_tagging(self.current_request)
+        self.pump = FdPump(cfg.pipes, self._output, self.current_request)
+        signal.signal(signal.SIGINT, self._on_sigint)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        self._requests = self._connect(cfg.request_addr)
+        threading.Thread(target=self._control_loop, name="meshbook-control", daemon=True).start()
+        self.emit("hello", None, {"pid": os.getpid(), "host": socket.gethostname()})
+        try:
+            self.init_distributed(cfg.store_port, cfg.generation)
+        except BaseException as exc:
+            self.emit("init_failed", None, failure_from(self.rank, exc), generation=cfg.generation)
+            raise
+        self.emit("ready", None, {"device": str(self.namespace["device"]), "pid": os.getpid()},
+                  generation=cfg.generation)
+
+    def init_distributed(self, store_port: int, generation: int) -> None:
+        """(Re)create the process group and the namespace's ``device_mesh``."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        cfg = self.cfg
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if cfg.device_type == "cuda":
+            torch.cuda.set_device(cfg.local_rank)
+            device = torch.device("cuda", cfg.local_rank)
+        else:
+            device = torch.device("cpu")
+        topo = cfg.topology
+        from datetime import timedelta
+        timeout = timedelta(seconds=cfg.collective_timeout)
+        store = dist.TCPStore(cfg.store_host, store_port, topo.world_size, is_master=self.rank == 0,
+                              timeout=timeout, wait_for_workers=False)
+        store = dist.PrefixStore(f"gen{generation}", store)
+        dist.init_process_group(cfg.backend, store=store, rank=self.rank,
+                                world_size=topo.world_size, timeout=timeout)
+        device_mesh = init_device_mesh(cfg.device_type, topo.shape, mesh_dim_names=topo.names)
+        self.generation = generation
+        self.namespace.update(
+            rank=self.rank, world_size=topo.world_size, local_rank=cfg.local_rank,
+            coords=topo.coords(self.rank), device=device, torch=torch, dist=dist,
+            device_mesh=device_mesh, display=self.display)
+        self.namespace.setdefault("__name__", "__main__")
+        self.namespace.setdefault("__builtins__", __builtins__)
+
+    # -- the main loop ---------------------------------------------------------------------
+
+    def _connect(self, addr: str) -> zmq.Socket:
+        """A DEALER to the agent; the hello tells the agent it may now route to us."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+        sock.connect(addr)
+        sock.send(b"hello")
+        return sock
+
+    def serve(self) -> None:
+        sock = self._requests
+        while True:
+            frames = wire.recv(sock)
+            try:
+                message = self.wire.unpack(frames)
+            except wire.BadMessage:
+                continue
+            self.handle(message)
+
+    def handle(self, message: wire.Message) -> None:
+        request = message.header["id"]
+        self.request = request
+        self.started_at = time.monotonic()
+        try:
+            body = message.body()
+            value = self._dispatch(message.kind, body, request)
+        except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
+            self.last_exception = exc
+            self._finish(request, failure=failure_from(self.rank, exc))
+        else:
+            self._finish(request, value=value)
+
+    def _dispatch(self, kind: str, body: dict[str, Any], request: int) -> Any:
+        if kind == "exec":
+            filename = cell_filename(body.get("name", request))
+            source, first = body["code"], body.get("first_line", 1)
+            cell = compile_cell(source, filename, first)
+            register_source(filename, source, first)
+            ns = self.namespace
+            with self._user_code():
+                exec(cell.body, ns)
+                value = eval(cell.last_expr, ns) if cell.last_expr is not None else None
+            if value is not None:
+                ns["_"] = value
+            return value
+        if kind == "apply":
+            fn = body["fn"]
+            if body.get("rebind") and isinstance(fn, FunctionType):
+                fn = self._rebind(fn)
+            with self._user_code():
+                return fn(*body["args"], **body["kwargs"])
+        if kind == "call":
+            with self._user_code():
+                return body["fn"](self, *body["args"], **body["kwargs"])
+        raise ValueError(f"unknown request kind {kind!r}")
+
+    def _rebind(self, fn: FunctionType) -> FunctionType:
+        """A notebook function sees the rank's namespace first, then what it carried along."""
+        scope = dict(fn.__globals__)
+        scope.update(self.namespace)
+        new = FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        new.__kwdefaults__ = fn.__kwdefaults__
+        return new
+
+    def _user_code(self) -> "_UserCode":
+        return _UserCode(self)
+
+    def _finish(self, request: int, value: Any = None, failure: RankFailure | None = None) -> None:
+        duration = time.monotonic() - self.started_at
+        self.stdout.flush()
+        self.stderr.flush()
+        proc.flush_c_stdio()
+        self.pump.drain()
+        self.last_request, self.request = request, None
+        if failure is None:
+            try:
+                frames = self.wire.pack({"k": "result", "id": request, "rank": self.rank, "t": duration},
+                                        value)
+            except Exception as exc:
+                failure = RankFailure(
+                    self.rank, SendError.__name__,
+                    f"the result (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
+                    f"sent to the notebook: {exc}. It is kept on the rank as `_`; return something "
+                    f"picklable, e.g. a tensor, a number or a dict of them")
+            else:
+                with self._out_lock:
+                    wire.send(self._out, frames, wait=True)
+                return
+        self.emit("error", request, failure, t=duration)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.executing:
+            raise KeyboardInterrupt
+
+    def display(self, *objs: Any, **kwargs: Any) -> None:
+        """``display()`` on a rank: each object's rich representations go to the notebook."""
+        for obj in objs:
+            self.stdout.flush()
+            self.emit("display", self.current_request(), mimebundle(obj))
+
+    # -- the control thread ----------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        sock = self._connect(self.cfg.control_addr)
+        next_beat = 0.0
+        while True:
+            if sock.poll(int(TICK_S * 1000)):
+                try:
+                    message = self.wire.unpack(wire.recv(sock))
+                except wire.BadMessage:
+                    continue
+                self._control(message)
+            if os.getppid() != self.cfg.agent_pid:
+                os._exit(1)  # the agent is gone: never outlive it
+            self.stdout.flush()
+            self.stderr.flush()
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT_S
+                self.emit("hb", None, self.metrics())
+
+    def _control(self, message: wire.Message) -> None:
+        request = message.header["id"]
+        try:
+            body = message.body()
+            value = body["fn"](self, *body["args"], **body["kwargs"])
+        except Exception as exc:
+            self.emit("error", request, failure_from(self.rank, exc))
+        else:
+            self.emit("result", request, value)
+
+    def main_frame(self) -> Any:
+        return sys._current_frames().get(threading.main_thread().ident)  # type: ignore[arg-type]
+
+    def metrics(self) -> dict[str, Any]:
+        """A heartbeat: what the rank is doing and what it uses."""
+        busy = self.request is not None
+        out: dict[str, Any] = {
+            "request": self.request,
+            "busy_s": time.monotonic() - self.started_at if busy else 0.0,
+            "line": current_cell_line(self.main_frame()) if busy else None,
+            "rss": self._process.memory_info().rss,
+            "cpu": self._process.cpu_percent(),
+            "generation": self.generation,
+        }
+        torch = sys.modules.get("torch")
+        if self.cfg.device_type == "cuda" and torch is not None:
+            out["cuda_allocated"] = torch.cuda.memory_allocated()
+            out["cuda_reserved"] = torch.cuda.memory_reserved()
+            out["cuda_peak"] = torch.cuda.max_memory_allocated()
+        for name, extra in self.heartbeat_extras.items():
+            out[name] = extra()
+        return out
+
+
+class _UserCode:
+    """While user code runs, SIGINT becomes KeyboardInterrupt (and only then)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def __enter__(self) -> None:
+        self.worker.executing = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.worker.executing = False
+
+
+def mimebundle(obj: Any) -> dict[str, Any]:
+    """Rich representations of ``obj`` computed on the rank (IPython's display protocol)."""
+    data: dict[str, Any] = {}
+    method = getattr(obj, "_repr_mimebundle_", None)
+    if callable(method):
+        try:
+            result = method()
+            data.update(result[0] if isinstance(result, tuple) else result or {})
+        except Exception:
+            pass
+    for mime, attr in (("text/html", "_repr_html_"), ("text/markdown", "_repr_markdown_"),
+                       ("image/png", "_repr_png_"), ("image/svg+xml", "_repr_svg_"),
+                       ("text/latex", "_repr_latex_"), ("application/json", "_repr_json_")):
+        method = getattr(obj, attr, None)
+        if mime not in data and callable(method):
+            try:
+                value = method()
+            except Exception:
+                continue
+            if value is not None:
+                data[mime] = value
+    data.setdefault("text/plain", repr(obj))
+    return data
+
+
+def run_rank(cfg: RankConfig) -> None:
+    """Entry point in the freshly forked child; never returns."""
+    code = 1
+    try:
+        os.setsid()  # its own session: a kernel interrupt reaches it only when forwarded
+        signal.set_wakeup_fd(-1)  # the agent's wakeup pipe is not ours
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
+        proc.die_with_parent(cfg.agent_pid)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            os.dup2(cfg.pipes[name][1], fd)
+        keep = {0, 1, 2, *(r for r, _ in cfg.pipes.values())}
+        crash = open(cfg.crash_path, "w")
+        keep.add(crash.fileno())
+        for fd in _open_fds():
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        cfg.pipes = {name: (read, fd) for (name, (read, _)), fd in zip(cfg.pipes.items(), (1, 2))}
+        import faulthandler
+        faulthandler.enable(file=crash, all_threads=True)
+        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+        import torch
+        torch.set_num_threads(cfg.threads)
+        worker = Worker(cfg)
+        worker.start()
+        worker.serve()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+        traceback.print_exc(file=sys.__stderr__)
+    finally:
+        os._exit(code)
+
+
+def _open_fds() -> list[int]:
+    try:
+        return [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return list(range(3, 1024))
