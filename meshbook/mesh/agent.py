@@ -64,7 +64,6 @@ class Agent:
         for channel in ("x", "c"):
             sock = self.ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a re-forked rank takes over its id
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.bind(f"ipc://{self.rundir}/a{self.host}{channel}")
             self.down[channel] = sock
@@ -173,14 +172,23 @@ class Agent:
         import zmq
 
         try:
-            self.down[channel].send_multipart([str(rank).encode(), *frames], copy=False)
+            self.down[channel].send_multipart([_identity(rank, self.procs[rank].pid), *frames],
+                                              copy=False)
         except zmq.ZMQError:
             pass  # the rank is dying: its exit report fails the request
 
     def hello(self, channel: str) -> None:
-        """A rank connected on ``channel``: deliver what waited for it."""
-        identity, *_ = self.down[channel].recv_multipart()
-        rank = int(identity)
+        """A rank connected on ``channel``: deliver what waited for it.
+
+        A rank's identity is ``rank:pid``, so only the process this agent forked for that rank
+        can claim it, and a re-forked rank never collides with its dead predecessor.
+        """
+        identity, *rest = self.down[channel].recv_multipart()
+        rank_text, _, pid = identity.decode(errors="replace").partition(":")
+        rank = int(rank_text) if rank_text.isdigit() else -1
+        proc = self.procs.get(rank)
+        if proc is None or identity != _identity(rank, proc.pid) or rest != [b"hello"]:
+            return  # not one of our ranks: ignore whatever it is
         self.connected[channel].add(rank)
         for frames in self.backlog.pop((channel, rank), []):
             self._send_down(channel, rank, frames)
@@ -251,6 +259,10 @@ class Agent:
             if now >= next_beat:
                 next_beat = now + 1.0
                 self.emit("agent_hb", None, {"dead": sorted(self.dead)})
+
+
+def _identity(rank: int, pid: int) -> bytes:
+    return f"{rank}:{pid}".encode()
 
 
 def _configure_curve(sock: Any, cfg: dict[str, Any]) -> None:

@@ -63,13 +63,9 @@ def is_internal(filename: str) -> bool:
 
 
 def frames_of(tb: TracebackType | None) -> tuple[Frame, ...]:
-    """User-facing frames: meshbook's own frames at the top of the stack are dropped."""
-    summary = traceback.extract_tb(tb)
-    start = 0
-    while start < len(summary) and is_internal(summary[start].filename):
-        start += 1
+    """User-facing frames of a traceback: meshbook's own rank machinery is left out."""
     return tuple(_frame(f.filename, f.lineno or 0, f.name, f.line or "")
-                 for f in summary[start:])
+                 for f in traceback.extract_tb(tb) if not is_internal(f.filename))
 
 
 def _frame(filename: str, lineno: int, name: str, line: str) -> Frame:

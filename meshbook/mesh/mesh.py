@@ -115,8 +115,7 @@ class Mesh:
         if not callable(fn):
             raise MeshError(f"apply() needs a function, got a {type(fn).__name__}")
         chosen = self.select(ranks, where)
-        body = {"fn": fn, "args": args, "kwargs": kwargs,
-                "rebind": getattr(fn, "__module__", None) == "__main__"}
+        body = {"fn": fn, "args": args, "kwargs": kwargs}
         return self._controller.submit("apply", body, chosen, f"apply({_name_of(fn)})")
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: Sequence[int] | None = None,

@@ -161,7 +161,7 @@ class Worker:
     def _connect(self, addr: str) -> zmq.Socket:
         """A DEALER to the agent; the hello tells the agent it may now route to us."""
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+        sock.setsockopt(zmq.IDENTITY, f"{self.rank}:{os.getpid()}".encode())
         sock.connect(addr)
         sock.send(b"hello")
         return sock
@@ -204,7 +204,7 @@ class Worker:
             return value
         if kind == "apply":
             fn = body["fn"]
-            if body.get("rebind") and isinstance(fn, FunctionType):
+            if isinstance(fn, FunctionType) and _travelled_by_value(fn):
                 fn = self._rebind(fn)
             with self._user_code():
                 return fn(*body["args"], **body["kwargs"])
@@ -310,6 +310,13 @@ class Worker:
         for name, extra in self.heartbeat_extras.items():
             out[name] = extra()
         return out
+
+
+def _travelled_by_value(fn: FunctionType) -> bool:
+    """True for a function cloudpickle sent by value (defined in a notebook or a test),
+    whose globals are a fresh dict rather than an importable module's namespace."""
+    module = sys.modules.get(fn.__module__ or "")
+    return module is None or fn.__globals__ is not vars(module)
 
 
 class _UserCode:

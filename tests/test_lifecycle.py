@@ -1,0 +1,136 @@
+"""Starting, stopping, dying: the mesh never wedges and never leaves a process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import zmq
+
+import meshbook
+from meshbook import MeshError, MeshStoppedError, RemoteError
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n": 0}, "positive integer"),
+    ({"n": 3, "dims": {"dp": 2, "tp": 2}}, "n=3 but dims dp=2 x tp=2 make 4 ranks"),
+    ({"dims": {"dp": 0}}, "sizes are positive integers"),
+    ({"dims": {"not a name": 2}}, "must be a Python identifier"),
+    ({}, "give the number of ranks"),
+    ({"n": 2, "backend": "mpi-ish"}, "backend 'mpi-ish'"),
+    ({"n": 2, "launcher": "teleport"}, "unknown launcher 'teleport'"),
+])
+def test_bad_start_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(MeshError, match=message):
+        meshbook.start(**kwargs)
+
+
+def test_context_manager_stops_and_stopped_mesh_refuses_work() -> None:
+    with meshbook.start(2) as mesh:
+        assert dict(mesh.run("rank").result()) == {0: 0, 1: 1}
+        pids = [s.pid for s in mesh.status()]
+    assert mesh.stopped
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in pids)
+    with pytest.raises(MeshStoppedError, match="start a new one"):
+        mesh.run("1")
+
+
+def test_rank_killed_mid_request_fails_the_run_and_keeps_other_results(mesh2: meshbook.Mesh) -> None:
+    run = mesh2.run("import os, time\nif rank == 1:\n    os.kill(os.getpid(), 9)\ntime.sleep(0.3)\nrank")
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        run.result(timeout=30)
+    assert time.monotonic() - started < 5
+    err = info.value
+    assert err.failures[1].message == "rank 1 died: SIGKILL"
+    assert dict(err.partial) == {0: 0}
+    with pytest.raises(MeshError, match=r"degraded \(rank 1: SIGKILL\).*mesh.restart\(\[1\]\)"):
+        mesh2.run("1")
+    assert dict(mesh2.run("'alive'", ranks=[0]).result()) == {0: "alive"}
+
+
+def test_rank_that_exits_reports_its_exit_code_and_last_words(mesh2: meshbook.Mesh) -> None:
+    code = "import os, time\nprint('goodbye', flush=True)\ntime.sleep(0.2)\nos._exit(3)"
+    run = mesh2.run(code, ranks=[0])
+    with pytest.raises(RemoteError) as info:
+        run.result(timeout=30, echo=False)
+    assert info.value.failures[0].died == "exit code 3"
+    assert "goodbye\n" in "".join(e.text for e in run.events() if isinstance(e, meshbook.Output))
+
+
+def test_segfault_is_reported_with_its_signal_and_stack(mesh2: meshbook.Mesh) -> None:
+    with pytest.raises(RemoteError) as info:
+        mesh2.run("import ctypes\nctypes.string_at(0)", ranks=[1]).result(timeout=30)
+    failure = info.value.failures[1]
+    assert failure.died == "SIGSEGV"
+    assert "Fatal Python error: Segmentation fault" in failure.detail
+
+
+def _spawn_controller(tmp_path, body: str) -> tuple[subprocess.Popen, list[int]]:
+    script = tmp_path / "controller.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time, meshbook
+        mesh = meshbook.start(3)
+        print(" ".join(str(s.pid) for s in mesh.status()), flush=True)
+        {body}
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.strip(), "controller did not start its mesh"
+    return proc, [int(p) for p in line.split()]
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return alive
+
+
+def test_sigkilled_controller_leaves_no_process(tmp_path) -> None:
+    proc, pids = _spawn_controller(tmp_path, "time.sleep(120)")
+    agent_pids = [p.pid for p in psutil.Process(proc.pid).children()]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _wait_gone(pids + agent_pids, 5) == []
+
+
+def test_interpreter_exit_without_stop_cleans_up(tmp_path) -> None:
+    proc, pids = _spawn_controller(tmp_path, "print(mesh.run('rank').result(), flush=True)")
+    assert proc.wait(60) == 0
+    assert _wait_gone(pids, 5) == []
+
+
+def test_forged_and_garbled_messages_are_dropped(mesh2: meshbook.Mesh) -> None:
+    controller = mesh2._controller
+    run = mesh2.run("import time\ntime.sleep(1)\n'real'", ranks=[0])
+    forger = meshbook.mesh.wire.Wire(b"not the mesh key, an attacker's")
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"ipc://{controller.rundir}/ev")
+    push.send_multipart(forger.pack({"k": "result", "id": run.id, "rank": 0, "t": 0.0}, "forged"))
+    push.send_multipart([b"garbage"])
+    push.send_multipart([b"x", b"y", b"z", b"w"])
+    rogue = ctx.socket(zmq.DEALER)  # pretend to be rank 0 talking to its agent
+    rogue.setsockopt(zmq.IDENTITY, f"0:{mesh2.status()[0].pid}".encode())
+    rogue.connect(f"ipc://{controller.rundir}/a0x")
+    rogue.send_multipart([b"exec", b"import os; os._exit(1)"])
+    assert run.result(timeout=30)[0] == "real"
+    deadline = time.monotonic() + 10
+    while controller.wire.dropped < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert controller.wire.dropped == 3
+    assert dict(mesh2.run("rank").result()) == {0: 0, 1: 1}
+    for sock in (push, rogue):
+        sock.close(linger=0)

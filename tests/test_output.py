@@ -1,0 +1,82 @@
+"""Merging of rank output lines (pure logic, driven by a fake clock)."""
+
+from __future__ import annotations
+
+from meshbook.mesh.output import LineMerger, OrderedCollector
+from meshbook.mesh.run import Output, Result
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def collect() -> tuple[list[tuple[str, str]], object]:
+    written: list[tuple[str, str]] = []
+    return written, lambda stream, text: written.append((stream, text))
+
+
+def test_identical_lines_merge_once_every_rank_printed_them() -> None:
+    written, write = collect()
+    merger = LineMerger([0, 1, 2, 3], write, clock=Clock())
+    for rank in range(3):
+        merger.feed_event(Output(rank, "stdout", "epoch 1\n"))
+        merger.poll()
+    assert written == []  # rank 3 has not printed it yet, and the window is open
+    merger.feed_event(Output(3, "stdout", "epoch 1\n"))
+    merger.poll()
+    assert written == [("stdout", "[0-3] epoch 1\n")]
+
+
+def test_a_line_only_some_ranks_print_waits_for_the_window() -> None:
+    written, write = collect()
+    clock = Clock()
+    merger = LineMerger([0, 1], write, window=0.2, clock=clock)
+    merger.feed_event(Output(0, "stdout", "only me\n"))
+    merger.poll()
+    assert written == [] and merger.next_deadline() == 0.2
+    clock.now = 0.25
+    merger.poll()
+    assert written == [("stdout", "[0] only me\n")]
+
+
+def test_finished_ranks_are_not_waited_for_and_order_is_kept() -> None:
+    written, write = collect()
+    merger = LineMerger([0, 1], write, clock=Clock())
+    merger.feed_event(Result(1, None, 0.0))
+    merger.feed_event(Output(0, "stdout", "a\nb\n"))
+    merger.poll()
+    assert written == [("stdout", "[0] a\n[0] b\n")]
+
+
+def test_repeated_lines_stay_separate_and_partial_lines_wait() -> None:
+    written, write = collect()
+    merger = LineMerger([0, 1], write, clock=Clock())
+    merger.feed_event(Output(0, "stdout", "x\nx\npart"))
+    merger.feed_event(Output(1, "stdout", "x\n"))
+    merger.poll()
+    assert written == [("stdout", "[0,1] x\n")]
+    merger.close()
+    assert written[1:] == [("stdout", "[0] x\n[0] part\n")]
+
+
+def test_streams_are_kept_apart() -> None:
+    written, write = collect()
+    merger = LineMerger([0], write, clock=Clock())
+    merger.feed_event(Output(0, "stderr", "warn\n"))
+    merger.feed_event(Output(0, "stdout", "out\n"))
+    merger.poll()
+    assert written == [("stderr", "[0] warn\n"), ("stdout", "[0] out\n")]
+
+
+def test_ordered_collector_prints_in_rank_order_grouping_identical_output() -> None:
+    written, write = collect()
+    ordered = OrderedCollector([0, 1, 2], write)
+    ordered.feed_event(Output(2, "stdout", "rank two\n"))
+    ordered.feed_event(Output(1, "stdout", "same\n"))
+    ordered.feed_event(Output(0, "stdout", "same\n"))
+    ordered.close()
+    assert written == [("stdout", "[0,1] same\n[2] rank two\n")]

@@ -1,0 +1,222 @@
+"""The mesh runtime through its Python API, on real rank processes with gloo."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import meshbook
+from meshbook import Display, MeshError, Output, RankValues, RemoteError, Result, SelectionError
+
+
+def test_all_reduce_and_collapsed_repr(mesh4: meshbook.Mesh) -> None:
+    vals = mesh4.run("x = torch.full((2,), float(rank)); dist.all_reduce(x); x.sum().item()").result()
+    assert dict(vals) == {0: 12.0, 1: 12.0, 2: 12.0, 3: 12.0}
+    assert repr(vals) == "[0-3] 12.0"
+
+
+def test_namespace_persists_and_ranks_select(mesh4: meshbook.Mesh) -> None:
+    mesh4.run("y = rank * 10").result()
+    vals = mesh4.run("y + 1", ranks=[0, 2]).result()
+    assert dict(vals) == {0: 1, 2: 21}
+    assert dict(mesh4.run("y", ranks="1-3").result()) == {1: 10, 2: 20, 3: 30}
+
+
+def test_namespace_is_seeded(mesh4: meshbook.Mesh) -> None:
+    code = ("(rank, world_size, local_rank, coords, str(device), dist.is_initialized(),"
+            " device_mesh.mesh_dim_names, tuple(device_mesh.shape), torch.__name__)")
+    vals = mesh4.run(code).result()
+    assert vals[3] == (3, 4, 3, {"dp": 1, "tp": 1}, "cpu", True, ("dp", "tp"), (2, 2), "torch")
+    assert vals[1][3] == {"dp": 0, "tp": 1}
+
+
+def test_device_mesh_groups_follow_coords(mesh4: meshbook.Mesh) -> None:
+    code = ("t = torch.tensor([float(rank)]); dist.all_reduce(t, group=device_mesh.get_group('tp'));"
+            " t.item()")
+    assert dict(mesh4.run(code).result()) == {0: 1.0, 1: 1.0, 2: 5.0, 3: 5.0}
+
+
+def test_apply_runs_notebook_function_in_rank_namespace(mesh4: meshbook.Mesh) -> None:
+    offset = 100
+
+    def helper(a: int) -> int:
+        return a + offset  # a notebook name carried along
+
+    assert dict(mesh4.apply(lambda a: rank + a, 10).result()) == {0: 10, 1: 11, 2: 12, 3: 13}
+    assert dict(mesh4.apply(helper, 1, ranks=[1]).result()) == {1: 101}
+    assert dict(mesh4.apply(torch.add, 1, 2, ranks=[0]).result()) == {0: torch.tensor(3)}
+
+
+def test_slice_is_a_view_on_the_same_namespaces(mesh4: meshbook.Mesh) -> None:
+    half = mesh4.slice(dp=0)
+    assert half.ranks == [0, 1]
+    half.run("z = 'set by the slice'").result()
+    assert dict(mesh4.run("z", ranks=[1]).result()) == {1: "set by the slice"}
+    assert mesh4.slice(dp=1, tp=0).ranks == [2]
+    assert half.slice(tp=1).ranks == [1]
+
+
+def test_rank_values_select_by_dimension(mesh4: meshbook.Mesh) -> None:
+    vals = mesh4.run("rank").result()
+    assert vals.where(tp=1).ranks == [1, 3]
+    assert isinstance(vals.where(dp=0), RankValues)
+    assert mesh4.run("7").result().unique() == 7
+    with pytest.raises(ValueError):
+        vals.unique()
+
+
+def test_errors_are_grouped_with_cell_line_numbers(mesh4: meshbook.Mesh) -> None:
+    code = "a = 1\nb = 1 / (rank % 2)\nb"
+    with pytest.raises(RemoteError) as info:
+        mesh4.run(code).result()
+    err = info.value
+    assert err.ranks == [0, 2]
+    assert err.summary_lines() == ["[0,2] ZeroDivisionError: division by zero"]
+    assert dict(err.partial) == {1: 1.0, 3: 1.0}
+    frame = err.failures[0].frames[-1]
+    assert (frame.in_cell, frame.lineno, frame.line) == (True, 2, "b = 1 / (rank % 2)")
+    rendered = err.render()
+    assert "cell line 2" in rendered and "worker.py" not in rendered
+
+
+def test_first_line_shifts_reported_lines(mesh4: meshbook.Mesh) -> None:
+    with pytest.raises(RemoteError) as info:
+        mesh4.run("x = 1\nraise ValueError(rank)", ranks=[0], first_line=2).result()
+    assert info.value.failures[0].frames[-1].lineno == 3
+
+
+def test_syntax_error_is_caught_before_anything_is_sent(mesh4: meshbook.Mesh) -> None:
+    before = mesh4._controller._ids
+    peek = next(before)
+    with pytest.raises(meshbook.CellSyntaxError) as info:
+        mesh4.run("x = (")
+    assert isinstance(info.value, SyntaxError) and isinstance(info.value, MeshError)
+    assert next(mesh4._controller._ids) == peek + 1  # no request id was used in between
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ranks": [9]}, "rank 9 does not exist: this mesh has ranks 0-3"),
+    ({"ranks": "0,x"}, "cannot read ranks"),
+    ({"where": {"tp": 5}}, "tp=5 is out of range: tp has size 2"),
+    ({"where": {"pp": 0}}, "the mesh has no dimension 'pp'"),
+    ({"ranks": []}, "the selection is empty"),
+])
+def test_bad_selections_say_what_is_wrong(mesh4: meshbook.Mesh, kwargs: dict, message: str) -> None:
+    with pytest.raises(SelectionError, match=message):
+        mesh4.run("1", **kwargs)
+    assert mesh4.run("1", ranks=[0]).result()[0] == 1
+
+
+def test_unpicklable_argument_names_its_type(mesh4: meshbook.Mesh) -> None:
+    with pytest.raises(meshbook.SendError, match=r"argument 2 \(a _thread.lock\) cannot be pickled"):
+        mesh4.apply(lambda a, b: a, 1, threading.Lock())
+
+
+def test_unpicklable_result_names_type_and_rank_stays_healthy(mesh4: meshbook.Mesh) -> None:
+    with pytest.raises(RemoteError) as info:
+        mesh4.run("import threading\nthreading.Lock()", ranks=[1]).result()
+    failure = info.value.failures[1]
+    assert failure.type_name == "SendError" and "_thread.lock" in failure.message
+    assert "kept on the rank as `_`" in failure.message
+    assert dict(mesh4.run("type(_).__name__", ranks=[1]).result()) == {1: "lock"}
+
+
+def test_output_arrives_before_the_result(mesh4: meshbook.Mesh) -> None:
+    run = mesh4.run("for i in range(3):\n    print(f'line {i} of {rank}')\nrank")
+    seen: dict[int, list[str]] = {r: [] for r in range(4)}
+    answered: set[int] = set()
+    for event in run.events():
+        if isinstance(event, Output):
+            assert event.rank not in answered, "output arrived after its rank's result"
+            seen[event.rank].append(event.text)
+        elif isinstance(event, Result):
+            answered.add(event.rank)
+    for rank, texts in seen.items():
+        assert "".join(texts) == "".join(f"line {i} of {rank}\n" for i in range(3))
+
+
+def test_c_level_output_is_captured(mesh4: meshbook.Mesh) -> None:
+    run = mesh4.run("import os, ctypes\nos.system('echo from a subprocess')\n"
+                    "ctypes.CDLL(None).printf(b'from C printf\\n')\nNone", ranks=[2])
+    run.result(echo=False)
+    text = "".join(e.text for e in run.events() if isinstance(e, Output))
+    assert "from a subprocess\n" in text and "from C printf\n" in text
+
+
+def test_late_output_of_a_background_thread_stays_with_its_run(mesh4: meshbook.Mesh) -> None:
+    late: list[tuple[int, str]] = []
+    arrived = threading.Event()
+
+    def attach(run: meshbook.Run) -> None:
+        def on_late(event: object, run_id: int = run.id) -> None:
+            late.append((run_id, event.text))  # type: ignore[attr-defined]
+            arrived.set()
+        run.on_late_output = on_late
+
+    mesh4._controller.run_listeners.append(attach)
+    try:
+        code = ("import threading, time\n"
+                "def later():\n    time.sleep(0.5)\n    print('from the background')\n"
+                "threading.Thread(target=later).start()")
+        first = mesh4.run(code, ranks=[0])
+        first.result()
+        second = mesh4.run("import time\ntime.sleep(1.0)\nprint('second cell')", ranks=[0])
+        second.result(echo=False)
+    finally:
+        mesh4._controller.run_listeners.remove(attach)
+    assert arrived.wait(10)
+    assert late == [(first.id, "from the background\n")]
+    assert [e.text for e in second.events() if isinstance(e, Output)] == ["second cell\n"]
+
+
+def test_display_sends_rich_representations(mesh4: meshbook.Mesh) -> None:
+    code = ("class Rich:\n    def _repr_html_(self):\n        return f'<b>{rank}</b>'\n"
+            "display(Rich())")
+    run = mesh4.run(code, ranks=[3])
+    run.result(echo=False)
+    (event,) = [e for e in run.events() if isinstance(e, Display)]
+    assert event.data["text/html"] == "<b>3</b>" and "Rich" in event.data["text/plain"]
+
+
+@pytest.mark.parametrize("expr, expected", [
+    ("torch.arange(6, dtype=torch.float32).reshape(2, 3)", torch.arange(6.0).reshape(2, 3)),
+    ("torch.arange(6).reshape(2, 3).t()", torch.arange(6).reshape(2, 3).t()),
+    ("torch.ones(3, dtype=torch.bfloat16) * 1.5", torch.ones(3, dtype=torch.bfloat16) * 1.5),
+    ("torch.zeros(0, 4)", torch.zeros(0, 4)),
+    ("torch.tensor(3.5)", torch.tensor(3.5)),
+])
+def test_tensor_results_arrive_exactly(mesh4: meshbook.Mesh, expr: str, expected: torch.Tensor) -> None:
+    value = mesh4.run(expr, ranks=[1]).result()[1]
+    assert value.dtype == expected.dtype and value.shape == expected.shape
+    assert torch.equal(value, expected)
+
+
+def test_events_are_ordered_and_complete(mesh4: meshbook.Mesh) -> None:
+    run = mesh4.run("print('a')\nrank")
+    events = list(run.events())
+    assert sorted(e.rank for e in events if isinstance(e, Result)) == [0, 1, 2, 3]
+    assert run.done() and set(run.durations) == {0, 1, 2, 3}
+
+
+def test_result_timeout_leaves_the_work_running(mesh4: meshbook.Mesh) -> None:
+    run = mesh4.run("import time\ntime.sleep(1.5)\n'finished'", ranks=[0])
+    with pytest.raises(meshbook.MeshTimeout, match="still running on rank"):
+        run.result(timeout=0.2)
+    assert run.result(timeout=30)[0] == "finished"
+
+
+def test_interrupt_stops_python_code_with_keyboard_interrupt(mesh4: meshbook.Mesh) -> None:
+    run = mesh4.run("import time\nstarted = True\ntime.sleep(60)", ranks=[0, 1])
+    deadline = time.monotonic() + 30
+    while not all(s.metrics.get("line") == 3 for s in mesh4.status()[:2]):
+        assert time.monotonic() < deadline, "ranks never reached the sleep"
+        time.sleep(0.05)
+    run.interrupt()
+    with pytest.raises(RemoteError) as info:
+        run.result(timeout=10)
+    assert info.value.summary_lines() == ["[0,1] KeyboardInterrupt"]
+    assert info.value.failures[0].frames[-1].lineno == 3
+    assert dict(mesh4.run("started", ranks=[0, 1]).result()) == {0: True, 1: True}

@@ -1,0 +1,52 @@
+"""Topology, selections and RankValues (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshbook import RankValues, SelectionError, Topology
+from meshbook.mesh.errors import format_ranks
+from meshbook.mesh.topology import parse_dims, parse_index_list, parse_where, resolve
+
+
+def test_coords_are_row_major_like_device_mesh() -> None:
+    topo = Topology.create(dims={"pp": 2, "dp": 2, "tp": 2})
+    assert topo.coords(5) == {"pp": 1, "dp": 0, "tp": 1}
+    assert topo.where(dp=1) == [2, 3, 6, 7]
+    assert topo.where(pp=0, tp=[0, 1]) == [0, 1, 2, 3]
+
+
+def test_parsers() -> None:
+    assert parse_index_list("0,2,4-6") == [0, 2, 4, 5, 6]
+    assert parse_dims("dp=2,tp=4") == {"dp": 2, "tp": 4}
+    assert parse_where("dp=0,tp=0-1") == {"dp": [0], "tp": [0, 1]}
+    for bad, parser in [("3-1", parse_index_list), ("dp", parse_dims), ("dp=x", parse_dims),
+                        ("dp=1,dp=2", parse_dims), ("=1", parse_where)]:
+        with pytest.raises(SelectionError):
+            parser(bad)
+
+
+def test_resolve_stays_within_the_view() -> None:
+    topo = Topology.create(dims={"dp": 2, "tp": 2})
+    assert resolve(topo, None, {"tp": 1}, [0, 1, 2, 3]) == [1, 3]
+    with pytest.raises(SelectionError, match="not in this view"):
+        resolve(topo, [3], None, [0, 1])
+    with pytest.raises(SelectionError, match="no rank matches"):
+        resolve(topo, None, {"dp": 1}, [0, 1])
+
+
+def test_format_ranks() -> None:
+    assert format_ranks([0, 1, 2, 3]) == "0-3"
+    assert format_ranks([3, 1]) == "1,3"
+    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7,8"
+
+
+def test_rank_values_repr_groups_identical_values() -> None:
+    topo = Topology.create(dims={"dp": 2, "tp": 2})
+    vals = RankValues({3: "b", 0: "a", 1: "a", 2: "a"}, topo)
+    assert list(vals) == [0, 1, 2, 3]
+    assert repr(vals) == "[0-2] 'a'\n[3] 'b'"
+    assert repr(vals.where(tp=1)) == "[1] 'a'\n[3] 'b'"
+    assert repr(RankValues({0: "x\ny"})) == "[0] 'x\\ny'"
+    with pytest.raises(KeyError, match="ranks here: 0-3"):
+        vals[7]
