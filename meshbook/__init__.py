@@ -11,12 +11,12 @@ In Jupyter: ``%load_ext meshbook``, then ``%mesh start -n 4`` and ``%%mesh`` cel
 
 from .mesh import (CellSyntaxError, Display, Error, Mesh, MeshError, MeshStoppedError,
                    MeshTimeout, Output, RankFailure, RankValues, RemoteError, Result, Run,
-                   SelectionError, SendError, Topology, prewarm, start)
+                   SelectionError, SendError, Topology, current, prewarm, start)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "start", "prewarm", "Mesh", "Run", "RankValues", "Topology",
+    "start", "current", "prewarm", "Mesh", "Run", "RankValues", "Topology",
     "Output", "Display", "Result", "Error", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",

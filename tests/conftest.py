@@ -26,37 +26,47 @@ def meshbook_processes() -> list[psutil.Process]:
     return found
 
 
-def owned_pids() -> set[int]:
-    """Processes of meshes that are still meant to be running (module fixtures, standby)."""
-    pids: set[int] = set()
-    for ctl in list(controller_module._LIVE):
-        if ctl.stopped:
-            continue
-        pids.update(a.proc.pid for a in ctl.agents if hasattr(a, "proc"))
-        pids.update(s.pid for s in ctl.ranks.values() if s.pid)
-    standby = launchers._standby
-    if standby is not None:
-        pids.add(standby.proc.pid)
-    return pids
+def orphans(timeout: float = 10.0) -> list[str]:
+    """Meshbook processes whose controller (or agent) is gone, after ``timeout`` to exit.
 
-
-def leftovers(timeout: float = 10.0) -> list[str]:
-    """Meshbook processes not owned by a live mesh, after giving them ``timeout`` to exit."""
+    An agent's parent is its controller (this test process, or a kernel a test started); a
+    rank's parent is its agent. When that parent dies the process is re-parented to init (or
+    a subreaper): that is an orphan, the bug this check exists for.
+    """
     deadline = time.monotonic() + timeout
     while True:
-        owned = owned_pids()
-        left = [p for p in meshbook_processes() if p.pid not in owned and p.is_running()
-                and p.status() != psutil.STATUS_ZOMBIE]
-        if not left or time.monotonic() > deadline:
-            return [f"{p.pid}: {' '.join(p.cmdline())}" for p in left if p.is_running()]
+        found = []
+        for proc in meshbook_processes():
+            try:
+                parent = proc.parent()
+                if parent is None or parent.pid == 1 or parent.status() == psutil.STATUS_ZOMBIE \
+                        or not _is_controller_or_agent(parent):
+                    found.append(f"{proc.pid} (parent {parent.pid if parent else None}): "
+                                 f"{' '.join(proc.cmdline())}")
+            except psutil.Error:
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
         time.sleep(0.1)
+
+
+def _is_controller_or_agent(proc: psutil.Process) -> bool:
+    cmdline = proc.cmdline()
+    return proc.pid == os.getpid() or "meshbook.mesh.agent" in cmdline or \
+        any("ipykernel" in part or "pytest" in part for part in cmdline) or \
+        any(part.endswith(".py") for part in cmdline[1:2])
 
 
 @pytest.fixture(autouse=True)
 def no_orphans() -> Iterator[None]:
+    meshes_before = {id(c) for c in controller_module._LIVE if not c.stopped}
     yield
-    left = leftovers()
-    assert not left, f"meshbook processes outlived the test: {left}"
+    leaked = [c for c in list(controller_module._LIVE) if not c.stopped and id(c) not in meshes_before]
+    for ctl in leaked:
+        ctl.stop("leaked by a test")
+    assert not leaked, "the test left a mesh running; stop it (mesh.stop() or `with`)"
+    left = orphans()
+    assert not left, f"meshbook processes outlived their controller: {left}"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

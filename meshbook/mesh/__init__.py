@@ -6,13 +6,13 @@ This room knows nothing of IPython: it is usable from a plain script. See DESIGN
 from .errors import (CellSyntaxError, MeshError, MeshStoppedError, MeshTimeout, RankFailure,
                      RemoteError, SelectionError, SendError)
 from .launchers import prewarm
-from .mesh import Mesh, start
+from .mesh import Mesh, current, start
 from .run import Display, Error, Output, Result, Run
 from .topology import Topology
 from .values import RankValues
 
 __all__ = [
-    "start", "prewarm", "Mesh", "Run", "RankValues", "Topology",
+    "start", "current", "prewarm", "Mesh", "Run", "RankValues", "Topology",
     "Output", "Display", "Result", "Error", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",

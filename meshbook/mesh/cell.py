@@ -40,8 +40,7 @@ def compile_cell(source: str, filename: str, first_line: int = 1) -> CompiledCel
     try:
         tree = ast.parse(padded, filename, "exec")
     except SyntaxError as exc:
-        raise CellSyntaxError(exc.msg, (exc.filename, exc.lineno, exc.offset, exc.text,
-                                        exc.end_lineno, exc.end_offset)) from None
+        raise CellSyntaxError(exc.msg, exc.lineno, exc.offset, exc.text) from None
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)

@@ -32,8 +32,27 @@ class SendError(MeshError):
     """A value could not be serialized for the wire; nothing was sent."""
 
 
-class CellSyntaxError(MeshError, SyntaxError):
-    """The submitted code does not compile; it was caught before anything was sent."""
+class CellSyntaxError(MeshError):
+    """The submitted code does not compile; it was caught before anything was sent.
+
+    Not a ``SyntaxError`` subclass on purpose: IPython prints those with the magic's own
+    frames, while this one renders as the cell line with a caret (``_render_traceback_``).
+    """
+
+    def __init__(self, msg: str, lineno: int | None, offset: int | None, text: str | None) -> None:
+        super().__init__(f"{msg} (cell line {lineno}; nothing was sent to the ranks)")
+        self.msg, self.lineno, self.offset, self.text = msg, lineno, offset, text
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"  cell line {self.lineno}"]
+        if self.text:
+            text = self.text.rstrip("\n")
+            indent = len(text) - len(text.lstrip())
+            lines.append("    " + text.strip())
+            if self.offset:
+                lines.append("    " + " " * max(0, self.offset - 1 - indent) + "^")
+        lines.append(f"SyntaxError: {self.msg} (nothing was sent to the ranks)")
+        return lines
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,25 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
                         f"string like 'cuda:nccl,cpu:gloo'")
     controller = Controller(topology, get_launcher(launcher), backend, collective_timeout)
     controller.launch(timeout)
-    return Mesh(controller, list(range(topology.world_size)))
+    mesh = Mesh(controller, list(range(topology.world_size)))
+    global _current
+    _current = mesh
+    for listener in list(start_listeners):
+        listener(mesh)
+    return mesh
+
+
+#: Called with every newly started mesh (the kernel layer hooks in here).
+start_listeners: list[Callable[["Mesh"], None]] = []
+_current: "Mesh | None" = None
+
+
+def current() -> "Mesh":
+    """The most recently started mesh (by ``start()`` or ``%mesh start``), if still running."""
+    if _current is None or _current.stopped:
+        raise MeshError("no mesh is running: start one with meshbook.start(4) "
+                        "(or %mesh start -n 4 in a notebook)")
+    return _current
 
 
 class Mesh:

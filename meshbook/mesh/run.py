@@ -142,8 +142,16 @@ class Run:
     def result(self, timeout: float | None = None, echo: bool = True) -> RankValues:
         """Wait for every rank; per-rank values, or :class:`RemoteError`.
 
-        ``echo`` prints the ranks' output (merged across ranks) while waiting.
+        ``echo`` prints the ranks' output (merged across ranks) while waiting. Interrupting
+        the wait (Ctrl-C) interrupts the ranks too.
         """
+        try:
+            return self._wait_and_echo(timeout, echo)
+        except KeyboardInterrupt:
+            self.interrupt()  # Ctrl-C here must stop the remote work too, not only our wait
+            raise
+
+    def _wait_and_echo(self, timeout: float | None, echo: bool) -> RankValues:
         from .output import LineMerger
 
         deadline = None if timeout is None else time.monotonic() + timeout

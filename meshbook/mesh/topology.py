@@ -124,9 +124,9 @@ def parse_index_list(text: str, what: str = "ranks") -> list[int]:
 
 
 def parse_assignments(text: str, what: str) -> dict[str, str]:
-    """``"dp=2,tp=2"`` -> ``{"dp": "2", "tp": "2"}`` (a value may itself be ``0-1``)."""
+    """``"dp=2,tp=2"`` -> ``{"dp": "2", "tp": "2"}`` (a value may be a range, ``0-1``)."""
     out: dict[str, str] = {}
-    for part in re.split(r",(?=\s*[A-Za-z_]\w*\s*=)", text):
+    for part in text.split(","):
         name, eq, value = part.partition("=")
         name, value = name.strip(), value.strip()
         if not eq or not name.isidentifier() or not value:

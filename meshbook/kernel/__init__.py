@@ -1,0 +1,9 @@
+"""Glue to the Jupyter kernel: output attributed to the right cell, kernelspec install.
+
+``python -m meshbook.kernel install [--user|--sys-prefix]`` installs a "Python 3 (meshbook)"
+kernel that loads the extension at start.
+"""
+
+from .bridge import KernelBridge, install, uninstall
+
+__all__ = ["KernelBridge", "install", "uninstall"]

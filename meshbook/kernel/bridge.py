@@ -1,0 +1,72 @@
+"""Glue between meshes and the running Jupyter kernel: output lands in the right cell.
+
+Output produced by a cell while it runs is printed by the cell itself (the notebook layer
+renders its run on the kernel's main thread). What the ranks print *after* their cell ended,
+from a background thread they started, is published here with the parent header of the
+cell that submitted the run, so it lands in that cell, never in whichever cell runs next.
+
+The bridge hooks every mesh started in this kernel, through ``%mesh start`` or the Python
+API alike, so ``mesh.run(...)`` in a plain cell gets the same attribution.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from ..mesh import Display, Mesh, Output, Run, mesh as mesh_module
+from ..mesh.run import Event, print_late
+
+
+class KernelBridge:
+    """Attributes every run of every mesh to the cell that submitted it."""
+
+    def __init__(self, shell: Any) -> None:
+        self.shell = shell
+        self.kernel = getattr(shell, "kernel", None)  # None in a terminal IPython
+
+    def hook(self, mesh: Mesh) -> None:
+        listeners = mesh._controller.run_listeners
+        if self.attach not in listeners:
+            listeners.append(self.attach)
+
+    def attach(self, run: Run) -> None:
+        if self.kernel is not None:
+            run.on_late_output = partial(self.publish, self.kernel.get_parent())
+
+    def publish(self, parent: dict[str, Any], event: Event) -> None:
+        """Send late output to the cell whose ``parent`` header is given (any thread)."""
+        kernel = self.kernel
+        if isinstance(event, Output):
+            text = "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines())
+            kernel.session.send(kernel.iopub_socket, "stream", {"name": event.stream, "text": text},
+                                parent=parent, ident=b"stream." + event.stream.encode())
+        elif isinstance(event, Display):
+            kernel.session.send(kernel.iopub_socket, "display_data",
+                                {"data": event.data, "metadata": {"meshbook": {"rank": event.rank}},
+                                 "transient": {}}, parent=parent)
+        else:
+            print_late(event)
+
+
+_bridge: KernelBridge | None = None
+
+
+def install(shell: Any) -> KernelBridge:
+    """Hook the bridge into this kernel's meshes, present and future (idempotent)."""
+    global _bridge
+    if _bridge is None or _bridge.shell is not shell:
+        _bridge = KernelBridge(shell)
+        mesh_module.start_listeners.append(_bridge.hook)
+    try:
+        _bridge.hook(mesh_module.current())
+    except Exception:
+        pass  # no mesh yet
+    return _bridge
+
+
+def uninstall() -> None:
+    global _bridge
+    if _bridge is not None and _bridge.hook in mesh_module.start_listeners:
+        mesh_module.start_listeners.remove(_bridge.hook)
+    _bridge = None

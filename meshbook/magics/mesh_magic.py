@@ -1,0 +1,248 @@
+"""The ``%mesh`` line magic and the ``%%mesh`` cell magic: a thin face over the Python API.
+
+``%%mesh [options]`` runs the cell on the mesh; ``%mesh COMMAND [options]`` manages it.
+Every command is a method declared with IPython's ``magic_arguments``, so ``%mesh?`` lists
+them all and ``%mesh help COMMAND`` shows one in full. Errors the user can fix (a bad option,
+a bad selection, no mesh running) are shown as one line; the mesh is left untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+import meshbook
+
+from ..mesh import CellSyntaxError, Mesh, MeshError, RemoteError
+from ..mesh.topology import parse_dims, parse_where
+from .render import RenderOptions, show_run, status_table
+
+Command = Callable[[Any, str], Any]
+
+
+def command(fn: Command) -> Command:
+    """Mark a method as a ``%mesh`` subcommand named after it (``help_`` -> ``help``).
+
+    Applied first (innermost), so it still sees the one-line summary that ``%mesh?`` lists.
+    """
+    fn.mesh_command = fn.__name__.rstrip("_")  # type: ignore[attr-defined]
+    fn.mesh_summary = (fn.__doc__ or "").strip().splitlines()[0]  # type: ignore[attr-defined]
+    return fn
+
+
+@magics_class
+class MeshMagics(Magics):
+    """``%mesh`` / ``%%mesh``; the current mesh is :func:`meshbook.current`."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self._start_args: dict[str, Any] | None = None
+        self._auto = False
+
+    # -- the magic ---------------------------------------------------------------------------
+
+    @magic_arguments(name="%mesh")
+    @argument("--ranks", "-r", help="ranks to run on: 0,2 or 0-3 (default: all)")
+    @argument("--where", "-w", help="select ranks by mesh coordinates: dp=0 or dp=0,tp=0-1")
+    @argument("--timeout", "-t", type=float,
+              help="stop waiting after this many seconds; the ranks keep running")
+    @argument("--out", "-o", help="also store the per-rank results (RankValues) in this variable")
+    @argument("--ordered", action="store_true",
+              help="print each rank's output in rank order when the cell ends (deterministic)")
+    @argument("--quiet", "-q", action="store_true", help="do not display the results")
+    @argument("--first-line", type=int, default=2, help=argparse.SUPPRESS)
+    @line_cell_magic
+    def mesh(self, line: str, cell: str | None = None) -> Any:
+        """Run a cell on every rank of the mesh, or on a slice of them.
+
+        %%mesh [options]   runs the cell's code in each selected rank's persistent
+        namespace (rank, world_size, local_rank, coords, device, torch, dist and
+        device_mesh are predefined). Output streams in as the ranks print it, with
+        identical lines from several ranks merged ("[0-3] epoch 1"). The value of a
+        final expression is shown per rank; errors are grouped by traceback and the
+        cell fails like a local exception would.
+
+        %mesh COMMAND [options]   manages the mesh; %mesh help COMMAND shows one command.
+        """
+        try:
+            if cell is None:
+                return self._line(line)
+            return self._cell(line, cell)
+        except (RemoteError, CellSyntaxError):
+            raise  # shown with their own tracebacks (remote frames, the bad line)
+        except MeshError as exc:
+            raise UsageError(str(exc)) from None
+
+    # -- %%mesh ------------------------------------------------------------------------------
+
+    def _cell(self, line: str, cell: str) -> Any:
+        args = parse_argstring(self.mesh, line)
+        mesh = _require_mesh()
+        where = parse_where(args.where) if args.where else None
+        run = mesh.run(cell, args.ranks, where=where, first_line=args.first_line,
+                       name=self.shell.execution_count)
+        values = show_run(run, RenderOptions(ordered=args.ordered, timeout=args.timeout))
+        if args.out:
+            self.shell.user_ns[args.out] = values
+        if args.quiet or all(v is None for v in values.values()):
+            return None
+        return values
+
+    # -- %mesh COMMAND -----------------------------------------------------------------------
+
+    def _line(self, line: str) -> Any:
+        name, _, rest = line.strip().partition(" ")
+        if not name:
+            return self.help_("")
+        handler = self._commands().get(name)
+        if handler is None:
+            raise UsageError(f"unknown command %mesh {name}; commands: "
+                             f"{', '.join(sorted(self._commands()))} (see %mesh?)")
+        return handler(rest)
+
+    def _commands(self) -> dict[str, Callable[[str], Any]]:
+        return {getattr(type(self), attr).mesh_command: getattr(self, attr)
+                for attr in dir(type(self)) if hasattr(getattr(type(self), attr), "mesh_command")}
+
+    @magic_arguments(name="mesh help")
+    @argument("command", nargs="?", help="the command to explain")
+    @command
+    def help_(self, line: str) -> None:
+        """Show the help of one command, or the list of commands."""
+        args = parse_argstring(self.help_, line)
+        if args.command:
+            handler = self._commands().get(args.command)
+            if handler is None:
+                raise UsageError(f"unknown command {args.command!r}")
+            print(handler.__doc__)
+        else:
+            print(type(self).mesh.__doc__)
+
+    @magic_arguments(name="mesh start")
+    @argument("-n", type=int, help="number of ranks (or give --dims)")
+    @argument("--dims", "-d", help="named mesh dimensions, e.g. dp=2,tp=2 (product = ranks)")
+    @argument("--backend", default="auto", help="auto (gloo on CPU, NCCL on GPUs), gloo, nccl")
+    @argument("--timeout", type=float, default=120.0, help="seconds to wait for the ranks to start")
+    @argument("--collective-timeout", type=float, default=300.0,
+              help="seconds before a hung collective fails on its own (default 300)")
+    @argument("--force", action="store_true", help="stop a running mesh and start a new one")
+    @command
+    def start(self, line: str) -> None:
+        """Start a mesh of ranks on this machine: %mesh start -n 4 --dims dp=2,tp=2"""
+        args = parse_argstring(self.start, line)
+        if args.n is None and not args.dims:
+            raise UsageError("say how many ranks: %mesh start -n 4 (or --dims dp=2,tp=2)")
+        options = {"n": args.n, "dims": parse_dims(args.dims) if args.dims else None,
+                   "backend": args.backend, "timeout": args.timeout,
+                   "collective_timeout": args.collective_timeout}
+        running = _running_mesh()
+        if running is not None:
+            if not args.force:
+                raise UsageError(f"a mesh is already running ({running!r}); %mesh stop it first, "
+                                 f"or use %mesh start --force to replace it")
+            running.stop()
+        mesh = meshbook.start(**options)
+        self._start_args = options
+        print(f"started {_describe(mesh)}")
+
+    @magic_arguments(name="mesh stop")
+    @command
+    def stop(self, line: str) -> None:
+        """Stop the mesh: every rank and its host agent exit; namespaces are lost."""
+        parse_argstring(self.stop, line)
+        mesh = _running_mesh()
+        if mesh is None:
+            print("no mesh is running")
+            return
+        mesh.stop()
+        print("mesh stopped")
+
+    @magic_arguments(name="mesh restart")
+    @command
+    def restart(self, line: str) -> None:
+        """Stop the mesh and start it again with the same options (fresh namespaces)."""
+        parse_argstring(self.restart, line)
+        if self._start_args is None:
+            raise UsageError("nothing to restart: start a mesh with %mesh start first")
+        mesh = _running_mesh()
+        if mesh is not None:
+            mesh.stop()
+        mesh = meshbook.start(**self._start_args)
+        print(f"restarted {_describe(mesh)}")
+
+    @magic_arguments(name="mesh status")
+    @command
+    def status(self, line: str) -> None:
+        """Show each rank: host, pid, device, coordinates and state."""
+        parse_argstring(self.status, line)
+        mesh = _require_mesh()
+        rows = [{"rank": s.rank, "host": s.hostname, "pid": s.pid or "-", "device": s.device,
+                 **{k: v for k, v in mesh.topology.coords(s.rank).items()},
+                 "state": s.state + (f" ({s.cause})" if s.cause else "")} for s in mesh.status()]
+        print(f"{_describe(mesh)}\n{status_table(rows)}")
+
+    @magic_arguments(name="mesh on")
+    @command
+    def on(self, line: str) -> None:
+        """Run every following cell on the mesh (as if it started with %%mesh) until %mesh off."""
+        parse_argstring(self.on, line)
+        _require_mesh()
+        if not self._auto:
+            self.shell.input_transformers_cleanup.append(_auto_mesh)
+            self._auto = True
+        print("every cell now runs on the mesh; %mesh off to stop")
+
+    @magic_arguments(name="mesh off")
+    @command
+    def off(self, line: str) -> None:
+        """Cells run locally again."""
+        parse_argstring(self.off, line)
+        if self._auto:
+            self.shell.input_transformers_cleanup.remove(_auto_mesh)
+            self._auto = False
+        print("cells run locally again")
+
+    def unload(self) -> None:
+        if self._auto:
+            self.off("")
+
+
+def _auto_mesh(lines: list[str]) -> list[str]:
+    """Input transformer of %mesh on: prefix plain cells with %%mesh."""
+    first = next((line for line in lines if line.strip()), None)
+    if first is None or first.lstrip().startswith(("%", "!", "?")):
+        return lines
+    return ["%%mesh --first-line 1\n", *lines]
+
+
+def _running_mesh() -> Mesh | None:
+    try:
+        return meshbook.current()
+    except MeshError:
+        return None
+
+
+def _require_mesh() -> Mesh:
+    mesh = _running_mesh()
+    if mesh is None:
+        raise UsageError("no mesh is running: start one with %mesh start -n 4 "
+                         "(or %mesh start --dims dp=2,tp=2)")
+    return mesh
+
+
+def _describe(mesh: Mesh) -> str:
+    return f"{mesh.world_size} ranks ({mesh.topology.describe()}, {mesh.status()[0].device or 'cpu'})"
+
+
+def _command_help(magics: type) -> str:
+    commands = [getattr(magics, a) for a in sorted(dir(magics))
+                if hasattr(getattr(magics, a), "mesh_command")]
+    lines = [f"  {fn.mesh_command:<12} {fn.mesh_summary}" for fn in commands]
+    return "\nCommands (%mesh help COMMAND for details):\n" + "\n".join(lines) + "\n"
+
+
+MeshMagics.mesh.__doc__ = (MeshMagics.mesh.__doc__ or "") + _command_help(MeshMagics)

@@ -1,0 +1,217 @@
+"""The notebook face end to end: a real kernel, driven through jupyter_client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import psutil
+import pytest
+
+from kernels import Kernel
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Kernel]:
+    k = Kernel()
+    k.ok("import meshbook\n%load_ext meshbook")
+    k.ok("%mesh start --dims dp=2,tp=2")
+    yield k
+    k.ok("%mesh stop")
+    k.close()
+
+
+def test_help_is_real(kernel: Kernel) -> None:
+    reply = kernel.ok("%mesh?")
+    page = reply.content["payload"][0]["data"]["text/plain"]
+    for expected in ("--ranks", "--where", "--ordered", "Commands", "start", "status"):
+        assert expected in page
+    assert "--collective-timeout" in kernel.ok("%mesh help start").stream()
+
+
+def test_output_streams_live_into_its_own_cell_merged(kernel: Kernel) -> None:
+    code = ("%%mesh\nimport time\nprint('epoch 1')\ntime.sleep(1.5)\nprint(f'done {rank}')")
+    reply = kernel.ok(code)
+    assert reply.stream().count("[0-3] epoch 1\n") == 1
+    for rank in range(4):
+        assert f"[{rank}] done {rank}\n" in reply.stream()
+    first = min(t for t, m in reply.outputs if m["msg_type"] == "stream")
+    assert reply.replied_at - first > 1.0, "output was not streamed while the cell ran"
+
+
+def test_ordered_output_is_deterministic(kernel: Kernel) -> None:
+    code = "%%mesh --ordered\nimport random, time\ntime.sleep(random.random() / 5)\nprint('rank', rank)\nprint('same')"
+    expected = "[0] rank 0\n[0] same\n[1] rank 1\n[1] same\n[2] rank 2\n[2] same\n[3] rank 3\n[3] same\n"
+    for _ in range(2):
+        assert kernel.ok(code).stream() == expected
+
+
+def test_results_display_collapsed_and_out_stores_them(kernel: Kernel) -> None:
+    reply = kernel.ok("%%mesh --out res\nx = torch.full((2,), float(rank))\ndist.all_reduce(x)\nx.sum().item()")
+    (result,) = reply.of_type("execute_result")
+    assert result["content"]["data"]["text/plain"] == "[0-3] 12.0"
+    assert kernel.value("dict(res)") == {0: 12.0, 1: 12.0, 2: 12.0, 3: 12.0}
+    quiet = kernel.ok("%%mesh --quiet\nrank")
+    assert quiet.of_type("execute_result") == []
+
+
+def test_selection_options(kernel: Kernel) -> None:
+    reply = kernel.ok("%%mesh --ranks 0,2\nrank")
+    assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[0] 0\n[2] 2"
+    reply = kernel.ok("%%mesh --where tp=1\nrank")
+    assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[1] 1\n[3] 3"
+
+
+def test_errors_are_grouped_with_cell_line_numbers_and_the_cell_fails(kernel: Kernel) -> None:
+    reply = kernel.execute("%%mesh\na = 1\nb = a / (rank % 2)\nb")
+    assert reply.status == "error"
+    text = reply.error_text
+    assert "[0,2] ZeroDivisionError: division by zero" in text
+    assert "cell line 3" in text and "b = a / (rank % 2)" in text
+    assert "meshbook/" not in text, "internal frames leaked into the traceback"
+
+
+def test_syntax_error_is_shown_before_anything_is_sent(kernel: Kernel) -> None:
+    reply = kernel.execute("%%mesh\nsent_before_error = 1\nx = (")
+    assert reply.status == "error"
+    assert "cell line 3" in reply.error_text and "SyntaxError" in reply.error_text
+    assert kernel.ok("%%mesh --ranks 0\n'sent_before_error' in globals()").of_type(
+        "execute_result")[0]["content"]["data"]["text/plain"] == "[0] False"
+
+
+@pytest.mark.parametrize("cell, message", [
+    ("%%mesh --bogus\n1", "unrecognized arguments: --bogus"),
+    ("%%mesh --ranks 9\n1", "rank 9 does not exist: this mesh has ranks 0-3"),
+    ("%%mesh --where tp=5\n1", "tp=5 is out of range"),
+    ("%%mesh --where nope=1\n1", "no dimension 'nope'"),
+    ("%mesh start --dims dp=2,tp", "cannot read --dims"),
+    ("%mesh start -n 2", "a mesh is already running"),
+    ("%mesh frobnicate", "unknown command %mesh frobnicate"),
+])
+def test_bad_input_is_one_line_and_leaves_the_mesh_alone(kernel: Kernel, cell: str, message: str) -> None:
+    kernel.ok("%%mesh\nkept = rank")
+    reply = kernel.execute(cell)
+    assert reply.status == "error"
+    assert reply.content["ename"] == "UsageError"
+    assert message in reply.content["evalue"]
+    assert "\n" not in reply.content["evalue"].strip()
+    assert kernel.ok("%%mesh\nkept").of_type("execute_result")[0]["content"]["data"][
+        "text/plain"] == "[0] 0\n[1] 1\n[2] 2\n[3] 3"
+
+
+def test_late_output_goes_to_the_cell_that_started_it(kernel: Kernel) -> None:
+    first = kernel.ok("%%mesh --ranks 1\nimport threading, time\n"
+                      "threading.Thread(target=lambda: (time.sleep(1), print('late line'))).start()")
+    second = kernel.ok("import time\ntime.sleep(2.5)\nprint('local')")
+    assert second.stream() == "local\n"
+    deadline = time.monotonic() + 10
+    while "late line" not in "".join(m["content"].get("text", "") for _, m in kernel.outputs_of(first.msg_id)):
+        assert time.monotonic() < deadline, "late output never reached its cell"
+        time.sleep(0.1)
+
+
+def test_display_on_a_rank_reaches_the_cell(kernel: Kernel) -> None:
+    reply = kernel.ok("%%mesh --ranks 2\nclass R:\n    def _repr_html_(self):\n        return '<i>hi</i>'\ndisplay(R())")
+    (shown,) = reply.of_type("display_data")
+    assert shown["content"]["data"]["text/html"] == "<i>hi</i>"
+    assert shown["content"]["metadata"]["meshbook"]["rank"] == 2
+
+
+def test_status_and_auto_mode(kernel: Kernel) -> None:
+    status = kernel.ok("%mesh status").stream()
+    assert "rank" in status and "state" in status and status.count("idle") == 4
+    kernel.ok("%mesh on")
+    reply = kernel.ok("rank * 10")
+    assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"].startswith("[0] 0\n[1] 10")
+    kernel.ok("%mesh off")
+    assert kernel.execute("rank").status == "error"  # back to local: no `rank` here
+
+
+def test_interrupt_ends_the_cell_with_keyboard_interrupt(kernel: Kernel) -> None:
+    msg_id, sent = kernel.submit("%%mesh\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)")
+    deadline = time.monotonic() + 30
+    while "sleeping" not in "".join(m["content"].get("text", "") for _, m in kernel.outputs_of(msg_id)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    interrupted = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    reply = kernel.wait(msg_id, sent, timeout=30)
+    assert reply.replied_at - interrupted < 2.0
+    assert reply.status == "error"
+    assert "[0-3] KeyboardInterrupt" in reply.error_text
+    assert "cell line 4" in reply.error_text
+    assert kernel.ok("%%mesh\nrank").status == "ok"
+
+
+def test_interrupt_reports_ranks_that_stay_busy(kernel: Kernel) -> None:
+    # rank 1 never joins: 0, 2, 3 wait in all_reduce (blocked in C, deaf to SIGINT)
+    code = ("%%mesh\nimport time\nt = torch.ones(1)\nif rank == 1:\n    time.sleep(3)\n"
+            "else:\n    dist.all_reduce(t)\nt.item()")
+    msg_id, sent = kernel.submit(code)
+    time.sleep(1.0)
+    kernel.manager.interrupt_kernel()
+    reply = kernel.wait(msg_id, sent, timeout=30)
+    assert reply.status == "error"
+    text = reply.error_text
+    assert "[1] KeyboardInterrupt" in text
+    assert "did not stop within 2 s" in text and "still busy" in text
+    # rank 1 was interrupted before all_reduce; the others complete once the mesh moves on:
+    kernel.ok("%%mesh --ranks 1\nt = torch.ones(1)\ndist.all_reduce(t)")
+    assert kernel.ok("%%mesh\nrank").status == "ok"
+
+
+def test_no_mesh_says_how_to_start_one() -> None:
+    k = Kernel()
+    try:
+        k.ok("%load_ext meshbook")
+        reply = k.execute("%%mesh\n1")
+        assert reply.status == "error" and "%mesh start -n 4" in reply.content["evalue"]
+    finally:
+        k.close()
+
+
+def _pids_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return alive
+
+
+@pytest.mark.parametrize("how", ["shutdown", "restart", "sigkill"])
+def test_kernel_end_leaves_no_process(how: str) -> None:
+    k = Kernel()
+    try:
+        k.ok("import meshbook\n%load_ext meshbook\n%mesh start -n 2")
+        pids = k.mesh_pids()
+        if how == "shutdown":
+            k.manager.shutdown_kernel(now=False)
+        elif how == "restart":
+            k.manager.restart_kernel(now=False)
+        else:
+            os.kill(k.pid, signal.SIGKILL)
+        assert _pids_gone(pids) == []
+    finally:
+        k.close()
+
+
+def test_kernelspec_installs_and_loads_the_extension(tmp_path) -> None:
+    done = subprocess.run([sys.executable, "-m", "meshbook.kernel", "install", "--prefix", str(tmp_path)],
+                          capture_output=True, text=True, check=True)
+    assert "installed kernelspec 'meshbook'" in done.stdout
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / "share" / "jupyter" / "kernels")])
+    assert ksm.get_kernel_spec("meshbook").display_name == "Python 3 (meshbook)"
+    k = Kernel("meshbook", kernel_spec_manager=ksm)
+    try:
+        assert "Commands" in k.ok("%mesh help").stream()
+    finally:
+        k.close()
