@@ -17,22 +17,10 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 import meshbook
 
-from ..mesh import CellSyntaxError, Mesh, MeshError, RemoteError
+from ..mesh import CellSyntaxError, MeshError, RemoteError
 from ..mesh.topology import parse_dims, parse_where
+from .base import command, describe, require_mesh, running_mesh
 from .render import RenderOptions, show_run, status_table
-
-Command = Callable[[Any, str], Any]
-
-
-def command(fn: Command) -> Command:
-    """Mark a method as a ``%mesh`` subcommand named after it (``help_`` -> ``help``).
-
-    Applied first (innermost), so it still sees the one-line summary that ``%mesh?`` lists.
-    """
-    fn.mesh_command = fn.__name__.rstrip("_")  # type: ignore[attr-defined]
-    fn.mesh_summary = (fn.__doc__ or "").strip().splitlines()[0]  # type: ignore[attr-defined]
-    return fn
-
 
 @magics_class
 class MeshMagics(Magics):
@@ -81,7 +69,7 @@ class MeshMagics(Magics):
 
     def _cell(self, line: str, cell: str) -> Any:
         args = parse_argstring(self.mesh, line)
-        mesh = _require_mesh()
+        mesh = require_mesh()
         where = parse_where(args.where) if args.where else None
         run = mesh.run(cell, args.ranks, where=where, first_line=args.first_line,
                        name=self.shell.execution_count)
@@ -139,7 +127,7 @@ class MeshMagics(Magics):
         options = {"n": args.n, "dims": parse_dims(args.dims) if args.dims else None,
                    "backend": args.backend, "timeout": args.timeout,
                    "collective_timeout": args.collective_timeout}
-        running = _running_mesh()
+        running = running_mesh()
         if running is not None:
             if not args.force:
                 raise UsageError(f"a mesh is already running ({running!r}); %mesh stop it first, "
@@ -147,14 +135,14 @@ class MeshMagics(Magics):
             running.stop()
         mesh = meshbook.start(**options)
         self._start_args = options
-        print(f"started {_describe(mesh)}")
+        print(f"started {describe(mesh)}")
 
     @magic_arguments(name="mesh stop")
     @command
     def stop(self, line: str) -> None:
         """Stop the mesh: every rank and its host agent exit; namespaces are lost."""
         parse_argstring(self.stop, line)
-        mesh = _running_mesh()
+        mesh = running_mesh()
         if mesh is None:
             print("no mesh is running")
             return
@@ -168,29 +156,29 @@ class MeshMagics(Magics):
         parse_argstring(self.restart, line)
         if self._start_args is None:
             raise UsageError("nothing to restart: start a mesh with %mesh start first")
-        mesh = _running_mesh()
+        mesh = running_mesh()
         if mesh is not None:
             mesh.stop()
         mesh = meshbook.start(**self._start_args)
-        print(f"restarted {_describe(mesh)}")
+        print(f"restarted {describe(mesh)}")
 
     @magic_arguments(name="mesh status")
     @command
     def status(self, line: str) -> None:
         """Show each rank: host, pid, device, coordinates and state."""
         parse_argstring(self.status, line)
-        mesh = _require_mesh()
+        mesh = require_mesh()
         rows = [{"rank": s.rank, "host": s.hostname, "pid": s.pid or "-", "device": s.device,
                  **{k: v for k, v in mesh.topology.coords(s.rank).items()},
                  "state": s.state + (f" ({s.cause})" if s.cause else "")} for s in mesh.status()]
-        print(f"{_describe(mesh)}\n{status_table(rows)}")
+        print(f"{describe(mesh)}\n{status_table(rows)}")
 
     @magic_arguments(name="mesh on")
     @command
     def on(self, line: str) -> None:
         """Run every following cell on the mesh (as if it started with %%mesh) until %mesh off."""
         parse_argstring(self.on, line)
-        _require_mesh()
+        require_mesh()
         if not self._auto:
             self.shell.input_transformers_cleanup.append(_auto_mesh)
             self._auto = True
@@ -217,25 +205,6 @@ def _auto_mesh(lines: list[str]) -> list[str]:
     if first is None or first.lstrip().startswith(("%", "!", "?")):
         return lines
     return ["%%mesh --first-line 1\n", *lines]
-
-
-def _running_mesh() -> Mesh | None:
-    try:
-        return meshbook.current()
-    except MeshError:
-        return None
-
-
-def _require_mesh() -> Mesh:
-    mesh = _running_mesh()
-    if mesh is None:
-        raise UsageError("no mesh is running: start one with %mesh start -n 4 "
-                         "(or %mesh start --dims dp=2,tp=2)")
-    return mesh
-
-
-def _describe(mesh: Mesh) -> str:
-    return f"{mesh.world_size} ranks ({mesh.topology.describe()}, {mesh.status()[0].device or 'cpu'})"
 
 
 def _command_help(magics: type) -> str:

@@ -1,0 +1,42 @@
+"""What every ``%mesh`` command shares: the ``command`` marker and finding the mesh."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from IPython.core.error import UsageError
+
+import meshbook
+
+from ..mesh import Mesh, MeshError
+
+Command = Callable[[Any, str], Any]
+
+
+def command(fn: Command) -> Command:
+    """Mark a method as a ``%mesh`` subcommand named after it (``help_`` -> ``help``).
+
+    Applied first (innermost), so it still sees the one-line summary that ``%mesh?`` lists.
+    """
+    fn.mesh_command = fn.__name__.rstrip("_")  # type: ignore[attr-defined]
+    fn.mesh_summary = (fn.__doc__ or "").strip().splitlines()[0]  # type: ignore[attr-defined]
+    return fn
+
+
+def running_mesh() -> Mesh | None:
+    try:
+        return meshbook.current()
+    except MeshError:
+        return None
+
+
+def require_mesh() -> Mesh:
+    mesh = running_mesh()
+    if mesh is None:
+        raise UsageError("no mesh is running: start one with %mesh start -n 4 "
+                         "(or %mesh start --dims dp=2,tp=2)")
+    return mesh
+
+
+def describe(mesh: Mesh) -> str:
+    return f"{mesh.world_size} ranks ({mesh.topology.describe()}, {mesh.status()[0].device or 'cpu'})"
