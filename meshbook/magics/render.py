@@ -15,11 +15,12 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from ..mesh import Display, MeshTimeout, RankFailure, RankValues, RemoteError, Run
 from ..mesh.errors import format_ranks
 from ..mesh.output import LineMerger, OrderedCollector
+from ..mesh.table import status_table  # noqa: F401  - re-exported for the commands
 
 #: How long ranks get to stop after a forwarded interrupt before the cell gives up on them.
 INTERRUPT_GRACE_S = 2.0
@@ -121,15 +122,3 @@ def _left(span: float | None, since: float | None, now: float) -> float | None:
     if span is None or since is None:
         return None
     return max(0.0, since + span - now)
-
-
-def status_table(rows: list[dict[str, Any]]) -> str:
-    """A plain-text table with a header, columns padded to their widest cell."""
-    if not rows:
-        return "(no ranks)"
-    headers = list(rows[0])
-    cells = [[str(row[h]) for h in headers] for row in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    return "\n".join(lines)
