@@ -32,6 +32,7 @@ import zmq
 from . import wire
 from .errors import MeshError, MeshStoppedError, RankFailure, SendError
 from .launchers import AgentHandle, HostPlan, Launcher
+from .metrics import MetricsHistory
 from .run import Display, Error, Event, Output, Result, Run
 from .topology import Topology
 
@@ -90,8 +91,10 @@ class Controller:
         self._queues: dict[int, deque[int]] = {r: deque() for r in self.ranks}
         self._late: OrderedDict[int, Callable[[Event], None]] = OrderedDict()
         self._generation_changed = threading.Condition(self._lock)
+        #: The last minutes of each rank's memory (for sparklines), kept from the start.
+        self.history = MetricsHistory()
         #: Called on the receiver thread with (rank, metrics) for every heartbeat.
-        self.heartbeat_listeners: list[Callable[[int, dict[str, Any]], None]] = []
+        self.heartbeat_listeners: list[Callable[[int, dict[str, Any]], None]] = [self.history.record]
         #: Called with every new Run (the notebook layer attributes its output to a cell).
         self.run_listeners: list[Callable[[Run], None]] = []
         #: Called with (rank, cause) when a rank dies.

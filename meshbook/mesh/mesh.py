@@ -22,7 +22,10 @@ from .cell import cell_filename, compile_cell
 from .controller import Controller, RankState
 from .errors import MeshError
 from .launchers import Launcher, get_launcher
+from .memory import MemoryReport, memory_report
+from .metrics import MetricsHistory
 from .run import Run
+from .stragglers import DURATION_FACTOR, StragglerReport, straggler_report
 from .topology import DimSelector, Topology, resolve
 
 def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
@@ -147,6 +150,25 @@ class Mesh:
         body = {"fn": fn, "args": args, "kwargs": kwargs}
         return self._controller.submit("call", body, chosen, what or _name_of(fn),
                                        channel="c" if control else "x")
+
+    # -- observing ---------------------------------------------------------------------------
+
+    def memory(self) -> MemoryReport:
+        """Each rank's RSS, CPU, CUDA allocated/reserved/peak and how full its memory pool is."""
+        return memory_report(self.status())
+
+    def stragglers(self, run: Run | None = None, factor: float = DURATION_FACTOR) -> StragglerReport:
+        """Which rank the others wait for, from where each rank spent the last seconds
+        (sampled inside collectives or not); with ``run``, also the ranks whose duration
+        exceeds ``factor`` times the median of the others'."""
+        sampled = {s.rank: s.metrics.get("sampling", {}) for s in self.status()
+                   if s.state != "dead"}
+        return straggler_report(sampled, run.durations if run is not None else None, factor)
+
+    @property
+    def history(self) -> MetricsHistory:
+        """The last few minutes of each rank's memory (the dashboard's sparklines)."""
+        return self._controller.history
 
     # -- managing ----------------------------------------------------------------------------
 

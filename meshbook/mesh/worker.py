@@ -33,6 +33,8 @@ import zmq
 from . import proc, wire
 from .cell import cell_filename, compile_cell, current_cell_line, failure_from, register_source
 from .errors import RankFailure, SendError
+from .memory import memory_probe
+from .sampling import MainThreadSampler
 from .streams import FdPump, RankStream, install_thread_tagging
 from .topology import Topology
 
@@ -87,6 +89,11 @@ class Worker:
         self._process.cpu_percent()
         #: Extra fields for heartbeats, filled by other rooms (e.g. straggler sampling).
         self.heartbeat_extras: dict[str, Callable[[], Any]] = {}
+        #: Where the main thread spends its time (for straggler detection), and memory headroom.
+        self.sampler = MainThreadSampler(self.main_frame, lambda: self.request is not None)
+        self.heartbeat_extras["sampling"] = self.sampler.report
+        self.heartbeat_extras["memory"] = memory_probe(
+            cfg.local_rank if cfg.device_type == "cuda" else None)
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -274,6 +281,7 @@ class Worker:
             self.stdout.flush()
             self.stderr.flush()
             now = time.monotonic()
+            self.sampler.tick(now)
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
                 self.emit("hb", None, self.metrics())
@@ -304,9 +312,11 @@ class Worker:
         }
         torch = sys.modules.get("torch")
         if self.cfg.device_type == "cuda" and torch is not None:
-            out["cuda_allocated"] = torch.cuda.memory_allocated()
-            out["cuda_reserved"] = torch.cuda.memory_reserved()
-            out["cuda_peak"] = torch.cuda.max_memory_allocated()
+            # The rank's own device: this (control) thread's current device is not set.
+            device = self.cfg.local_rank
+            out["cuda_allocated"] = torch.cuda.memory_allocated(device)
+            out["cuda_reserved"] = torch.cuda.memory_reserved(device)
+            out["cuda_peak"] = torch.cuda.max_memory_allocated(device)
         for name, extra in self.heartbeat_extras.items():
             out[name] = extra()
         return out

@@ -1,0 +1,173 @@
+"""Where a rank's main thread spends its time: waiting in a collective, or computing.
+
+A training loop runs as one long request, so per-request durations cannot say which rank holds
+the others back. Instead the rank's control thread looks at its main thread's stack a few
+times a second (``sys._current_frames()``: no signal, no tracing hook, the main thread is not
+stopped) and classifies each look, a *sample*:
+
+* **waiting**: the main thread is inside a torch.distributed collective (a frame of
+  ``distributed_c10d.py``, its logging wrapper or the functional collectives), or blocked in a
+  ``.wait()`` on a work handle or future, which happens in C below the calling line;
+* **computing**: anything else it does while it runs a request. An idle rank is not sampled.
+
+:class:`MainThreadSampler` keeps the samples of a sliding window (``WINDOW_S``) and its
+:meth:`~MainThreadSampler.report` rides in every heartbeat: how many samples, the fraction
+spent waiting, and the few places the rank spends most of its time (``"cell line 5"``,
+``"all_reduce at cell line 6"``). The controller compares ranks with these
+(:mod:`meshbook.mesh.stragglers`): the rank that waits least while the others wait is the one
+they wait for.
+
+A sample walks only the user's frames (it stops at meshbook's own machinery) and classifies
+each code object once, so it costs microseconds; at five samples a second that is far below
+1% of a core. Collectives issued from C++ (DDP's gradient all-reduce inside ``backward()``)
+have no Python frame and count as computing.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sysconfig
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import CodeType, FrameType
+from typing import Any
+
+from .cell import CELL_PREFIX, is_internal
+
+#: Minimum gap between samples, however often the control loop wakes (it wakes every 0.2 s).
+SAMPLE_GAP_S = 0.1
+#: How far back a report looks.
+WINDOW_S = 10.0
+#: How many of a rank's busiest places a report names.
+TOP_PLACES = 3
+
+_COLLECTIVE_FILES = tuple(os.path.join("torch", "distributed", name) for name in
+                          ("distributed_c10d.py", "c10d_logger.py", "_functional_collectives.py"))
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[key] + os.sep for key in ("stdlib", "purelib", "platlib")})
+# Kinds of code, cached per code object (the walk then costs a dict lookup per frame).
+_MACHINERY, _COLLECTIVE, _LIBRARY, _USER = range(4)
+_CACHE_LIMIT = 4096  # cell code is compiled anew per cell: bound what the caches keep alive
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    waiting: bool
+    where: str
+
+
+class MainThreadSampler:
+    """Samples the main thread from the control thread; reports a sliding window.
+
+    ``frame`` returns the main thread's current frame, ``busy`` whether it runs a request.
+    Used from the control thread only (sampling and heartbeats both happen there).
+    """
+
+    def __init__(self, frame: Callable[[], FrameType | None], busy: Callable[[], bool],
+                 window: float = WINDOW_S, gap: float = SAMPLE_GAP_S) -> None:
+        self._frame = frame
+        self._busy = busy
+        self.window = window
+        self.gap = gap
+        #: Sampling can be paused (e.g. to measure what it costs); reports then age out.
+        self.enabled = True
+        self._samples: deque[Sample] = deque()
+        self._next = 0.0
+
+    def tick(self, now: float) -> None:
+        """Take a sample if one is due and the main thread is busy; drop expired ones."""
+        if self.enabled and now >= self._next:
+            self._next = now + self.gap
+            frame = self._frame() if self._busy() else None
+            found = classify(frame) if frame is not None else None
+            if found is not None:
+                self._samples.append(Sample(now, *found))
+        while self._samples and self._samples[0].t < now - self.window:
+            self._samples.popleft()
+
+    def report(self) -> dict[str, Any]:
+        """The window, for a heartbeat: ``{"n", "wait", "top": [[where, waiting, fraction]]}``."""
+        samples = list(self._samples)
+        n = len(samples)
+        if not n:
+            return {"n": 0, "wait": 0.0, "top": [], "window": self.window}
+        places = Counter((s.where, s.waiting) for s in samples)
+        top = [[where, waiting, round(count / n, 3)]
+               for (where, waiting), count in places.most_common(TOP_PLACES)]
+        waiting = sum(s.waiting for s in samples)
+        return {"n": n, "wait": round(waiting / n, 3), "top": top, "window": self.window}
+
+
+def classify(frame: FrameType) -> tuple[bool, str] | None:
+    """Is this stack waiting in a collective, and where is the user's code (innermost first)?
+
+    ``None`` when the stack holds no frame outside meshbook's own machinery.
+    """
+    collective: str | None = None
+    user: FrameType | None = None
+    innermost: FrameType | None = None
+    f: FrameType | None = frame
+    while f is not None:
+        kind = _kind(f.f_code)
+        if kind == _MACHINERY:
+            break  # everything further out is the worker's request loop
+        innermost = innermost or f
+        if kind == _COLLECTIVE and f.f_code.co_name != "wrapper":
+            collective = f.f_code.co_name  # the outermost one: the call the user made
+        elif kind == _USER and user is None:
+            user = f
+        f = f.f_back
+    if innermost is None:
+        return None
+    place = _describe(user or innermost)
+    if collective is None and _blocks_in_wait(innermost):
+        collective = "wait"
+    if collective is None:
+        return False, place
+    return True, f"{collective} at {place}"
+
+
+def _kind(code: CodeType) -> int:
+    kind = _kinds.get(code)
+    if kind is None:
+        if len(_kinds) >= _CACHE_LIMIT:
+            _kinds.clear()
+        name = code.co_filename
+        if name.startswith(CELL_PREFIX):
+            kind = _USER
+        elif is_internal(name):
+            kind = _MACHINERY
+        elif name.endswith(_COLLECTIVE_FILES):
+            kind = _COLLECTIVE
+        elif name.startswith(_LIBRARY_DIRS) or name.startswith("<frozen"):
+            kind = _LIBRARY
+        else:
+            kind = _USER
+        _kinds[code] = kind
+    return kind
+
+
+def _blocks_in_wait(frame: FrameType) -> bool:
+    """The innermost Python frame is on a ``x.wait(...)`` line: ``Work.wait()``, a future's
+    ``wait()``, ``torch.cuda.Event.wait``... block in C, below any Python frame."""
+    key = (frame.f_code, frame.f_lineno)
+    found = _waits.get(key)
+    if found is None:
+        if len(_waits) >= _CACHE_LIMIT:
+            _waits.clear()
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        found = _waits[key] = ".wait(" in line
+    return found
+
+
+def _describe(frame: FrameType) -> str:
+    name = frame.f_code.co_filename
+    if name.startswith(CELL_PREFIX):
+        return f"cell line {frame.f_lineno}"
+    return f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+_kinds: dict[CodeType, int] = {}
+_waits: dict[tuple[CodeType, int], bool] = {}
