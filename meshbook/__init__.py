@@ -10,8 +10,9 @@ In Jupyter: ``%load_ext meshbook``, then ``%mesh start -n 4`` and ``%%mesh`` cel
 """
 
 from .mesh import (CellSyntaxError, Display, Error, Mesh, MeshError, MeshStoppedError,
-                   MeshTimeout, Output, RankFailure, RankValues, RemoteError, Result, Run,
-                   SelectionError, SendError, Topology, current, prewarm, start)
+                   MeshTimeout, MissingNameError, Namespaces, Output, RankFailure, RankValues,
+                   RemoteError, RemoteRef, Result, Run, SelectionError, SendError, ShapeError,
+                   TooLargeError, Topology, VarInfo, current, prewarm, start)
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "Output", "Display", "Result", "Error", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
+    "RemoteRef", "Namespaces", "VarInfo", "MissingNameError", "TooLargeError", "ShapeError",
 ]
 
 

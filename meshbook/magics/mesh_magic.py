@@ -20,10 +20,11 @@ import meshbook
 from ..mesh import CellSyntaxError, MeshError, RemoteError
 from ..mesh.topology import parse_dims, parse_where
 from .base import command, describe, require_mesh, running_mesh
+from .data_commands import DataCommands
 from .render import RenderOptions, show_run, status_table
 
 @magics_class
-class MeshMagics(Magics):
+class MeshMagics(DataCommands, Magics):
     """``%mesh`` / ``%%mesh``; the current mesh is :func:`meshbook.current`."""
 
     def __init__(self, shell: Any) -> None:

@@ -54,6 +54,8 @@ class RankState:
     last_seen: float = 0.0
     #: Set when the rank was restarted and its variables are gone.
     lost_namespace: bool = False
+    #: The variables the rank had at the last who() or push: what a restart loses.
+    known_names: frozenset[str] = frozenset()
 
 
 class Controller:

@@ -32,6 +32,18 @@ class SendError(MeshError):
     """A value could not be serialized for the wire; nothing was sent."""
 
 
+class MissingNameError(MeshError, NameError):
+    """A variable is not defined on some of the selected ranks; nothing was moved."""
+
+
+class TooLargeError(MeshError):
+    """A pull would move more bytes than its limit; nothing was moved."""
+
+
+class ShapeError(MeshError, ValueError):
+    """A tensor cannot be split or assembled as asked; nothing was sent."""
+
+
 class CellSyntaxError(MeshError):
     """The submitted code does not compile; it was caught before anything was sent.
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .cell import cell_filename, compile_cell
 from .controller import Controller, RankState
+from .data import DataOps
 from .errors import MeshError
 from .launchers import Launcher, get_launcher
 from .memory import MemoryReport, memory_report
@@ -66,7 +67,7 @@ def current() -> "Mesh":
     return _current
 
 
-class Mesh:
+class Mesh(DataOps):
     """A set of ranks of a running mesh; run code on them and collect per-rank results."""
 
     def __init__(self, controller: Controller, ranks: list[int]) -> None:

@@ -1,0 +1,93 @@
+"""``%mesh who``, ``%mesh push`` and ``%mesh pull``: the ranks' variables, from the notebook.
+
+A mixin of :class:`~meshbook.magics.mesh_magic.MeshMagics`; each command is a thin face over
+:meth:`Mesh.who <meshbook.Mesh.who>`, :meth:`Mesh.push <meshbook.Mesh.push>` and
+:meth:`Mesh.pull <meshbook.Mesh.pull>`::
+
+    %mesh who --where dp=0            # the table of variables, no data moved
+    %mesh push lr batch --ranks 0,1   # the notebook's lr and batch, into those ranks
+    %mesh pull loss --out losses      # RankValues of every rank's loss, also stored as losses
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from ..mesh.data import DEFAULT_MAX_BYTES
+from ..mesh.errors import format_ranks
+from ..mesh.table import format_bytes
+from ..mesh.topology import parse_where
+from ..mesh.values import RankValues
+from .base import command, require_mesh
+
+_RANKS_HELP = "ranks: 0,2 or 0-3 (default: all)"
+_WHERE_HELP = "select ranks by mesh coordinates: dp=0 or dp=0,tp=0-1"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+class DataCommands:
+    """The ``%mesh`` commands that look at and move the ranks' variables."""
+
+    shell: Any
+
+    @magic_arguments(name="mesh who")
+    @argument("--ranks", "-r", help=_RANKS_HELP)
+    @argument("--where", "-w", help=_WHERE_HELP)
+    @command
+    def who(self, line: str) -> None:
+        """List the ranks' variables: type, shape, dtype, device, bytes, DTensor placements."""
+        args = parse_argstring(self.who, line)
+        print(repr(require_mesh().who(args.ranks, where=_where(args.where))))
+
+    @magic_arguments(name="mesh push")
+    @argument("names", nargs="+", help="notebook variables to send, e.g. lr batch")
+    @argument("--ranks", "-r", help=_RANKS_HELP)
+    @argument("--where", "-w", help=_WHERE_HELP)
+    @command
+    def push(self, line: str) -> None:
+        """Send notebook variables to the ranks' namespaces, under the same names."""
+        args = parse_argstring(self.push, line)
+        missing = [n for n in args.names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"no variable {', '.join(map(repr, missing))} in the notebook; "
+                             f"define it first, then %mesh push {' '.join(args.names)}")
+        mesh = require_mesh()
+        where = _where(args.where)
+        mesh.push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks, where=where)
+        print(f"pushed {', '.join(args.names)} to ranks "
+              f"{format_ranks(mesh.select(args.ranks, where))}")
+
+    @magic_arguments(name="mesh pull")
+    @argument("name", help="the ranks' variable to bring back")
+    @argument("--ranks", "-r", help=_RANKS_HELP)
+    @argument("--where", "-w", help=_WHERE_HELP)
+    @argument("--max-bytes", default=str(DEFAULT_MAX_BYTES),
+              help=f"refuse to move more than this in total, e.g. 512M or 8G "
+                   f"(default {format_bytes(DEFAULT_MAX_BYTES)})")
+    @argument("--out", "-o", help="also store the values (RankValues) in this variable")
+    @command
+    def pull(self, line: str) -> RankValues:
+        """Bring a variable back from the ranks, as per-rank values (tensors on the CPU)."""
+        args = parse_argstring(self.pull, line)
+        values = require_mesh().pull(args.name, args.ranks, where=_where(args.where),
+                                     max_bytes=parse_size(args.max_bytes))
+        if args.out:
+            self.shell.user_ns[args.out] = values
+        return values
+
+
+def parse_size(text: str) -> int:
+    """``"8G"`` -> ``8 * 2**30``; plain numbers are bytes; K, M, G, T are powers of 1024."""
+    match = _SIZE.match(text)
+    if not match:
+        raise UsageError(f"--max-bytes {text!r}: write a size like 2147483648, 512M or 8G")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** "bkmgt".index((unit or "b").lower()))
+
+
+def _where(text: str | None) -> dict[str, list[int]] | None:
+    return parse_where(text) if text else None

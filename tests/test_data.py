@@ -1,0 +1,312 @@
+"""Resident variables and data movement: who, ref, push, pull, scatter, on real ranks (gloo)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import meshbook
+from meshbook import (
+    MeshError,
+    MissingNameError,
+    RemoteError,
+    SelectionError,
+    SendError,
+    ShapeError,
+    TooLargeError,
+)
+from meshbook.mesh.bulk import SHARE_MIN
+from meshbook.mesh.namespaces import Layout, Namespaces, VarInfo
+
+DTENSOR_SETUP = """
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+g = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+w = distribute_tensor(g, device_mesh, [Shard(0), Replicate()])
+"""
+
+
+@pytest.fixture(scope="module")
+def dtensors(mesh4: meshbook.Mesh) -> meshbook.Mesh:
+    mesh4.run(DTENSOR_SETUP).result()
+    return mesh4
+
+
+def test_who_describes_a_dtensor_on_every_rank(dtensors: meshbook.Mesh) -> None:
+    ns = dtensors.who()
+    assert ns.ranks == [0, 1, 2, 3]
+    for rank, info in ns["w"].items():
+        assert (info.type, info.shape, info.dtype, info.device) == ("DTensor", (8, 6), "float32", "cpu")
+        assert info.layout.mesh_dims == ("dp", "tp")
+        assert info.layout.placements == (("Shard", 0), ("Replicate", None))
+        assert info.layout.local_shape == (4, 6), rank
+        assert info.layout.mesh_ranks == (0, 1, 2, 3)
+        assert info.nbytes == 4 * 6 * 4  # the local shard, not the global tensor
+    plain = ns["g"][2]
+    assert (plain.type, plain.shape, plain.nbytes, plain.layout) == ("Tensor", (8, 6), 192, None)
+    assert "torch" not in ns and "device_mesh" not in ns and "DTensor" not in ns
+    row = next(line for line in repr(ns).splitlines() if line.startswith("w "))
+    assert "dp:Shard(0) tp:Replicate()" in row and "(4, 6)" in row and row.endswith("0-3")
+
+
+def test_who_collapses_identical_rows_and_totals_per_rank(mesh4: meshbook.Mesh) -> None:
+    mesh4.run("model = torch.nn.Linear(4, 3)\nv = torch.zeros(rank + 1)\nsteps = 10").result()
+    ns = mesh4.who()
+    model = ns["model"][0]
+    assert (model.type, model.params, model.nbytes, model.dtype) == ("Linear", 15, 60, "float32")
+    text = repr(ns)
+    rows = {line.split()[0]: line for line in text.splitlines()[1:]}
+    assert rows["model"].endswith("0-3") and "15" in rows["model"]
+    assert rows["steps"].split()[1:] == ["int", "0-3"]
+    v_rows = [line for line in text.splitlines() if line.startswith("v ")]
+    assert len(v_rows) == 4, "a row per distinct shape, identical ones collapsed"
+    assert [ns["v"][r].shape for r in range(4)] == [(1,), (2,), (3,), (4,)]
+    assert mesh4.who(where={"dp": 1}).ranks == [2, 3]
+
+
+def test_the_who_table_groups_ranks_and_totals_each_rank() -> None:
+    layout = Layout(("dp", "tp"), (2, 1), (0, 1), (("Shard", 0), ("Replicate", None)), (2, 3))
+    w = VarInfo("w", "DTensor", (4, 3), "bfloat16", "cpu", 12, layout=layout)
+    ns = Namespaces({0: {"w": w, "n": VarInfo("n", "int")},
+                     1: {"w": w, "n": VarInfo("n", "int"), "big": VarInfo("big", "Tensor", (3 << 20,),
+                                                                            "int8", "cpu", 3 << 20)}},
+                    lost={1: ("old",)})
+    pad = " " * 38
+    assert repr(ns).splitlines() == [
+        "name  type                   shape       dtype     device  bytes    placements" + " " * 18
+        + "local   ranks",
+        "big   Tensor                 (3145728,)  int8      cpu     3.0 MiB" + pad + "1",
+        "n     int" + " " * 95 + "0,1",
+        "old   lost (rank restarted)" + " " * 77 + "1",
+        ("w     DTensor                (4, 3)      bfloat16  cpu     12 B     "
+         "dp:Shard(0) tp:Replicate()  (2, 3)  0,1"),
+        "total per rank: [0] 12 B  [1] 3.0 MiB",
+        ("rank(s) 1 were restarted: their variables marked lost are gone; run the cells that "
+         "made them again, or push them"),
+    ]
+
+
+def test_who_answers_while_a_rank_is_busy(mesh4: meshbook.Mesh) -> None:
+    mesh4.run("busy_marker = 1").result()
+    run = mesh4.run("import time; time.sleep(3)", ranks=[0])
+    try:
+        assert "busy_marker" in mesh4.who(ranks=[0])
+        assert not run.done(), "who() waited for the busy rank"
+    finally:
+        run.result()
+
+
+def test_ref_repr_shows_metadata_without_data(dtensors: meshbook.Mesh) -> None:
+    ref = dtensors.ref("w")
+    assert repr(ref) == ("<RemoteRef 'w' on ranks 0-3: DTensor (8, 6) float32 cpu, 96 B, "
+                         "dp:Shard(0) tp:Replicate(), local (4, 6)>")
+    dtensors.run("u = torch.ones(rank % 2 + 1)").result()
+    assert repr(dtensors.ref("u")) == ("<RemoteRef 'u':\n  [0,2] Tensor (1,) float32 cpu, 4 B\n"
+                                       "  [1,3] Tensor (2,) float32 cpu, 8 B\n>")
+
+
+@pytest.mark.parametrize("placements", [
+    "[Shard(0), Replicate()]",
+    "[Replicate(), Shard(1)]",
+    "[Shard(0), Shard(1)]",
+    "[Shard(1), Shard(1)]",  # both mesh dims split the same tensor dim
+    "[Shard(0), Shard(0)]",
+])
+@pytest.mark.parametrize("shape", ["(8, 6)", "(7, 5)"])  # even, and uneven shards
+def test_full_tensor_equals_the_original(dtensors: meshbook.Mesh, placements: str, shape: str) -> None:
+    dtensors.run(f"orig = torch.randn({shape}, generator=torch.Generator().manual_seed(7))\n"
+                 f"dt = distribute_tensor(orig, device_mesh, {placements})").result()
+    original = dtensors.pull("orig", ranks=[0])[0]
+    assert torch.equal(dtensors.ref("dt").full_tensor(), original)
+
+
+def test_full_tensor_reduces_partial_placements(dtensors: meshbook.Mesh) -> None:
+    dtensors.run("part = DTensor.from_local(torch.full((2, 3), float(rank)), device_mesh,"
+                 " [Partial(), Shard(1)], run_check=False)").result()
+    local = torch.full((2, 3), 0.0)
+    expected = torch.cat([local + 0 + 2, local + 1 + 3], dim=1)  # sum over dp, tp shards dim 1
+    assert torch.equal(dtensors.ref("part").full_tensor(), expected)
+
+
+def test_full_tensor_on_a_sub_mesh_needs_one_mesh(dtensors: meshbook.Mesh) -> None:
+    dtensors.run("sub = distribute_tensor(torch.arange(4.0) + 10 * coords['dp'],"
+                 " device_mesh['tp'], [Shard(0)])").result()
+    with pytest.raises(ShapeError, match="2 different DeviceMeshes.*'0,1' or '2,3'"):
+        dtensors.ref("sub").full_tensor()
+    assert torch.equal(dtensors.ref("sub", ranks="2,3").full_tensor(), torch.arange(4.0) + 10)
+    with pytest.raises(SelectionError, match="needs rank\\(s\\) 1 of its DeviceMesh"):
+        dtensors.ref("sub", ranks=[0]).full_tensor()
+
+
+def test_pull_of_a_dtensor_gives_local_shards(dtensors: meshbook.Mesh) -> None:
+    shards = dtensors.pull("w")
+    assert torch.equal(shards[0], shards[1]) and torch.equal(shards[2], torch.arange(24.0, 48).reshape(4, 6))
+
+
+CASES = {
+    "float32": lambda n: torch.randn(n),
+    "bfloat16": lambda n: torch.randn(n).to(torch.bfloat16),
+    "int64": lambda n: torch.randint(-2**62, 2**62, (n,), dtype=torch.int64),
+    "non-contiguous": lambda n: torch.randn(n // 4, 8)[:, ::2].t(),
+    "zero-size": lambda n: torch.zeros(0, 5),
+}
+
+
+@pytest.mark.parametrize("kind", CASES)
+@pytest.mark.parametrize("elements", [16, SHARE_MIN // 2], ids=["frames", "shared-memory"])
+def test_push_pull_roundtrip_is_bit_exact(mesh4: meshbook.Mesh, kind: str, elements: int) -> None:
+    value = CASES[kind](elements)
+    mesh4.push(value=value)
+    for rank, back in mesh4.pull("value").items():
+        assert back.dtype == value.dtype and back.shape == value.shape, rank
+        assert back.view(torch.uint8).numpy().tobytes() == value.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_push_many_values_and_containers(mesh4: meshbook.Mesh) -> None:
+    state = {"w": torch.randn(SHARE_MIN), "b": [torch.ones(3), 2.5], "name": "layer"}
+    mesh4.push({"ranks_seen": [0, 1]}, state=state, lr=0.1, ranks="1-2")
+    got = mesh4.run("(state['name'], state['b'][1], lr, ranks_seen, state['w'].sum().item())",
+                    ranks=[1, 2]).result()
+    assert got.unique() == ("layer", 2.5, 0.1, [0, 1], pytest.approx(state["w"].sum().item()))
+    assert "lr" not in mesh4.who(ranks=[0, 3])
+
+
+def test_pushed_tensor_is_private_to_each_rank(mesh4: meshbook.Mesh) -> None:
+    big = torch.zeros(SHARE_MIN)  # 4 MiB: goes through shared memory
+    mesh4.push(shared=big)
+    mesh4.run("shared.add_(rank)").result()  # every rank writes its own copy
+    sums = mesh4.run("shared.sum().item()").result()
+    assert dict(sums) == {r: float(r * SHARE_MIN) for r in range(4)}
+    assert big.sum().item() == 0.0
+
+
+class CountsPickling:
+    count = 0
+
+    def __reduce__(self) -> tuple[object, ...]:
+        CountsPickling.count += 1
+        return (dict, ())
+
+
+def test_a_push_serializes_each_value_once_for_all_ranks(mesh4: meshbook.Mesh) -> None:
+    CountsPickling.count = 0
+    mesh4.push(counted=CountsPickling(), payload=torch.ones(SHARE_MIN))
+    assert CountsPickling.count == 1
+    assert dict(mesh4.run("counted").result()) == {r: {} for r in range(4)}
+
+
+@pytest.mark.parametrize("dim,mesh_dim", [(0, None), (1, None), (0, "dp"), (1, "tp"), (-1, "dp")])
+def test_scatter_and_gather_are_inverses(mesh4: meshbook.Mesh, dim: int, mesh_dim: str | None) -> None:
+    tensor = torch.randn(8, 12, 4)
+    mesh4.scatter("piece", tensor, dim, mesh_dim=mesh_dim)
+    parts = 4 if mesh_dim is None else 2
+    pieces = mesh4.pull("piece")
+    for rank, piece in pieces.items():
+        index = rank if mesh_dim is None else mesh4.topology.coords(rank)[mesh_dim]
+        assert torch.equal(piece, tensor.chunk(parts, dim)[index])
+    assert torch.equal(mesh4.ref("piece").gather(dim, mesh_dim=mesh_dim), tensor)
+
+
+def test_scatter_over_a_selection(mesh4: meshbook.Mesh) -> None:
+    tensor = torch.arange(10.0)
+    mesh4.scatter("part", tensor, where={"tp": 1})  # ranks 1 and 3, five elements each
+    assert torch.equal(mesh4.pull("part", ranks=[3])[3], tensor[5:])
+    assert torch.equal(mesh4.ref("part", where={"tp": 1}).gather(), tensor)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_a_name_missing_on_some_ranks_is_named(mesh4: meshbook.Mesh) -> None:
+    mesh4.run("only_some = 1", ranks=[0, 1]).result()
+    message = r"'only_some' is not defined on rank\(s\) 2,3 \(it is on rank\(s\) 0,1"
+    with pytest.raises(MissingNameError, match=message):
+        mesh4.pull("only_some")
+    with pytest.raises(MissingNameError, match=message):
+        mesh4.ref("only_some")
+    with pytest.raises(MissingNameError, match="on rank\\(s\\) 0-3; define it there"):
+        mesh4.pull("nowhere")
+    assert dict(mesh4.pull("only_some", ranks=[0, 1])) == {0: 1, 1: 1}
+
+
+def test_an_unpicklable_value_is_named_and_nothing_is_pushed(mesh4: meshbook.Mesh) -> None:
+    with pytest.raises(SendError, match="push: value 'lock' \\(a _thread.lock\\) cannot be pickled"):
+        mesh4.push(fine=torch.ones(2), lock=threading.Lock())
+    assert "fine" not in mesh4.who()
+
+
+def test_a_pull_over_the_limit_is_refused_with_its_size(mesh4: meshbook.Mesh) -> None:
+    mesh4.push(big=torch.zeros(1 << 20))  # 4 MiB per rank, 16 MiB in all
+    with pytest.raises(TooLargeError, match=r"would move 16.0 MiB \(\[0-3\] 4.0 MiB\), over the "
+                                            r"8.0 MiB limit; nothing was moved.*max_bytes=16 \* 2\*\*20"):
+        mesh4.pull("big", max_bytes=8 << 20)
+    assert len(mesh4.pull("big", ranks="0,1", max_bytes=8 << 20)) == 2
+    mesh4.run("nested = {'a': [big, big]}").result()
+    with pytest.raises(TooLargeError, match="32.0 MiB"):
+        mesh4.ref("nested").fetch(max_bytes=8 << 20)
+
+
+def test_scatter_refuses_what_does_not_split(mesh4: meshbook.Mesh) -> None:
+    with pytest.raises(ShapeError, match="size 10 along dim 0 does not divide into 4 equal pieces"
+                                         ".*multiple of 4 \\(e.g. 8 or 12\\)"):
+        mesh4.scatter("x", torch.zeros(10))
+    with pytest.raises(ShapeError, match="one per dp coordinate"):
+        mesh4.scatter("x", torch.zeros(3, 4), mesh_dim="dp")
+    with pytest.raises(ShapeError, match="dim 2 is out of range"):
+        mesh4.scatter("x", torch.zeros(4, 4), dim=2)
+    with pytest.raises(ShapeError, match="not a list"):
+        mesh4.scatter("x", [1, 2, 3, 4])
+    with pytest.raises(SelectionError, match="no dimension 'pp'"):
+        mesh4.scatter("x", torch.zeros(4), mesh_dim="pp")
+    assert "x" not in mesh4.who()
+
+
+def test_other_bad_requests(dtensors: meshbook.Mesh) -> None:
+    with pytest.raises(MeshError, match="'rank' is set by meshbook on every rank"):
+        dtensors.push(rank=3)
+    with pytest.raises(MeshError, match="needs values"):
+        dtensors.push()
+    with pytest.raises(ShapeError, match="full_tensor\\(\\) assembles DTensors; 'g' is a Tensor"):
+        dtensors.ref("g").full_tensor()
+    with pytest.raises(ShapeError, match="use .full_tensor\\(\\) for a DTensor"):
+        dtensors.ref("w").gather()
+
+
+# -- a broken mesh ------------------------------------------------------------------------------
+
+
+def test_push_to_a_degraded_mesh_sends_nothing(mesh2: meshbook.Mesh) -> None:
+    mesh2.run("import os; os.kill(os.getpid(), 9)", ranks=[1]).wait(30)
+    with pytest.raises(MeshError, match="degraded"):
+        mesh2.push(x=torch.ones(SHARE_MIN))
+    assert "x" not in mesh2.who(ranks=[0])
+
+
+def test_a_rank_dying_during_a_push_is_reported_with_what_was_stored(mesh2: meshbook.Mesh) -> None:
+    blocker = mesh2.run("import time; time.sleep(120)", ranks=[1])  # the push queues behind it
+    outcome: list[BaseException | None] = []
+
+    def push() -> None:
+        try:
+            mesh2.push(x=torch.ones(SHARE_MIN))
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    deadline = time.monotonic() + 60
+    while "x" not in mesh2.who(ranks=[0]):
+        assert time.monotonic() < deadline, "rank 0 never stored x"
+        time.sleep(0.05)
+    os.kill(mesh2.status()[1].pid, signal.SIGKILL)
+    pusher.join(60)
+    blocker.wait(30)
+    (error,) = outcome
+    assert isinstance(error, RemoteError) and error.ranks == [1]
+    assert "x stored on rank(s) 0; rank(s) 1 kept their previous values" in str(error)
+
