@@ -68,6 +68,11 @@ class Kernel:
             return [(t, m) for t, m in self._by_parent.get(msg_id, [])
                     if m["msg_type"] in ("stream", "display_data", "execute_result", "error")]
 
+    def messages_of(self, msg_id: str) -> list[dict[str, Any]]:
+        """Every iopub message a request produced (widget comm messages too), in order."""
+        with self._lock:
+            return [m for _, m in self._by_parent.get(msg_id, [])]
+
     def submit(self, code: str, allow_stdin: bool = False) -> tuple[str, float]:
         return self.client.execute(code, allow_stdin=allow_stdin), time.monotonic()
 

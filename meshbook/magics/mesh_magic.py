@@ -22,9 +22,10 @@ from ..mesh.topology import parse_dims, parse_where
 from .base import command, describe, require_mesh, running_mesh
 from .data_commands import DataCommands
 from .render import RenderOptions, show_run, status_table
+from .widget_commands import WidgetCommands
 
 @magics_class
-class MeshMagics(DataCommands, Magics):
+class MeshMagics(WidgetCommands, DataCommands, Magics):
     """``%mesh`` / ``%%mesh``; the current mesh is :func:`meshbook.current`."""
 
     def __init__(self, shell: Any) -> None:
@@ -43,6 +44,8 @@ class MeshMagics(DataCommands, Magics):
     @argument("--ordered", action="store_true",
               help="print each rank's output in rank order when the cell ends (deterministic)")
     @argument("--quiet", "-q", action="store_true", help="do not display the results")
+    @argument("--no-status", action="store_true",
+              help="no live per-rank status for this cell (shown when a cell runs over 1 s)")
     @argument("--first-line", type=int, default=2, help=argparse.SUPPRESS)
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
@@ -74,7 +77,8 @@ class MeshMagics(DataCommands, Magics):
         where = parse_where(args.where) if args.where else None
         run = mesh.run(cell, args.ranks, where=where, first_line=args.first_line,
                        name=self.shell.execution_count)
-        values = show_run(run, RenderOptions(ordered=args.ordered, timeout=args.timeout))
+        values = show_run(run, RenderOptions(ordered=args.ordered, timeout=args.timeout),
+                          view=self.cell_view(mesh, run, enabled=not args.no_status))
         if args.out:
             self.shell.user_ns[args.out] = values
         if args.quiet or all(v is None for v in values.values()):

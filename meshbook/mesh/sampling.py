@@ -11,11 +11,12 @@ stopped) and classifies each look, a *sample*:
 * **computing**: anything else it does while it runs a request. An idle rank is not sampled.
 
 :class:`MainThreadSampler` keeps the samples of a sliding window (``WINDOW_S``) and its
-:meth:`~MainThreadSampler.report` rides in every heartbeat: how many samples, the fraction
-spent waiting, and the few places the rank spends most of its time (``"cell line 5"``,
-``"all_reduce at cell line 6"``). The controller compares ranks with these
-(:mod:`meshbook.mesh.stragglers`): the rank that waits least while the others wait is the one
-they wait for.
+:meth:`~MainThreadSampler.report` rides in every heartbeat: the request it describes (the
+latest one sampled: evidence from an earlier cell never speaks for the current one), how many
+samples, the fraction spent waiting, and the few places the rank spends most of its time
+(``"cell line 5"``, ``"all_reduce at cell line 6"``). The controller compares the ranks that
+run the same request (:mod:`meshbook.mesh.stragglers`): the rank that waits least while the
+others wait is the one they wait for.
 
 A sample walks only the user's frames (it stops at meshbook's own machinery) and classifies
 each code object once, so it costs microseconds; at five samples a second that is far below
@@ -54,6 +55,7 @@ _CACHE_LIMIT = 4096  # cell code is compiled anew per cell: bound what the cache
 @dataclass(frozen=True)
 class Sample:
     t: float
+    request: int
     waiting: bool
     where: str
 
@@ -61,14 +63,15 @@ class Sample:
 class MainThreadSampler:
     """Samples the main thread from the control thread; reports a sliding window.
 
-    ``frame`` returns the main thread's current frame, ``busy`` whether it runs a request.
-    Used from the control thread only (sampling and heartbeats both happen there).
+    ``frame`` returns the main thread's current frame, ``request`` the request it runs
+    (``None`` when idle). Used from the control thread only (sampling and heartbeats both
+    happen there).
     """
 
-    def __init__(self, frame: Callable[[], FrameType | None], busy: Callable[[], bool],
+    def __init__(self, frame: Callable[[], FrameType | None], request: Callable[[], int | None],
                  window: float = WINDOW_S, gap: float = SAMPLE_GAP_S) -> None:
         self._frame = frame
-        self._busy = busy
+        self._request = request
         self.window = window
         self.gap = gap
         #: Sampling can be paused (e.g. to measure what it costs); reports then age out.
@@ -80,24 +83,29 @@ class MainThreadSampler:
         """Take a sample if one is due and the main thread is busy; drop expired ones."""
         if self.enabled and now >= self._next:
             self._next = now + self.gap
-            frame = self._frame() if self._busy() else None
+            request = self._request()
+            frame = self._frame() if request is not None else None
             found = classify(frame) if frame is not None else None
-            if found is not None:
-                self._samples.append(Sample(now, *found))
+            if request is not None and found is not None:
+                self._samples.append(Sample(now, request, *found))
         while self._samples and self._samples[0].t < now - self.window:
             self._samples.popleft()
 
     def report(self) -> dict[str, Any]:
-        """The window, for a heartbeat: ``{"n", "wait", "top": [[where, waiting, fraction]]}``."""
+        """The window's samples of the latest request sampled, for a heartbeat:
+        ``{"request", "n", "wait", "top": [[where, waiting, fraction]], "window"}``."""
         samples = list(self._samples)
+        if not samples:
+            return {"request": None, "n": 0, "wait": 0.0, "top": [], "window": self.window}
+        request = samples[-1].request
+        samples = [s for s in samples if s.request == request]
         n = len(samples)
-        if not n:
-            return {"n": 0, "wait": 0.0, "top": [], "window": self.window}
         places = Counter((s.where, s.waiting) for s in samples)
         top = [[where, waiting, round(count / n, 3)]
                for (where, waiting), count in places.most_common(TOP_PLACES)]
         waiting = sum(s.waiting for s in samples)
-        return {"n": n, "wait": round(waiting / n, 3), "top": top, "window": self.window}
+        return {"request": request, "n": n, "wait": round(waiting / n, 3), "top": top,
+                "window": self.window}
 
 
 def classify(frame: FrameType) -> tuple[bool, str] | None:

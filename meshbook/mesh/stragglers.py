@@ -6,10 +6,10 @@ Two signals, both cheap and both available while work is still running:
   few seconds a rank's main thread spent waiting in collectives (see
   :mod:`meshbook.mesh.sampling`). In a synchronous job everyone waits for the slowest rank, so
   the straggler is the rank that waits *least* while the others wait on it. A rank's score is
-  the median waiting fraction of the *other* sampled ranks minus its own: about 0 for a
-  healthy rank, close to 1 for the rank everyone waits for, negative for one that waits more
-  than most. A score of at least ``STRAGGLER_SCORE`` flags it. A rank needs ``MIN_SAMPLES``
-  samples in the window to be scored, and two ranks are needed to compare.
+  the median waiting fraction of the *other* ranks running the same request minus its own:
+  about 0 for a healthy rank, close to 1 for the rank everyone waits for, negative for one
+  that waits more than most. A score of at least ``STRAGGLER_SCORE`` flags it. A rank needs
+  ``MIN_SAMPLES`` samples in the window to be scored, and two ranks are needed to compare.
 * **Durations** work per request: a rank whose duration exceeds the median of the others' by
   ``DURATION_FACTOR`` is slow, if it is also at least ``DURATION_MIN_EXCESS_S`` slower (a 3 ms
   cell next to 1 ms ones is not news).
@@ -54,6 +54,8 @@ class RankTime:
     """One rank's sampled time: how much of it it waited, and its straggler score."""
 
     rank: int
+    #: The request the samples were taken in (``None``: none sampled).
+    request: int | None
     samples: int
     wait: float
     places: tuple[Place, ...]
@@ -140,21 +142,23 @@ class StragglerReport:
 
 
 def score_ranks(sampled: Mapping[int, Mapping[str, Any]]) -> tuple[RankTime, ...]:
-    """Straggler scores from each rank's sampling report (the heartbeat's ``sampling``)."""
+    """Straggler scores from each rank's sampling report (the heartbeat's ``sampling``); a
+    rank is compared with the ranks that ran the same request."""
     waits = {r: float(s.get("wait", 0.0)) for r, s in sampled.items()
              if int(s.get("n", 0)) >= MIN_SAMPLES}
     out = []
     for rank in sorted(sampled):
         report = sampled[rank]
-        others = [w for r, w in waits.items() if r != rank]
+        request = report.get("request")
+        others = [w for r, w in waits.items() if r != rank and sampled[r].get("request") == request]
         others_wait = statistics.median(others) if others else None
         score = None
         if rank in waits and others_wait is not None:
             score = round(others_wait - waits[rank], 3)
         places = tuple(Place(str(where), bool(waiting), float(fraction))
                        for where, waiting, fraction in report.get("top", ()))
-        out.append(RankTime(rank, int(report.get("n", 0)), float(report.get("wait", 0.0)),
-                            places, score, others_wait))
+        out.append(RankTime(rank, request, int(report.get("n", 0)),
+                            float(report.get("wait", 0.0)), places, score, others_wait))
     return tuple(out)
 
 

@@ -90,7 +90,7 @@ class Worker:
         #: Extra fields for heartbeats, filled by other rooms (e.g. straggler sampling).
         self.heartbeat_extras: dict[str, Callable[[], Any]] = {}
         #: Where the main thread spends its time (for straggler detection), and memory headroom.
-        self.sampler = MainThreadSampler(self.main_frame, lambda: self.request is not None)
+        self.sampler = MainThreadSampler(self.main_frame, lambda: self.request)
         self.heartbeat_extras["sampling"] = self.sampler.report
         self.heartbeat_extras["memory"] = memory_probe(
             cfg.local_rank if cfg.device_type == "cuda" else None)

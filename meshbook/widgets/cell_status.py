@@ -1,0 +1,164 @@
+"""The live status of a ``%%mesh`` cell: one tile per rank while it runs, durations at the end.
+
+:class:`CellStatusView` is the ``view`` that :func:`meshbook.magics.render.show_run` drives
+(``update(run)`` about every 0.25 s on the kernel's main thread, ``close(run)`` at the end).
+Most cells end within a second and show nothing; a cell still running after
+``SHOW_AFTER_S`` gets a :class:`CellStatus` widget: per rank its state (running / done /
+error / interrupted / dead), elapsed time, the cell line it is on now (from its heartbeat) and
+a straggler mark. When the cell ends the widget turns into a bar chart of the final per-rank
+durations, so the slow rank is obvious at a glance.
+
+A rank is marked as a straggler when the sampling detector flags it
+(:meth:`meshbook.Mesh.stragglers`) or when its time exceeds the median of the other ranks' by
+``DURATION_FACTOR`` (a running rank counts with its time so far).
+
+Where widgets do not render, the output falls back to the same HTML, and to a deterministic
+``text/plain`` (the ranks' final states, no times: ``cell status: [0-2] done, [3] dead``).
+The display is updated when the cell ends, so a saved notebook keeps the final state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ipywidgets as widgets
+from IPython.display import DisplayHandle, display
+from traitlets import Dict, List, Unicode
+
+from ..mesh import Mesh, Run
+from ..mesh.errors import format_ranks, group_by_text
+from ..mesh.stragglers import DURATION_FACTOR, slow_by_duration
+from . import html
+
+#: A cell shows its status once it has run this long.
+SHOW_AFTER_S = 1.0
+#: The overall state of a finished cell: the worst of its ranks' states.
+_SEVERITY = ("done", "interrupted", "error", "dead")
+
+
+class CellStatus(widgets.VBox):
+    """Per-rank state of one cell's run; ``ranks`` and ``state`` are its model state."""
+
+    #: One dict per rank: rank, state, elapsed (s), line (cell line or None), straggler.
+    ranks = List(Dict()).tag(sync=True)
+    #: running while any rank runs, then the worst final state (done < interrupted < error < dead).
+    state = Unicode("running").tag(sync=True)
+
+    def __init__(self, mesh: Mesh, run: Run, factor: float = DURATION_FACTOR, **kwargs: Any) -> None:
+        self._mesh: Mesh | None = mesh
+        self._run: Run | None = run
+        self._factor = factor
+        self._final = False
+        rows = rank_rows(mesh, run, factor)  # the model opens with its state complete
+        self._html = widgets.HTML(_render(rows, _overall(rows), final=False))
+        super().__init__(children=[self._html], ranks=rows, state=_overall(rows), **kwargs)
+
+    def refresh(self) -> None:
+        """Read the run and the ranks' heartbeats again."""
+        if self._run is None or self._mesh is None:
+            return  # finished: the final state stays
+        self.ranks = rank_rows(self._mesh, self._run, self._factor)
+        self.state = _overall(self.ranks)
+        self._html.value = _render(self.ranks, self.state, self._final)
+
+    def finish(self) -> None:
+        """The cell ended: show the final durations and let go of the run and the mesh."""
+        self._final = True
+        self.refresh()
+        self._run = self._mesh = None
+
+    def text(self) -> str:
+        """Deterministic: the ranks' states grouped, no times (they differ run to run)."""
+        groups = group_by_text({row["rank"]: row["state"] for row in self.ranks})
+        return "cell status: " + ", ".join(f"[{format_ranks(r)}] {s}" for r, s in groups)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        return self._html.value
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = dict(super()._repr_mimebundle_(**kwargs) or {})
+        bundle.update({"text/plain": self.text(), "text/html": self._html.value})
+        return bundle
+
+
+class CellStatusView:
+    """What ``show_run`` drives: shows a :class:`CellStatus` once the cell runs long enough."""
+
+    def __init__(self, mesh: Mesh, show_after: float = SHOW_AFTER_S) -> None:
+        self._mesh = mesh
+        self.show_after = show_after
+        #: The widget, once shown (``None`` for a cell that ended quickly).
+        self.widget: CellStatus | None = None
+        self._handle: DisplayHandle | None = None
+
+    def update(self, run: Run) -> None:
+        if self.widget is not None:
+            self.widget.refresh()
+        elif time.monotonic() - run.submitted_at >= self.show_after and not run.done():
+            self.widget = CellStatus(self._mesh, run)
+            self._handle = display(self.widget, display_id=True)
+
+    def close(self, run: Run) -> None:
+        if self.widget is None:
+            return  # a quick cell: nothing was shown, nothing stays
+        self.widget.finish()
+        if self._handle is not None:
+            self._handle.update(self.widget)  # a saved notebook keeps the final state
+
+
+def rank_rows(mesh: Mesh, run: Run, factor: float = DURATION_FACTOR) -> list[dict[str, Any]]:
+    """Per rank of ``run``: state, elapsed seconds, current cell line, straggler flag."""
+    now = time.monotonic()
+    failures = getattr(run.exception(), "failures", {})
+    done = run.values()
+    durations = run.durations
+    states = {s.rank: s for s in mesh.status()}
+    elapsed = {r: durations.get(r, now - run.submitted_at) for r in run.ranks}
+    # Sampling evidence counts only if it was taken in this run, not in an earlier cell.
+    sampled = {t.rank for t in mesh.stragglers().ranks if t.straggler and t.request == run.id}
+    flagged = sampled | {s.rank for s in slow_by_duration(elapsed, factor)}
+    rows = []
+    for rank in run.ranks:
+        metrics = states[rank].metrics if rank in states else {}
+        if rank in failures:
+            failure = failures[rank]
+            state = "dead" if failure.died else \
+                "interrupted" if failure.type_name == "KeyboardInterrupt" else "error"
+        elif rank in done:
+            state = "done"
+        elif rank in states and states[rank].state == "dead":
+            state = "dead"
+        else:
+            state = "running"
+        line = metrics.get("line") if state == "running" and metrics.get("request") == run.id else None
+        rows.append({"rank": rank, "state": state, "elapsed": round(elapsed[rank], 2),
+                     "line": line, "straggler": rank in flagged})
+    return rows
+
+
+def _overall(rows: list[dict[str, Any]]) -> str:
+    states = {row["state"] for row in rows}
+    return "running" if "running" in states else max(states, key=_SEVERITY.index)
+
+
+def _render(rows: list[dict[str, Any]], state: str, final: bool) -> str:
+    if final:
+        items = [(f"r{row['rank']}", row["elapsed"], html.state_colour(row["state"]),
+                  f"{row['elapsed']:.2f} s {row['state']}"
+                  + (f" {html.FLAG} straggler" if row["straggler"] else "")) for row in rows]
+        return html.panel(f"%%mesh {state}: per-rank durations", html.bars(items))
+    tiles = [(f"r{row['rank']} {row['state']} {row['elapsed']:.1f} s"
+              + (f" line {row['line']}" if row["line"] is not None else "")
+              + (f" {html.FLAG}" if row["straggler"] else ""),
+              html.state_colour(row["state"]), html.STRAGGLER_BG if row["straggler"] else "")
+             for row in rows]
+    return html.panel(f"%%mesh {state}: {_counts(rows)}", html.tiles(tiles))
+
+
+def _counts(rows: list[dict[str, Any]]) -> str:
+    groups = group_by_text({row["rank"]: row["state"] for row in rows})
+    return ", ".join(f"{len(ranks)} {state}" for ranks, state in groups)

@@ -1,0 +1,142 @@
+"""Straggler and memory reports: the scoring on its own, then on real ranks with gloo."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from workloads import slow_rank_loop
+
+import meshbook
+from meshbook.mesh.controller import RankState
+from meshbook.mesh.memory import memory_report
+from meshbook.mesh.metrics import MetricsHistory
+from meshbook.mesh.stragglers import slow_by_duration, straggler_report
+from meshbook.mesh.table import format_bytes
+
+
+def sampled(wait: float, n: int = 20, where: str = "cell line 8", request: int = 7) -> dict:
+    """A heartbeat's sampling report: ``wait`` of ``n`` samples in a collective."""
+    top = [[f"all_reduce at {where}", True, wait], [where, False, round(1 - wait, 3)]]
+    return {"request": request, "n": n, "wait": wait, "top": sorted(top, key=lambda t: -t[2]),
+            "window": 10.0}
+
+
+def test_the_rank_that_waits_least_while_the_others_wait_is_the_straggler() -> None:
+    report = straggler_report({0: sampled(0.95), 1: sampled(0.9), 2: sampled(0.05), 3: sampled(0.96)})
+    assert report.stragglers == [2]
+    scores = {t.rank: t.score for t in report.ranks}
+    assert scores == {0: -0.05, 1: 0.05, 2: 0.9, 3: -0.06}
+    assert str(report) == (
+        "straggler: rank 2 (score 0.90): it waits in collectives 5% of the time, the others 95%\n"
+        "  rank 2 spends its time at: cell line 8 (95%), all_reduce at cell line 8 (5%)\n"
+        "rank  samples  waiting  score  flag       most time at\n"
+        "0     20       95%      -0.05             all_reduce at cell line 8 (95%), cell line 8 (5%)\n"
+        "1     20       90%      0.05              all_reduce at cell line 8 (90%), cell line 8 (10%)\n"
+        "2     20       5%       0.90   straggler  cell line 8 (95%), all_reduce at cell line 8 (5%)\n"
+        "3     20       96%      -0.06             all_reduce at cell line 8 (96%), cell line 8 (4%)")
+
+
+def test_two_ranks_and_two_stragglers() -> None:
+    assert straggler_report({0: sampled(0.8), 1: sampled(0.1)}).stragglers == [1]
+    # a slow host with two ranks: both flagged, the slower (waiting less) first
+    report = straggler_report({0: sampled(0.9), 1: sampled(0.95), 2: sampled(0.3), 3: sampled(0.0)})
+    assert report.stragglers == [3, 2]
+
+
+def test_no_straggler_when_ranks_wait_alike_or_too_few_samples() -> None:
+    alike = straggler_report({r: sampled(w) for r, w in enumerate([0.4, 0.5, 0.45, 0.35])})
+    assert alike.stragglers == []
+    assert alike.summary() == ["no straggler: the ranks wait alike (every score below 0.30)"]
+    few = straggler_report({0: sampled(0.9), 1: sampled(0.0, n=3), 2: {}})
+    assert few.stragglers == [] and all(t.score is None for t in few.ranks)
+    assert few.summary()[0].startswith("no straggler: fewer than two ranks ran code long enough "
+                                       "in the last 10 s")
+
+
+def test_ranks_are_compared_within_one_request() -> None:
+    # rank 2's window still holds an earlier loop (request 7); the others run request 8
+    report = straggler_report({0: sampled(0.9, request=8), 1: sampled(0.9, request=8),
+                               2: sampled(0.05, request=7), 3: sampled(0.9, request=8)})
+    assert report.stragglers == []
+    assert [(t.rank, t.request, t.score) for t in report.ranks][2] == (2, 7, None)
+
+
+def test_slow_by_duration_against_the_median_of_the_others() -> None:
+    assert [s.rank for s in slow_by_duration({0: 1.0, 1: 1.1, 2: 5.0, 3: 0.9})] == [2]
+    assert slow_by_duration({0: 1.0, 1: 10.0})[0].factor == 10.0
+    assert slow_by_duration({0: 0.001, 1: 0.004}) == ()  # 4x, but 3 ms is not news
+    assert slow_by_duration({0: 1.0, 1: 1.8}) == ()  # under the default factor 2
+    assert [s.rank for s in slow_by_duration({0: 1.0, 1: 1.8}, factor=1.5, min_excess=0.5)] == [1]
+    report = straggler_report({}, {0: 1.0, 1: 1.1, 2: 5.0})
+    assert report.slow_ranks == [2]
+    assert report.summary() == ["slow: rank 2 took 5.00 s, 4.8x the median of the others (1.05 s)"]
+
+
+def test_memory_report_rows_and_limits() -> None:
+    now = 100.0
+    healthy = RankState(0, 0, pid=11, hostname="h", device="cpu", state="idle", last_seen=99.5,
+                        metrics={"rss": 3 << 30, "cpu": 12.0,
+                                 "memory": {"pool": "host", "limit": 100, "used": 95}})
+    dead = RankState(1, 0, hostname="h", device="cpu", state="dead", cause="SIGKILL",
+                     metrics={"rss": 1 << 30})
+    report = memory_report([healthy, dead], now)
+    assert report.near_limit() == [0]
+    assert report.rows[1].rss is None, "a dead rank's last numbers describe no process"
+    assert str(report) == (
+        "rank  host  pid  device  state           cpu  rss      memory pool                         heartbeat\n"
+        "0     h     11   cpu     idle            12%  3.0 GiB  host 95% of 100 B (near its limit)  0.5 s ago\n"
+        "1     h     -    cpu     dead (SIGKILL)  -    -        -                                   -")
+    gpu = RankState(0, 0, state="busy", last_seen=now,
+                    metrics={"rss": 1, "cuda_allocated": 2 << 20, "cuda_reserved": 4 << 20,
+                             "cuda_peak": 3 << 20})
+    assert "cuda alloc  reserved  peak" in str(memory_report([gpu], now))
+    assert [format_bytes(n) for n in (None, 512, 1536, 5 << 40)] == ["-", "512 B", "1.5 KiB", "5.0 TiB"]
+
+
+def test_history_keeps_only_its_window() -> None:
+    history = MetricsHistory(keep=0.2)
+    history.record(0, {"rss": 1})
+    time.sleep(0.3)
+    history.record(0, {"rss": 2, "cuda_allocated": 7})
+    assert [p.used for p in history.memory(0)] == [7]
+    assert history.memory(5) == []
+
+
+def test_memory_of_real_ranks(mesh4: meshbook.Mesh) -> None:
+    deadline = time.monotonic() + 10
+    while any(r.rss is None for r in mesh4.memory().rows):
+        assert time.monotonic() < deadline, "no heartbeat with memory in 10 s"
+        time.sleep(0.1)
+    rows = mesh4.memory().rows
+    assert [r.rank for r in rows] == [0, 1, 2, 3]
+    assert all(r.rss > 50 << 20 and r.pool in ("host", "container") and r.pool_fraction for r in rows)
+    assert len(mesh4.history.memory(0)) >= 1
+    assert [r.rank for r in mesh4.slice(dp=1).memory().rows] == [2, 3]
+
+
+def test_sampling_flags_the_slow_rank_inside_a_loop(mesh4: meshbook.Mesh, tmp_path: Path) -> None:
+    stop = tmp_path / "stop"
+    started = time.monotonic()
+    run = mesh4.run(slow_rank_loop(str(stop), slow_rank=2))
+    try:
+        while not (report := mesh4.stragglers()).stragglers:
+            assert time.monotonic() - started < 10, f"no straggler found in 10 s:\n{report}"
+            time.sleep(0.2)
+        assert report.stragglers == [2], str(report)
+        slow = report.get(2)
+        assert slow is not None and slow.places[0].where == "cell line 8", str(report)
+        for rank in (0, 1, 3):
+            t = report.get(rank)
+            assert t is not None and not t.straggler and t.places[0].where == "all_reduce at cell line 10"
+    finally:
+        stop.touch()
+    steps = run.result(timeout=60)
+    assert len(set(steps.values())) == 1, "every rank leaves the loop after the same step"
+
+
+def test_slow_rank_by_cell_duration(mesh4: meshbook.Mesh) -> None:
+    run = mesh4.run("import time\ntime.sleep(1.5 if rank == 1 else 0.1)")
+    run.result()
+    assert mesh4.stragglers(run).slow_ranks == [1]
+    assert mesh4.stragglers(run, factor=100).slow_ranks == []

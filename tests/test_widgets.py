@@ -1,0 +1,170 @@
+"""The widgets in a real kernel: their model state (traitlets), live updates, stragglers,
+a killed rank, deterministic fallbacks, and no thread outliving its widget or its mesh.
+
+The tests share one kernel and mesh and run in file order: the last two break the mesh.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kernels import Kernel, Reply
+from workloads import slow_rank_loop
+
+from meshbook.widgets import html
+
+DASHBOARD_TEXT = ("meshbook dashboard: 4 ranks (dp=2, tp=2); %mesh memory and %mesh stragglers "
+                  "print the same as text")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Kernel]:
+    k = Kernel()
+    k.ok("import threading, time\nimport meshbook, meshbook.widgets\n%load_ext meshbook\n"
+         "%mesh start --dims dp=2,tp=2\nd = meshbook.widgets.Dashboard(meshbook.current())")
+    yield k
+    k.ok("%mesh stop")
+    k.close()
+
+
+def poll(kernel: Kernel, expr: str, ready: Callable[[Any], bool], timeout: float) -> Any:
+    """Evaluate ``expr`` in the kernel until ``ready(value)``; the value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = kernel.value(expr)
+        if ready(value):
+            return value
+        assert time.monotonic() < deadline, f"{expr} still {value!r} after {timeout:g} s"
+        time.sleep(0.2)
+
+
+def watched(kernel: Kernel, code: str) -> Reply:
+    """Run a cell as an interactive frontend does (stdin allowed): live status is shown."""
+    msg_id, sent = kernel.submit(code, allow_stdin=True)
+    reply = kernel.wait(msg_id, sent)
+    assert reply.status == "ok", reply.error_text
+    return reply
+
+
+def cell_status_states(kernel: Kernel, reply: Reply) -> list[dict[str, Any]]:
+    """The CellStatus model's state as the frontend received it: its opening state, then
+    every update merged in, one snapshot per update."""
+    model, snapshots = None, []
+    for msg in kernel.messages_of(reply.msg_id):
+        data = msg["content"].get("data", {})
+        if msg["msg_type"] == "comm_open" and "ranks" in data.get("state", {}):
+            model = msg["content"]["comm_id"]
+            snapshots.append(dict(data["state"]))
+        elif msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == model:
+            snapshots.append({**snapshots[-1], **data.get("state", {})})
+    return snapshots
+
+
+def displays(reply: Reply) -> list[dict[str, Any]]:
+    return [m["content"]["data"] for _, m in reply.outputs if m["msg_type"] == "display_data"]
+
+
+def test_dashboard_rows_are_live(kernel: Kernel) -> None:
+    rows = poll(kernel, "d.rows", lambda rows: all(r["rss"] for r in rows), 10)
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert r["rss"] > 50 << 20 and r["cpu"] is not None and r["pid"] > 0, r
+        assert r["state"] == "idle" and r["device"] == "cpu" and r["host"], r
+        assert r["pool"] in ("host", "container") and 0 < r["pool_used"] < r["pool_limit"], r
+        assert 0 <= r["heartbeat_age"] < 5 and not r["dead"] and not r["straggler"], r
+    assert kernel.value("(d.live, d.thread.is_alive())") == (True, True)
+    poll(kernel, "d._html.value.count('<svg')", lambda n: n == 4, 10)  # one sparkline per rank
+    # the panel keeps updating while another cell runs
+    changed = kernel.ok("before = d.rows\ntime.sleep(1.5)\nprint(before != d.rows)").stream()
+    assert changed == "True\n", "the dashboard did not update while a cell ran"
+
+
+def test_sampling_flags_the_slow_rank_within_10_s(kernel: Kernel, tmp_path: Path) -> None:
+    stop = tmp_path / "stop"
+    kernel.ok(f"loop = meshbook.current().run({slow_rank_loop(str(stop), slow_rank=2)!r})")
+    try:
+        assert poll(kernel, "d.stragglers", bool, timeout=10) == [2]
+        flags = kernel.value("[(r['rank'], r['straggler'], r['score'] > 0.3) for r in d.rows]")
+        assert flags == [(0, False, False), (1, False, False), (2, True, True), (3, False, False)]
+        assert html.FLAG in kernel.value("d._html.value")
+        text = kernel.ok("%mesh stragglers").stream()
+        assert "straggler: rank 2 (score" in text
+        assert "rank 2 spends its time at: cell line 8" in text  # the time.sleep line
+    finally:
+        stop.touch()
+    kernel.ok("loop.result(timeout=60)")
+
+
+def test_cell_status_follows_the_ranks_and_ends_with_durations(kernel: Kernel) -> None:
+    reply = watched(kernel, "%%mesh\nimport time\ntime.sleep(3.0 if rank == 1 else 1.3)\nrank")
+    states = cell_status_states(kernel, reply)
+    first, last = states[0], states[-1]
+    assert [r["state"] for r in first["ranks"]] == ["running"] * 4
+    assert all(r["line"] == 3 for r in first["ranks"]), first  # the time.sleep line
+    assert any([r["state"] for r in s["ranks"]] == ["done", "running", "done", "done"]
+               for s in states), "rank 1 never shown running alone"
+    assert last["state"] == "done" and [r["state"] for r in last["ranks"]] == ["done"] * 4
+    assert [r["rank"] for r in last["ranks"] if r["straggler"]] == [1], last
+    assert max(last["ranks"], key=lambda r: r["elapsed"])["rank"] == 1
+    shown, = displays(reply)
+    assert shown["text/plain"] == "cell status: [0-3] running"
+    final = [m["content"]["data"] for m in kernel.messages_of(reply.msg_id)
+             if m["msg_type"] == "update_display_data"]
+    assert final[-1]["text/plain"] == "cell status: [0-3] done"
+    assert "per-rank durations" in final[-1]["text/html"] and html.FLAG in final[-1]["text/html"]
+
+
+def test_fallbacks_are_deterministic_and_batch_runs_store_no_status(kernel: Kernel) -> None:
+    long_cell = "%%mesh\nimport time\ntime.sleep(1.6)"
+    finals = []
+    for _ in range(2):
+        reply = watched(kernel, long_cell)
+        finals.append([m["content"]["data"]["text/plain"] for m in kernel.messages_of(reply.msg_id)
+                       if m["msg_type"] == "update_display_data"])
+    assert finals == [["cell status: [0-3] done"]] * 2
+    batch = kernel.ok(long_cell)  # as nbconvert / nbval run it: allow_stdin=False
+    assert displays(batch) == [] and cell_status_states(kernel, batch) == []
+    assert displays(watched(kernel, "%%mesh --no-status\nimport time\ntime.sleep(1.6)")) == []
+    assert displays(watched(kernel, "%%mesh\n1")) == [], "a quick cell shows no status"
+    bundles = [kernel.value("sorted(d._repr_mimebundle_().items())[-1]") for _ in range(2)]
+    assert bundles == [("text/plain", DASHBOARD_TEXT)] * 2
+    assert kernel.value("sorted(d._repr_mimebundle_())") == [
+        "application/vnd.jupyter.widget-view+json", "text/html", "text/plain"]
+    assert kernel.value("repr(d)") == DASHBOARD_TEXT
+
+
+def test_a_killed_rank_shows_dead(kernel: Kernel) -> None:
+    code = "%%mesh\nimport os, time\ntime.sleep(1.5)\nif rank == 3:\n    os.kill(os.getpid(), 9)\ntime.sleep(0.5)"
+    msg_id, sent = kernel.submit(code, allow_stdin=True)
+    reply = kernel.wait(msg_id, sent)
+    assert reply.status == "error" and "rank 3 died: SIGKILL" in reply.error_text
+    states = cell_status_states(kernel, reply)
+    rank3 = [s["ranks"][3]["state"] for s in states]
+    assert rank3[0] == "running" and rank3[-1] == "dead"
+    assert [r["state"] for r in states[-1]["ranks"]] == ["done", "done", "done", "dead"]
+    assert states[-1]["state"] == "dead"
+    final = [m["content"]["data"]["text/plain"] for m in kernel.messages_of(reply.msg_id)
+             if m["msg_type"] == "update_display_data"]
+    assert final == ["cell status: [0-2] done, [3] dead"]
+    row = poll(kernel, "d.rows[3]", lambda r: r["dead"], 10)
+    assert row["state"] == "dead (SIGKILL)" and row["rss"] is None and row["pid"] is None
+    assert html.DEAD_BG in kernel.value("d._html.value")
+
+
+def test_closing_or_stopping_ends_the_updates(kernel: Kernel) -> None:
+    listeners = "[len(c.heartbeat_listeners), len(c.death_listeners)]"
+    kernel.ok(f"c = meshbook.current()._controller\nbefore = {listeners}\n"
+              "d2 = meshbook.widgets.Dashboard(meshbook.current())")
+    assert kernel.value("d2.thread.is_alive()") is True
+    kernel.ok("d.close()")
+    assert kernel.value("(d.thread.is_alive(), d.live, d.comm)") == (False, False, None)
+    kernel.ok("%mesh stop")
+    poll(kernel, "d2.thread.is_alive()", lambda alive: not alive, 5)
+    assert kernel.value("d2.live") is False
+    assert "mesh stopped" in kernel.value("d2._html.value")
+    assert kernel.value(f"{listeners} == before") is True
+    assert kernel.value("[t.name for t in threading.enumerate() if 'dashboard' in t.name]") == []
