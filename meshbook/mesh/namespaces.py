@@ -39,6 +39,7 @@ SEEDED = frozenset({"rank", "world_size", "local_rank", "coords", "device", "tor
 
 #: How deep lists, tuples and dicts are searched for tensors when sizing them.
 _CONTAINER_DEPTH = 4
+_SCALARS = (int, float, complex, str, bytes, bool, type(None))
 
 #: Columns of the ``who`` table, in order; empty ones are dropped from the printout.
 COLUMNS = ("name", "type", "shape", "dtype", "device", "bytes", "params", "placements", "local",
@@ -262,6 +263,8 @@ def _contained_bytes(value: Any, depth: int) -> int | None:
     items = value.values() if isinstance(value, dict) else value
     found = None
     for item in items:
+        if isinstance(item, _SCALARS):
+            continue  # the common case (a list of losses): skip it cheaply
         if isinstance(item, (list, tuple, dict)):
             inner = _contained_bytes(item, depth - 1) if depth > 1 else None
         else:
