@@ -1,0 +1,24 @@
+"""Benchmarks of meshbook side by side with the systems a user would pick instead.
+
+Run them from the repository root::
+
+    ./dev bench                          # sets up .venv with the peers, then runs everything
+    python -m bench                      # everything (most of an hour), writes bench/RESULTS.md
+    python -m bench --quick              # fewer sizes and repeats (a few minutes)
+    python -m bench --only dispatch,data # some workloads; add --out FILE to keep a report
+
+The peers come with ``pip install -e ".[bench]"``: ipyparallel and PyTorch Monarch
+(``torchmonarch``), at the versions pinned in pyproject.toml.
+
+Layout:
+
+* ``workloads/`` one module per question (dispatch, startup, data movement, fan-out, memory,
+  training overhead); each returns tables and checks its issue's targets. A new workload is
+  one new file there (see :mod:`bench.harness`);
+* ``peers/`` each system behind one small interface: start ``n`` ranks, no-op, push, pull,
+  pids, stop; ``peers/cells.py`` drives the systems' magics through a real Jupyter kernel;
+* ``timing.py`` budgets and percentiles, ``report.py`` tables and number formats,
+  ``procs.py`` reaping and memory, ``machine.py`` what the numbers were taken on.
+
+Nothing here is part of the test suite: tests never assert timings.
+"""

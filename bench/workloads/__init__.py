@@ -1,0 +1,1 @@
+"""One module per workload; see :mod:`bench.harness` for what a workload module provides."""

@@ -1,0 +1,119 @@
+"""Dispatch: the round trip of a no-op to every rank, through the Python API and a notebook.
+
+Python API: ``Mesh.run("pass").result()`` against ipyparallel's ``DirectView.apply_sync``
+of a no-op function and a Monarch actor endpoint's ``call().get()``; each system is started
+once per size and timed on a warm connection.
+
+Notebook: a ``pass`` cell timed as a frontend sees it (execute_request to execute_reply),
+run locally and as ``%%mesh pass`` in one kernel, and as ``%%px pass`` in a kernel with an
+ipyparallel cluster. Local and remote cells alternate, so what the machine's load does to
+one it does to the other, and "adds" is the difference of the medians.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from functools import partial
+
+from ..harness import Context, Outcome
+from ..peers import PEERS, cells, module, running
+from ..report import Check, Table, duration, latency, ratio
+from ..timing import Budget, Sample, Samples, clock, interleave, measure, median_of
+
+TITLE = "Dispatch"
+ORDER = 10
+
+API = Budget(samples=2000, seconds=15)
+API_QUICK = Budget(samples=300, seconds=2)
+CELLS = Budget(samples=1000, seconds=15)
+CELLS_QUICK = Budget(samples=150, seconds=2)
+
+Latencies = dict[str, dict[int, "Samples | None"]]
+
+
+def api_latencies(ctx: Context, sizes: tuple[int, ...], budget: Budget) -> Latencies:
+    """Each system's no-op round trip, per size (None where it failed)."""
+    out: Latencies = {}
+    for n in sizes:
+        for name in ctx.systems():
+            out.setdefault(name, {})[n] = ctx.attempt(
+                f"dispatch: {name}, {n} ranks", partial(_api, name, n, budget))
+    return out
+
+
+def _api(name: str, n: int, budget: Budget) -> Samples:
+    with running(name, n) as handle:
+        return measure(clock(handle.noop), budget)
+
+
+def api_table(title: str, found: Latencies, sizes: tuple[int, ...]) -> Table:
+    peers = [p for p in PEERS if p in found]
+    table = Table(title, ["ranks", *(f"{name} `{module(name).DISPATCH}`" for name in found),
+                          *(f"{p} / meshbook" for p in peers)])
+    for n in sizes:
+        ours = found["meshbook"][n]
+        table.add(n, *(latency(s[n]) if s[n] else "failed" for s in found.values()),
+                  *(ratio(median_of(found[p][n]), median_of(ours)) for p in peers))
+    table.notes.append("median (p99) of the round trip; ratios are peer / meshbook medians: "
+                       "above 1x meshbook is faster")
+    return table
+
+
+def dispatch_checks(found: Latencies, n: int) -> list[Check]:
+    ours = median_of(found.get("meshbook", {}).get(n))
+    checks = [Check(f"meshbook dispatch on {n} ranks < 1 ms median (issue 2)",
+                    duration(ours) if ours else "-", ours < 1e-3 if ours else None)]
+    for peer, factor in (("ipyparallel", 5), ("Monarch", 2)):
+        theirs = median_of(found.get(peer, {}).get(n))
+        met = theirs / ours >= factor if ours and theirs else None
+        checks.append(Check(f"dispatch on {n} ranks >= {factor}x faster than {peer}",
+                            ratio(theirs, ours), met))
+    return checks
+
+
+def _cells(ctx: Context, sizes: tuple[int, ...], budget: Budget) -> tuple[Table, list[Check]]:
+    table = Table("A `pass` cell through a real kernel (execute_request to execute_reply)",
+                  ["ranks", "local `pass`", "`%%mesh pass`", "meshbook adds", "`%%px pass`",
+                   "ipyparallel adds", "`%%px` / `%%mesh`"])
+    added_at_8: float | None = None
+    for n in sizes:
+        mine = ctx.attempt(f"dispatch: %%mesh cells, {n} ranks",
+                           partial(_in_kernel, cells.meshbook_kernel, n, budget))
+        theirs = None
+        if "ipyparallel" in ctx.systems():
+            theirs = ctx.attempt(f"dispatch: %%px cells, {n} engines",
+                                 partial(_in_kernel, cells.ipyparallel_kernel, n, budget))
+        local = mine["local"] if mine else None
+        mesh = mine["%%mesh"] if mine else None
+        px = theirs["%%px"] if theirs else None
+        mesh_adds = mesh.median - local.median if mesh and local else None
+        px_adds = px.median - theirs["local"].median if px and theirs else None
+        if n == 8:
+            added_at_8 = mesh_adds
+        table.add(n, latency(local) if local else "failed", latency(mesh) if mesh else "failed",
+                  duration(mesh_adds) if mesh_adds is not None else "-",
+                  latency(px) if px else "failed",
+                  duration(px_adds) if px_adds is not None else "-",
+                  ratio(median_of(px), median_of(mesh)))
+    table.notes.append("local and remote cells alternate in the same kernel; \"adds\" is the "
+                       "difference of their medians")
+    check = Check("`%%mesh pass` adds < 2 ms to a local cell on 8 ranks (issue 3)",
+                  duration(added_at_8) if added_at_8 is not None else "-",
+                  added_at_8 < 2e-3 if added_at_8 is not None else None)
+    return table, [check]
+
+
+def _in_kernel(kernel: Callable[[int], AbstractContextManager[dict[str, Sample]]], n: int,
+               budget: Budget) -> dict[str, Samples]:
+    with kernel(n) as samples:
+        return interleave(samples, budget)
+
+
+def run(ctx: Context) -> Outcome:
+    sizes = ctx.pick((1, 2, 4, 8), (2, 8))
+    found = api_latencies(ctx, sizes, ctx.budget(API, API_QUICK))
+    cell_table, cell_checks = _cells(ctx, ctx.pick((2, 4, 8), (2, 8)),
+                                     ctx.budget(CELLS, CELLS_QUICK))
+    api = api_table("No-op round trip to every rank, Python API", found, sizes)
+    return Outcome([api, cell_table], dispatch_checks(found, 8) + cell_checks)
