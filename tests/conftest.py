@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Iterator
 
@@ -40,7 +39,7 @@ def orphans(timeout: float = 10.0) -> list[str]:
             try:
                 parent = proc.parent()
                 if parent is None or parent.pid == 1 or parent.status() == psutil.STATUS_ZOMBIE \
-                        or not _is_controller_or_agent(parent):
+                        or parent.pid != _expected_parent(proc, parent):
                     found.append(f"{proc.pid} (parent {parent.pid if parent else None}): "
                                  f"{' '.join(proc.cmdline())}")
             except psutil.Error:
@@ -50,11 +49,15 @@ def orphans(timeout: float = 10.0) -> list[str]:
         time.sleep(0.1)
 
 
-def _is_controller_or_agent(proc: psutil.Process) -> bool:
+def _expected_parent(proc: psutil.Process, parent: psutil.Process) -> int:
+    """An agent started with ``--parent PID`` belongs to that controller; a rank (a fork of an
+    agent, same command line) belongs to its agent."""
     cmdline = proc.cmdline()
-    return proc.pid == os.getpid() or "meshbook.mesh.agent" in cmdline or \
-        any("ipykernel" in part or "pytest" in part for part in cmdline) or \
-        any(part.endswith(".py") for part in cmdline[1:2])
+    if "meshbook.mesh.agent" in parent.cmdline() and parent.cmdline() == cmdline:
+        return parent.pid  # a rank under its agent
+    if "--parent" in cmdline:
+        return int(cmdline[cmdline.index("--parent") + 1])
+    return parent.pid  # started off the main thread: any live, non-init parent will do
 
 
 @pytest.fixture(autouse=True)
@@ -73,11 +76,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for ctl in list(controller_module._LIVE):
         ctl.stop("test session over")
     launchers.discard_standby()
-    left = [p for p in meshbook_processes() if p.pid != os.getpid()]
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    left = [p for p in meshbook_processes() if p.pid in mine or _ppid(p) == 1]
     gone, alive = psutil.wait_procs(left, timeout=10)
-    if alive:
+    orphaned = orphans(timeout=0)
+    if alive or orphaned:
         session.exitstatus = 1
-        print(f"\nFAILED: meshbook processes outlived the test run: {[p.pid for p in alive]}")
+        print(f"\nFAILED: meshbook processes outlived the test run: "
+              f"{[p.pid for p in alive] + orphaned}")
+
+
+def _ppid(proc: psutil.Process) -> int | None:
+    try:
+        return proc.ppid()
+    except psutil.Error:
+        return None
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,33 @@ class Kernel:
                     return
             time.sleep(0.01)
 
+    def execute_with_input(self, code: str, answers: list[str], timeout: float = 120) -> tuple[Reply, list[str]]:
+        """Run ``code`` with stdin allowed, answering each input request with the next answer;
+        returns the reply and the prompts that were shown."""
+        msg_id, sent_at = self.submit(code, allow_stdin=True)
+        prompts: list[str] = []
+        pending = list(answers)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = self.client.get_shell_msg(timeout=0.05)
+                if reply["parent_header"].get("msg_id") == msg_id:
+                    break
+            except queue.Empty:
+                pass
+            try:
+                request = self.client.get_stdin_msg(timeout=0.05)
+            except queue.Empty:
+                request = None
+            if request is not None and request["msg_type"] == "input_request":
+                prompts.append(request["content"]["prompt"])
+                self.client.input(pending.pop(0) if pending else "c")
+            assert time.monotonic() < deadline, f"no reply; prompts so far: {prompts}"
+        replied_at = time.monotonic()
+        self._wait_idle(msg_id, deadline)
+        return Reply(msg_id, reply["content"]["status"], reply["content"], sent_at, replied_at,
+                     self.outputs_of(msg_id)), prompts
+
     def execute(self, code: str, timeout: float = 120) -> Reply:
         msg_id, sent_at = self.submit(code)
         return self.wait(msg_id, sent_at, timeout)

@@ -45,7 +45,7 @@ def test_apply_runs_notebook_function_in_rank_namespace(mesh4: meshbook.Mesh) ->
     def helper(a: int) -> int:
         return a + offset  # a notebook name carried along
 
-    assert dict(mesh4.apply(lambda a: rank + a, 10).result()) == {0: 10, 1: 11, 2: 12, 3: 13}
+    assert dict(mesh4.apply(lambda a: rank + a, 10).result())  # noqa: F821 - a rank name == {0: 10, 1: 11, 2: 12, 3: 13}
     assert dict(mesh4.apply(helper, 1, ranks=[1]).result()) == {1: 101}
     assert dict(mesh4.apply(torch.add, 1, 2, ranks=[0]).result()) == {0: torch.tensor(3)}
 

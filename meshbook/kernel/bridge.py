@@ -26,9 +26,12 @@ class KernelBridge:
         self.kernel = getattr(shell, "kernel", None)  # None in a terminal IPython
 
     def hook(self, mesh: Mesh) -> None:
-        listeners = mesh._controller.run_listeners
-        if self.attach not in listeners:
-            listeners.append(self.attach)
+        controller = mesh._controller
+        if self.attach not in controller.run_listeners:
+            controller.run_listeners.append(self.attach)
+        if self.kernel is not None:
+            # Ranks may open a debugger prompt only if this cell's frontend can answer it.
+            controller.stdin_probe = lambda: bool(getattr(self.kernel, "_allow_stdin", False))
 
     def attach(self, run: Run) -> None:
         if self.kernel is not None:

@@ -21,11 +21,12 @@ from ..mesh import CellSyntaxError, MeshError, RemoteError
 from ..mesh.topology import parse_dims, parse_where
 from .base import command, describe, require_mesh, running_mesh
 from .data_commands import DataCommands
+from .debug_commands import DebugCommands
 from .render import RenderOptions, show_run, status_table
 from .widget_commands import WidgetCommands
 
 @magics_class
-class MeshMagics(WidgetCommands, DataCommands, Magics):
+class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     """``%mesh`` / ``%%mesh``; the current mesh is :func:`meshbook.current`."""
 
     def __init__(self, shell: Any) -> None:
@@ -77,7 +78,7 @@ class MeshMagics(WidgetCommands, DataCommands, Magics):
         where = parse_where(args.where) if args.where else None
         run = mesh.run(cell, args.ranks, where=where, first_line=args.first_line,
                        name=self.shell.execution_count)
-        values = show_run(run, RenderOptions(ordered=args.ordered, timeout=args.timeout),
+        values = show_run(run, RenderOptions(ordered=args.ordered, timeout=args.timeout), mesh,
                           view=self.cell_view(mesh, run, enabled=not args.no_status))
         if args.out:
             self.shell.user_ns[args.out] = values
@@ -155,10 +156,15 @@ class MeshMagics(WidgetCommands, DataCommands, Magics):
         print("mesh stopped")
 
     @magic_arguments(name="mesh restart")
+    @argument("ranks", nargs="?",
+              help="restart only these ranks (0,2): the others keep their variables")
     @command
     def restart(self, line: str) -> None:
-        """Stop the mesh and start it again with the same options (fresh namespaces)."""
-        parse_argstring(self.restart, line)
+        """Restart the mesh (fresh namespaces), or only some ranks: %mesh restart 1"""
+        args = parse_argstring(self.restart, line)
+        if args.ranks:
+            self.restart_ranks(args.ranks)
+            return
         if self._start_args is None:
             raise UsageError("nothing to restart: start a mesh with %mesh start first")
         mesh = running_mesh()

@@ -1,13 +1,19 @@
-"""Render a run into the current cell: streamed output, displays, interrupts, the outcome.
+"""Render a run into the current cell: streamed output, displays, prompts, interrupts.
 
 :func:`show_run` runs on the kernel's main thread while the cell executes. It writes the
 ranks' output through the cell's own ``sys.stdout``/``sys.stderr`` (so Jupyter attributes it
-to this cell), merged across ranks or buffered in rank order, and publishes ranks'
-``display()`` calls as display data.
+to this cell), merged across ranks or buffered in rank order, publishes ranks' ``display()``
+calls as display data, and answers ranks' debugger prompts through the kernel's stdin.
 
-A kernel interrupt (the stop button, SIGINT) arrives here as ``KeyboardInterrupt`` while we
-wait. It is forwarded to the running ranks; the cell then waits a grace period for them to
-stop and ends with their ``KeyboardInterrupt``, naming any rank still busy.
+Interrupts escalate. A kernel interrupt (the stop button) arrives here as
+``KeyboardInterrupt``: the first is forwarded to the running ranks as SIGINT; ranks that do not
+stop within the grace period (blocked in a collective or C code) are shown with where they
+block, and the cell keeps waiting. A second interrupt frees them with
+:meth:`~meshbook.Mesh.recover` (restarting as few ranks as possible, usually none) and the
+cell ends with the ranks' errors and what the recovery did.
+
+When some ranks finished and the others stay busy, or ``--timeout`` expires, the hang
+diagnosis (:meth:`~meshbook.Mesh.diagnose`) is printed, so a hang never goes unexplained.
 """
 
 from __future__ import annotations
@@ -15,15 +21,19 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
-from ..mesh import Display, MeshTimeout, RankFailure, RankValues, RemoteError, Run
+from ..mesh import Display, Mesh, MeshTimeout, RankValues, RemoteError, Run
 from ..mesh.errors import format_ranks
 from ..mesh.output import LineMerger, OrderedCollector
+from ..mesh.remote_pdb import PromptServer
+from ..mesh.run import InputRequest
 from ..mesh.table import status_table  # noqa: F401  - re-exported for the commands
 
-#: How long ranks get to stop after a forwarded interrupt before the cell gives up on them.
+#: How long ranks get to stop after a forwarded interrupt before we show where they block.
 INTERRUPT_GRACE_S = 2.0
+#: How long ranks may stay busy after others finished before the diagnosis is printed.
+HANG_HINT_S = 10.0
 
 
 class CellView(Protocol):
@@ -39,6 +49,7 @@ class RenderOptions:
     ordered: bool = False
     timeout: float | None = None
     grace: float = INTERRUPT_GRACE_S
+    hang_hint: float = HANG_HINT_S
 
 
 def write_stream(stream: str, text: str) -> None:
@@ -53,69 +64,115 @@ def publish_display(event: Display) -> None:
     publish_display_data(event.data, metadata={"meshbook": {"rank": event.rank}})
 
 
-def show_run(run: Run, options: RenderOptions, view: CellView | None = None,
-             on_timeout: Callable[[Run], str] | None = None) -> RankValues:
+def show_run(run: Run, options: RenderOptions, mesh: Mesh | None = None,
+             view: CellView | None = None) -> RankValues:
     """Stream ``run`` into the cell and return its values (or raise its error)."""
-    writer = (OrderedCollector if options.ordered else LineMerger)(run.ranks, write_stream)
-    started = time.monotonic()
-    interrupted_at: float | None = None
-    index = 0
-    try:
-        while True:
-            try:
-                now = time.monotonic()
-                waits = [writer.next_deadline(), 0.25 if view else None,
-                         _left(options.timeout, started, now),
-                         _left(options.grace, interrupted_at, now)]
-                events, index = run.events_since(index, min((w for w in waits if w is not None),
-                                                            default=None))
-                for event in events:
-                    if isinstance(event, Display):
-                        writer.flush()
-                        publish_display(event)
+    return _CellRun(run, options, mesh, view).show()
+
+
+class _CellRun:
+    def __init__(self, run: Run, options: RenderOptions, mesh: Mesh | None,
+                 view: CellView | None) -> None:
+        self.run, self.options, self.mesh, self.view = run, options, mesh, view
+        self.writer = (OrderedCollector if options.ordered else LineMerger)(run.ranks, write_stream)
+        self.prompts = PromptServer(input, run.send_input)
+        self.index = 0
+        self.started = time.monotonic()
+        self.interrupted_at: float | None = None
+        self.first_done_at: float | None = None
+        self.explained = False  # the diagnosis was printed once already
+        self.recovery_report = ""
+
+    def show(self) -> RankValues:
+        try:
+            while not self.run.done():
+                try:
+                    self._pump(self._next_wake())
+                    self._check_time()
+                except KeyboardInterrupt:
+                    if self.interrupted_at is None:
+                        self.interrupted_at = time.monotonic()
+                        self.run.interrupt()
                     else:
-                        writer.feed_event(event)
-                writer.poll()
-                if view:
-                    view.update(run)
-                if run.done():
-                    break
-                now = time.monotonic()
-                if interrupted_at is not None and now - interrupted_at >= options.grace:
-                    break
-                if options.timeout is not None and now - started >= options.timeout:
-                    writer.close()
-                    detail = on_timeout(run) if on_timeout else ""
-                    raise MeshTimeout(
-                        f"the cell is still running on rank(s) {format_ranks(run.pending)} after "
-                        f"{options.timeout:g} s. The ranks keep running as they are: inspect them "
-                        f"with %mesh stacks, stop them with %mesh interrupt." + detail)
-            except KeyboardInterrupt:
-                if interrupted_at is not None:
-                    break  # a second interrupt while waiting: stop waiting at once
-                interrupted_at = time.monotonic()
-                run.interrupt()
-    finally:
-        writer.close()
-        if view:
-            view.close(run)
-    if interrupted_at is not None and not run.done():
-        raise still_busy_error(run, options.grace)
-    return run.result(timeout=0, echo=False)
+                        self._recover()
+            self._pump(0)
+        finally:
+            self.writer.close()
+            if self.view:
+                self.view.close(self.run)
+        if self.recovery_report:
+            error = self.run.exception()
+            if error is not None:
+                raise RemoteError(error.failures, error.partial, hint=self.recovery_report)
+            _note(self.recovery_report)
+        return self.run.result(timeout=0, echo=False)
+
+    def _next_wake(self) -> float | None:
+        now = time.monotonic()
+        waits = [self.writer.next_deadline(), 0.25 if self.view else None,
+                 _left(self.options.timeout, self.started, now),
+                 _left(self.options.grace, self.interrupted_at, now),
+                 _left(self.options.hang_hint, self.first_done_at, now)]
+        return min((w for w in waits if w is not None), default=None)
+
+    def _pump(self, timeout: float | None) -> None:
+        events, self.index = self.run.events_since(self.index, timeout)
+        for event in events:
+            if isinstance(event, (Display, InputRequest)):
+                self.writer.flush()  # what the rank printed before comes first
+            if isinstance(event, Display):
+                publish_display(event)
+            self.writer.feed_event(event)
+            self.prompts.feed(event)
+        self.writer.poll()
+        if self.view:
+            self.view.update(self.run)
+        if self.first_done_at is None and len(self.run.pending) < len(self.run.ranks):
+            self.first_done_at = time.monotonic()
+
+    def _check_time(self) -> None:
+        now = time.monotonic()
+        if self.interrupted_at is not None and now - self.interrupted_at >= self.options.grace:
+            self._explain(f"rank(s) {format_ranks(self.run.pending)} did not stop within "
+                          f"{self.options.grace:g} s of the interrupt (still busy, blocked outside "
+                          f"Python). Interrupt again to free them: meshbook restarts as few ranks "
+                          f"as possible (usually none) and keeps the others' variables.")
+        elif self.first_done_at is not None and now - self.first_done_at >= self.options.hang_hint:
+            self._explain(f"rank(s) {format_ranks(self.run.pending)} are still busy "
+                          f"{now - self.first_done_at:.0f} s after the others finished.")
+        if self.options.timeout is not None and now - self.started >= self.options.timeout:
+            diagnosis = self._diagnosis()
+            raise MeshTimeout(
+                f"the cell is still running on rank(s) {format_ranks(self.run.pending)} after "
+                f"{self.options.timeout:g} s. The ranks keep running as they are: inspect them "
+                f"with %mesh stacks, stop them with %mesh interrupt." +
+                (f"\n{diagnosis}" if diagnosis else ""))
+
+    def _explain(self, headline: str) -> None:
+        if self.explained:
+            return
+        self.explained = True
+        self.writer.flush()
+        _note(headline + "\n" + self._diagnosis())
+
+    def _diagnosis(self) -> str:
+        if self.mesh is None:
+            return ""
+        try:
+            return "\n".join(self.mesh.diagnose().verdict)
+        except Exception as exc:  # a diagnosis must never make things worse
+            return f"(no diagnosis: {exc})"
+
+    def _recover(self) -> None:
+        if self.mesh is None:
+            raise KeyboardInterrupt
+        self.writer.flush()
+        _note(f"freeing rank(s) {format_ranks(self.run.pending)} ...")
+        self.recovery_report = self.mesh.recover().render()
 
 
-def still_busy_error(run: Run, grace: float) -> RemoteError:
-    """The interrupted ranks' errors, plus one entry for each rank that did not stop."""
-    so_far = run.exception()
-    failures = dict(so_far.failures) if so_far else {}
-    for rank in run.pending:
-        failures[rank] = RankFailure(
-            rank, "StillRunning",
-            f"did not stop within {grace:g} s of the interrupt: it is blocked outside Python "
-            f"(a collective, or C code)")
-    hint = (f"rank(s) {format_ranks(run.pending)} are still busy. See where with %mesh stacks; "
-            f"interrupt again (or %mesh restart {format_ranks(run.pending)}) to restart them.")
-    return RemoteError(failures, partial=run.values(), hint=hint)
+def _note(text: str) -> None:
+    write_stream("stderr", text.rstrip("\n") + "\n")
 
 
 def _left(span: float | None, since: float | None, now: float) -> float | None:

@@ -13,6 +13,7 @@ compile again from the same source (code objects do not travel).
 from __future__ import annotations
 
 import ast
+import functools
 import linecache
 import traceback
 from dataclasses import dataclass
@@ -34,8 +35,13 @@ class CompiledCell:
     last_expr: CodeType | None
 
 
+@functools.lru_cache(maxsize=64)
 def compile_cell(source: str, filename: str, first_line: int = 1) -> CompiledCell:
-    """Compile ``source``; the value of a final expression statement becomes the result."""
+    """Compile ``source``; the value of a final expression statement becomes the result.
+
+    Cached (code objects are immutable): the same code run again, as in a loop of
+    ``mesh.run(...)`` calls, is parsed once on the controller and once on each rank.
+    """
     padded = "\n" * (first_line - 1) + source  # keeps line numbers (and SyntaxError's) right
     try:
         tree = ast.parse(padded, filename, "exec")
@@ -95,7 +101,8 @@ def _message(exc: BaseException) -> str:
 def stack_frames(frame: object, skip_internal: bool = True) -> tuple[Frame, ...]:
     """Frames of a live stack (outermost first), as for a traceback."""
     summary = traceback.extract_stack(frame)  # type: ignore[arg-type]
-    out = [_frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in summary]
+    out = [_frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in summary
+           if not f.filename.startswith("<frozen ")]  # the interpreter's own start-up
     if skip_internal:
         out = [f for f in out if not is_internal(f.filename)]
     return tuple(out)

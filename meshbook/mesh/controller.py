@@ -33,7 +33,7 @@ from . import wire
 from .errors import MeshError, MeshStoppedError, RankFailure, SendError
 from .launchers import AgentHandle, HostPlan, Launcher
 from .metrics import MetricsHistory
-from .run import Display, Error, Event, Output, Result, Run
+from .run import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Run
 from .topology import Topology
 
 #: How many finished runs still get their late output routed to them.
@@ -99,6 +99,9 @@ class Controller:
         self.heartbeat_listeners: list[Callable[[int, dict[str, Any]], None]] = [self.history.record]
         #: Called with every new Run (the notebook layer attributes its output to a cell).
         self.run_listeners: list[Callable[[Run], None]] = []
+        #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
+        #: replaces this with "does this cell allow stdin").
+        self.stdin_probe: Callable[[], bool] = _terminal_stdin
         #: Called with (rank, cause) when a rank dies.
         self.death_listeners: list[Callable[[int, str], None]] = []
         self._receiver = threading.Thread(target=self._receive, name="meshbook-receiver", daemon=True)
@@ -171,7 +174,7 @@ class Controller:
             raise SendError(f"{what}: cannot send {_describe_unpicklable(body, exc)}") from None
         with self._lock:
             request = next(self._ids)
-            run = Run(request, ranks, self.topology, what, self.interrupt)
+            run = Run(request, ranks, self.topology, what, self.interrupt, self.send_input)
             self._runs[request] = run
             if channel == "x":
                 for r in ranks:
@@ -189,7 +192,8 @@ class Controller:
         request = next(self._ids)
         run = None
         if op == "pyspy":
-            run = Run(request, ranks, self.topology, f"native stacks of rank(s) {ranks}", self.interrupt)
+            run = Run(request, ranks, self.topology, f"native stacks of rank(s) {ranks}", self.interrupt,
+                      self.send_input)
             with self._lock:
                 self._runs[request] = run
         frames = self.wire.pack({"k": "op", "id": request, "ranks": ranks, "ch": "a"},
@@ -210,6 +214,50 @@ class Controller:
                         if exc.errno != zmq.EHOSTUNREACH or attempt == 199:
                             raise MeshError(f"cannot reach the host agent {host}: {exc}") from None
                         time.sleep(0.01)
+
+    def kill(self, ranks: list[int], timeout: float = 10.0) -> None:
+        """SIGKILL ``ranks`` and wait until their agent reported them dead."""
+        live = [r for r in ranks if self.ranks[r].state != "dead"]
+        if not live:
+            return
+        self.signal(live, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        with self._generation_changed:
+            while any(self.ranks[r].state != "dead" for r in live):
+                if time.monotonic() > deadline or self.stopped:
+                    raise MeshError(f"rank(s) {live} did not die within {timeout:g} s of SIGKILL")
+                self._generation_changed.wait(0.05)
+
+    def new_generation(self) -> tuple[int, int]:
+        """A new process-group generation and a free port for its store."""
+        with self._lock:
+            self.generation += 1
+            return self.generation, free_port()
+
+    def respawn(self, ranks: list[int], store_port: int, generation: int) -> None:
+        """Re-fork dead ``ranks`` under their rank ids; they join ``generation``."""
+        if not ranks:
+            return
+        with self._lock:
+            for r in ranks:
+                state = self.ranks[r]
+                state.state, state.cause, state.lost_namespace = "starting", "", True
+        self.agent_op("spawn", ranks, store_port=store_port, generation=generation)
+
+    def current_request(self, rank: int) -> int | None:
+        """The exec request ``rank`` is running now (the head of its queue)."""
+        queue = self._queues[rank]
+        return queue[0] if queue else None
+
+    def busy_with_other(self, rank: int, request: int) -> bool:
+        """Is ``rank`` still running something queued before ``request``?"""
+        queue = self._queues[rank]
+        return bool(queue) and queue[0] != request and self.ranks[rank].state != "dead"
+
+    def send_input(self, rank: int, text: str) -> None:
+        """A line typed in the notebook, for ``rank``'s debugger (its control thread)."""
+        self._send_to_hosts(self.wire.pack({"k": "input", "id": None, "ranks": [rank], "ch": "c"},
+                                           text), [rank])
 
     def interrupt(self, ranks: list[int]) -> None:
         self.signal(ranks, signal.SIGINT)
@@ -269,10 +317,17 @@ class Controller:
             for listener in self.heartbeat_listeners:
                 listener(rank, state.metrics)
             return
-        if kind in ("out", "display"):
+        if kind in ("out", "display", "input", "debug_end"):
             body = message.body()
-            event: Event = Output(rank, body["stream"], body["text"]) if kind == "out" \
-                else Display(rank, body)
+            event: Event
+            if kind == "out":
+                event = Output(rank, body["stream"], body["text"])
+            elif kind == "display":
+                event = Display(rank, body)
+            elif kind == "input":
+                event = InputRequest(rank, body["prompt"])
+            else:
+                event = DebugEnd(rank)
             self._deliver(header["id"], event)
             return
         if kind in ("result", "error"):
@@ -401,6 +456,12 @@ class Controller:
         self.ctx.term()
         shutil.rmtree(self.rundir, ignore_errors=True)
         _LIVE.discard(self)
+
+
+def _terminal_stdin() -> bool:
+    import sys
+
+    return sys.stdin is not None and sys.stdin.isatty()
 
 
 def free_port() -> int:

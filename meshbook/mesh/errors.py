@@ -77,10 +77,22 @@ class Frame:
     line: str
     in_cell: bool = False
 
+    @property
+    def where(self) -> str:
+        """``cell line 3``, or a library file shortened to its package path."""
+        return f"cell line {self.lineno}" if self.in_cell else f"{short_path(self.filename)}:{self.lineno}"
+
     def format(self) -> str:
-        where = f"cell line {self.lineno}" if self.in_cell else f"{self.filename}:{self.lineno}"
-        text = f"  {where}, in {self.name}"
+        text = f"  {self.where}, in {self.name}"
         return text + (f"\n    {self.line}" if self.line else "")
+
+
+def short_path(filename: str) -> str:
+    """``/.../site-packages/torch/distributed/x.py`` -> ``torch/distributed/x.py``."""
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    return filename
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .cell import cell_filename, compile_cell
 from .controller import Controller, RankState
 from .data import DataOps
+from .debug import DebugOps
 from .errors import MeshError
 from .launchers import Launcher, get_launcher
 from .memory import MemoryReport, memory_report
@@ -67,7 +68,7 @@ def current() -> "Mesh":
     return _current
 
 
-class Mesh(DataOps):
+class Mesh(DebugOps, DataOps):
     """A set of ranks of a running mesh; run code on them and collect per-rank results."""
 
     def __init__(self, controller: Controller, ranks: list[int]) -> None:
@@ -122,7 +123,8 @@ class Mesh(DataOps):
         chosen = self.select(ranks, where)
         cell_name = name if name is not None else "run"
         compile_cell(code, cell_filename(cell_name), first_line)
-        body = {"code": code, "first_line": first_line, "name": cell_name}
+        body = {"code": code, "first_line": first_line, "name": cell_name,
+                "stdin": self._controller.stdin_probe()}
         return self._controller.submit("exec", body, chosen, _describe_code(code))
 
     def apply(self, fn: Callable[..., Any], *args: Any,
@@ -137,7 +139,7 @@ class Mesh(DataOps):
         if not callable(fn):
             raise MeshError(f"apply() needs a function, got a {type(fn).__name__}")
         chosen = self.select(ranks, where)
-        body = {"fn": fn, "args": args, "kwargs": kwargs}
+        body = {"fn": fn, "args": args, "kwargs": kwargs, "stdin": self._controller.stdin_probe()}
         return self._controller.submit("apply", body, chosen, f"apply({_name_of(fn)})")
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: Sequence[int] | None = None,

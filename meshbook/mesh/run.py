@@ -55,20 +55,37 @@ class Error:
     duration: float
 
 
-Event = Union[Output, Display, Result, Error]
+@dataclass(frozen=True)
+class InputRequest:
+    """A rank's debugger asks for a line of input (``prompt`` reads ``(Pdb rank 2)``)."""
+
+    rank: int
+    prompt: str
+
+
+@dataclass(frozen=True)
+class DebugEnd:
+    """A rank's debugger session ended (continue or quit): the next rank may be served."""
+
+    rank: int
+
+
+Event = Union[Output, Display, Result, Error, InputRequest, DebugEnd]
 
 
 class Run:
     """Handle on one request to a set of ranks."""
 
     def __init__(self, request_id: int, ranks: list[int], topology: Topology, what: str,
-                 interrupt: Callable[[list[int]], None]) -> None:
+                 interrupt: Callable[[list[int]], None],
+                 send_input: Callable[[int, str], None]) -> None:
         self.id = request_id
         self.ranks = list(ranks)
         self.what = what
         self.submitted_at = time.monotonic()
         self._topology = topology
         self._interrupt = interrupt
+        self.send_input = send_input  # answers a rank's debugger prompt (InputRequest)
         self._cond = threading.Condition()
         self._events: list[Event] = []
         self._values: dict[int, Any] = {}
@@ -95,7 +112,13 @@ class Run:
                 else:
                     self._failures[event.rank] = event.failure
             self._events.append(event)
-            self._cond.notify_all()
+            # Waking the waiting thread costs a GIL hand-off per event, and the results of a
+            # many-rank run arrive back to back: wake for what a waiter acts on (output,
+            # errors, the first result, which starts straggler clocks, and the last one);
+            # the results in between are picked up with the next event.
+            if not isinstance(event, Result) or not self._pending or \
+                    len(self._values) + len(self._failures) == 1:
+                self._cond.notify_all()
         if late:
             self.on_late_output(event)
 
@@ -129,7 +152,8 @@ class Run:
 
     def events_since(self, index: int, timeout: float | None) -> tuple[list[Event], int]:
         """Events from position ``index`` on (waiting up to ``timeout`` for one), and the next
-        position. For renderers that must wake up on their own schedule too."""
+        position. For renderers that must wake up on their own schedule too. A result other
+        than the first and the last does not end the wait on its own (see ``_add``)."""
         with self._cond:
             if len(self._events) <= index and self._pending:
                 self._cond.wait(timeout)
@@ -153,9 +177,11 @@ class Run:
 
     def _wait_and_echo(self, timeout: float | None, echo: bool) -> RankValues:
         from .output import LineMerger
+        from .remote_pdb import PromptServer
 
         deadline = None if timeout is None else time.monotonic() + timeout
         merger = LineMerger(self.ranks, _write) if echo else None
+        prompts = PromptServer(input, self.send_input) if echo else None
         seen = self._echoed
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -163,10 +189,12 @@ class Run:
             events, seen = self.events_since(seen, min(filter(None, (left, wait)), default=left))
             if merger:
                 for event in events:
-                    if isinstance(event, Display):
+                    if isinstance(event, (Display, InputRequest)):
                         merger.flush()
+                    if isinstance(event, Display):
                         _write("stdout", f"[{event.rank}] {event.data.get('text/plain', '')}\n")
                     merger.feed_event(event)
+                    prompts.feed(event)  # type: ignore[union-attr]
                 merger.poll()
                 self._echoed = seen
             if self.done() and seen == len(self._events):

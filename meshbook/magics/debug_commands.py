@@ -1,0 +1,67 @@
+"""``%mesh stacks / diagnose / interrupt / kill / restart RANKS / debug``: stuck ranks, live.
+
+A mixin of :class:`~meshbook.magics.mesh_magic.MeshMagics`; each command is a thin call to
+the :class:`~meshbook.Mesh` debugging API (:mod:`meshbook.mesh.debug`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .base import command, require_mesh
+from .render import RenderOptions, show_run
+
+
+class DebugCommands:
+    shell: Any
+
+    @magic_arguments(name="mesh stacks")
+    @argument("--ranks", "-r", help="ranks to show: 0,2 or 0-3 (default: all)")
+    @command
+    def stacks(self, line: str) -> None:
+        """Show every rank's Python stack, merged into one call tree (taken while busy)."""
+        args = parse_argstring(self.stacks, line)
+        print(require_mesh().stacks(args.ranks).render())
+
+    @magic_arguments(name="mesh diagnose")
+    @argument("--ranks", "-r", help="ranks to look at (default: all)")
+    @command
+    def diagnose(self, line: str) -> None:
+        """Explain a hang: which ranks wait in which collective, and for whom."""
+        args = parse_argstring(self.diagnose, line)
+        print(require_mesh().diagnose(args.ranks).render())
+
+    @magic_arguments(name="mesh interrupt")
+    @argument("ranks", nargs="?", help="ranks to interrupt: 0,2 or 0-3 (default: all)")
+    @command
+    def interrupt(self, line: str) -> None:
+        """Send SIGINT to ranks: code running in Python raises KeyboardInterrupt."""
+        args = parse_argstring(self.interrupt, line)
+        mesh = require_mesh()
+        mesh.interrupt(args.ranks)
+        print(f"interrupted rank(s) {args.ranks or 'all'}")
+
+    @magic_arguments(name="mesh kill")
+    @argument("ranks", help="ranks to kill: 1 or 0,2")
+    @command
+    def kill(self, line: str) -> None:
+        """SIGKILL ranks (their variables are lost); %mesh restart RANKS brings them back."""
+        args = parse_argstring(self.kill, line)
+        require_mesh().kill(args.ranks)
+        print(f"killed rank(s) {args.ranks}; %mesh restart {args.ranks} brings them back")
+
+    def restart_ranks(self, ranks: str) -> None:
+        """%mesh restart RANKS: re-fork those ranks, keep every other rank's variables."""
+        print(require_mesh().restart(ranks).render())
+
+    @magic_arguments(name="mesh debug")
+    @argument("rank", type=int, help="the rank whose last exception to debug")
+    @command
+    def debug(self, line: str) -> Any:
+        """Post-mortem pdb on a rank's last exception, answered in the notebook (like %debug)."""
+        args = parse_argstring(self.debug, line)
+        mesh = require_mesh()
+        values = show_run(mesh.debug(args.rank), RenderOptions(), mesh)
+        print(values[args.rank])

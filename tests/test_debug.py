@@ -1,0 +1,134 @@
+"""Stuck ranks: stacks, hang diagnosis, recovery, restart (Python API, real gloo meshes)."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Iterator
+
+import pytest
+
+import meshbook
+from meshbook import RemoteError
+
+SKIP_ALL_REDUCE = ("import time\nt = torch.ones(8)\nif rank == 1:\n    time.sleep(60)\n"
+                   "else:\n    dist.all_reduce(t)\nt.sum().item()")
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[meshbook.Mesh]:
+    with meshbook.start(dims={"dp": 2, "tp": 2}) as m:
+        yield m
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.05)
+
+
+def in_all_reduce(mesh: meshbook.Mesh, ranks: list[int]) -> bool:
+    snaps = mesh.snapshots(ranks)
+    return all(s.pending for s in snaps.values())
+
+
+def test_diagnosis_names_the_rank_that_never_joined_and_its_line(mesh: meshbook.Mesh) -> None:
+    mesh.run("keep = rank * 100").result()
+    run = mesh.run(SKIP_ALL_REDUCE)
+    wait_until(lambda: in_all_reduce(mesh, [0, 2, 3]))
+    (verdict,) = mesh.diagnose().verdict
+    assert re.fullmatch(
+        r"ranks 0,2,3 wait in all_reduce #\d+ \(\[8\] float\) at cell line 6 \(dist\.all_reduce\(t\)\); "
+        r"rank 1 never reached it: at cell line 4 \(time\.sleep\(60\)\)", verdict), verdict
+    stacks = mesh.stacks().render()
+    assert "[0,2,3] cell line 6, in <module>\n            dist.all_reduce(t)" in stacks
+    assert "[1]" in stacks and "time.sleep(60)" in stacks and "torch/distributed/distributed_c10d.py" in stacks
+
+    # interrupt: rank 1 stops (Python), 0,2,3 stay blocked in C; recovery frees them all
+    run.interrupt()
+    wait_until(lambda: 1 not in run.pending, 10)
+    assert run.pending == [0, 2, 3]
+    started = time.monotonic()
+    recovery = mesh.recover()
+    assert time.monotonic() - started < 10  # target < 3 s; generous on a loaded machine
+    assert recovery.restarted == [] and recovery.kept == [0, 1, 2, 3]
+    with pytest.raises(RemoteError) as info:
+        run.result(timeout=10, echo=False)
+    assert set(info.value.failures) == {0, 1, 2, 3}
+    vals = mesh.run("t = torch.ones(1); dist.all_reduce(t); (keep, t.item())").result()
+    assert dict(vals) == {r: (r * 100, 4.0) for r in range(4)}
+
+
+def test_restarting_the_absent_rank_frees_the_others_with_their_variables(mesh: meshbook.Mesh) -> None:
+    mesh.run("keep = rank * 100").result()
+    run = mesh.run(SKIP_ALL_REDUCE)
+    wait_until(lambda: in_all_reduce(mesh, [0, 2, 3]))
+    recovery = mesh.restart([1])
+    assert recovery.restarted == [1] and recovery.kept == [0, 2, 3]
+    assert "rank 1 restarted: its variables are lost." in recovery.render()
+    with pytest.raises(RemoteError) as info:
+        run.result(timeout=10, echo=False)
+    assert info.value.failures[1].died == "SIGKILL"
+    vals = mesh.run("t = torch.ones(1); dist.all_reduce(t); (globals().get('keep'), t.item())").result()
+    assert dict(vals) == {0: (0, 4.0), 1: (None, 4.0), 2: (200, 4.0), 3: (300, 4.0)}
+    assert mesh.status()[1].lost_namespace and not mesh.status()[0].lost_namespace
+
+
+def test_mismatched_collectives_are_freed_without_restarting_anyone(mesh: meshbook.Mesh) -> None:
+    code = ("t = torch.ones(4)\nif rank < 2:\n    dist.all_reduce(t)\nelse:\n"
+            "    dist.broadcast(t, src=2)\n'done'")
+    run = mesh.run(code)
+    wait_until(lambda: in_all_reduce(mesh, [0, 1, 2, 3]))
+    verdict = " ".join(mesh.diagnose().verdict)
+    assert "ranks 0,1 wait in all_reduce" in verdict and "ranks 2,3 wait in broadcast" in verdict
+    assert "instead" in verdict
+    recovery = mesh.recover()
+    assert recovery.restarted == []
+    run.wait(10)
+    assert run.done()
+    assert mesh.run("t = torch.ones(1); dist.all_reduce(t); t.item()").result().unique() == 4.0
+
+
+def test_stacks_of_a_rank_spinning_in_pure_python(mesh: meshbook.Mesh) -> None:
+    run = mesh.run("import time\nend = time.time() + 60\nwhile time.time() < end:\n    pass", ranks=[2])
+    wait_until(lambda: mesh.snapshots([2])[2].busy)
+    snap = mesh.snapshots([2])[2]
+    assert snap.cell_frame is not None and snap.cell_frame.lineno in (3, 4)
+    mesh.interrupt([2])
+    with pytest.raises(RemoteError, match="KeyboardInterrupt"):
+        run.result(timeout=10, echo=False)
+
+
+def test_rank_holding_the_gil_in_c_is_dumped_from_outside(mesh: meshbook.Mesh) -> None:
+    # PyDLL keeps the GIL during the call, so the rank's control thread cannot answer.
+    run = mesh.run("import ctypes, time\ntime.sleep(0.2)\nctypes.PyDLL(None).sleep(4)", ranks=[3])
+    time.sleep(0.8)
+    snap = mesh.snapshots([3])[3]
+    assert snap.busy and not snap.frames
+    assert snap.native.strip()  # py-spy's dump, or the reason it could not take one
+    run.result(timeout=30, echo=False)
+
+
+def test_dead_rank_is_shown_as_such_and_restart_brings_it_back(mesh: meshbook.Mesh) -> None:
+    with pytest.raises(RemoteError, match="rank 2 died: SIGKILL"):
+        mesh.run("import os\nos.kill(os.getpid(), 9)", ranks=[2]).result(timeout=30)
+    assert mesh.snapshots([2])[2].dead == "SIGKILL"
+    assert "[2] not running: SIGKILL" in mesh.stacks().render()
+    recovery = mesh.restart([2])
+    assert recovery.restarted == [2]
+    assert mesh.run("rank").result()[2] == 2
+
+
+def test_collective_timeout_fails_a_forgotten_hang_on_its_own() -> None:
+    with meshbook.start(2, collective_timeout=3) as small:
+        run = small.run("import time\nt = torch.ones(1)\nif rank == 0:\n    dist.all_reduce(t)\n"
+                        "else:\n    time.sleep(20)", ranks=[0, 1])
+        deadline = time.monotonic() + 20
+        while 0 in run.pending:
+            assert time.monotonic() < deadline, "the hung collective never timed out"
+            time.sleep(0.1)
+        failure = run.exception().failures[0]  # type: ignore[union-attr]
+        assert "Timed out" in failure.message or "timeout" in failure.message.lower()
+        small.interrupt([1])
+        run.wait(10)

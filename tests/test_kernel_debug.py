@@ -1,0 +1,115 @@
+"""Debugging stuck ranks from a real notebook kernel: interrupts, timeouts, stacks, pdb."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import pytest
+
+from kernels import Kernel
+
+SKIP_ALL_REDUCE = ("%%mesh\nimport time\nt = torch.ones(8)\nif rank == 1:\n    time.sleep(60)\n"
+                   "else:\n    dist.all_reduce(t)\nt.sum().item()")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Kernel]:
+    k = Kernel()
+    k.ok("import meshbook\n%load_ext meshbook\n%mesh start --dims dp=2,tp=2")
+    yield k
+    k.ok("%mesh stop")
+    k.close()
+
+
+def result_text(reply) -> str:
+    return reply.of_type("execute_result")[0]["content"]["data"]["text/plain"]
+
+
+def stderr_of(kernel: Kernel, msg_id: str) -> str:
+    return "".join(m["content"]["text"] for _, m in kernel.outputs_of(msg_id)
+                   if m["msg_type"] == "stream" and m["content"]["name"] == "stderr")
+
+
+def test_two_interrupts_free_a_hung_collective(kernel: Kernel) -> None:
+    kernel.ok("%%mesh\nkeep = rank * 100")
+    msg_id, sent = kernel.submit(SKIP_ALL_REDUCE)
+    time.sleep(1.5)
+    kernel.manager.interrupt_kernel()  # rank 1 stops; 0, 2, 3 are blocked in all_reduce
+    deadline = time.monotonic() + 30
+    while "did not stop within 2 s" not in stderr_of(kernel, msg_id):
+        assert time.monotonic() < deadline, "the stuck ranks were never explained"
+        time.sleep(0.1)
+    explained = stderr_of(kernel, msg_id)
+    assert "ranks 0,2,3 wait in all_reduce" in explained
+    assert "rank 1 finished the cell without joining it" in explained
+    assert "Interrupt again" in explained
+    second = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    reply = kernel.wait(msg_id, sent, timeout=60)
+    assert reply.replied_at - second < 10  # target < 3 s; generous on a loaded machine
+    assert reply.status == "error"
+    assert "ranks 0-3 kept their variables" in reply.error_text
+    assert "[1] KeyboardInterrupt" in reply.error_text
+    vals = kernel.ok("%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\n(keep, t.item())")
+    assert result_text(vals) == "[0] (0, 4.0)\n[1] (100, 4.0)\n[2] (200, 4.0)\n[3] (300, 4.0)"
+
+
+def test_timeout_ends_the_cell_with_a_diagnosis_then_restart_one_rank(kernel: Kernel) -> None:
+    kernel.ok("%%mesh\nkeep = rank * 100")
+    reply = kernel.execute(SKIP_ALL_REDUCE.replace("%%mesh", "%%mesh --timeout 3"))
+    assert reply.status == "error"
+    assert "still running on rank(s) 0-3 after 3 s" in reply.content["evalue"]
+    assert "rank 1 never reached it: at cell line 5 (time.sleep(60))" in reply.content["evalue"]
+    stacks = kernel.ok("%mesh stacks").stream()
+    assert "[0,2,3] cell line 7, in <module>" in stacks and "[1] cell line 5" in stacks
+    verdict = kernel.ok("%mesh diagnose").stream()
+    assert verdict.startswith("ranks 0,2,3 wait in all_reduce")
+    restarted = kernel.ok("%mesh restart 1").stream()
+    assert "rank 1 restarted: its variables are lost." in restarted
+    assert "ranks 0,2,3 kept their variables." in restarted
+    vals = kernel.ok("%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\n(globals().get('keep'), t.item())")
+    assert result_text(vals) == "[0] (0, 4.0)\n[1] (None, 4.0)\n[2] (200, 4.0)\n[3] (300, 4.0)"
+    assert "idle" in kernel.ok("%mesh status").stream()
+
+
+def test_kill_then_degraded_message_then_restart(kernel: Kernel) -> None:
+    kernel.ok("%mesh kill 3")
+    reply = kernel.execute("%%mesh\n1")
+    assert reply.status == "error" and "degraded" in reply.content["evalue"]
+    assert "%mesh restart 3" in reply.content["evalue"]
+    kernel.ok("%mesh restart 3")
+    assert kernel.ok("%%mesh\nrank").status == "ok"
+
+
+def test_breakpoint_opens_pdb_for_the_rank_in_the_notebook(kernel: Kernel) -> None:
+    reply, prompts = kernel.execute_with_input(
+        "%%mesh --ranks 2\nx = 41\nbreakpoint()\ny = x + 1\ny", ["p x", "n", "p y", "c"])
+    assert reply.status == "ok", reply.error_text
+    assert prompts == ["(Pdb rank 2) "] * 4
+    out = reply.stream()
+    assert "[2] 41\n" in out and "[2] 42\n" in out
+    assert result_text(reply) == "[2] 42"
+
+
+def test_several_ranks_at_breakpoints_are_served_one_after_another(kernel: Kernel) -> None:
+    reply, prompts = kernel.execute_with_input(
+        "%%mesh --ranks 0,1\nbreakpoint()\nrank", ["p rank", "c", "p rank", "c"])
+    assert reply.status == "ok", reply.error_text
+    first, second = prompts[0], prompts[2]
+    assert prompts == [first, first, second, second] and first != second
+    assert result_text(reply) == "[0] 0\n[1] 1"
+
+
+def test_post_mortem_of_a_rank(kernel: Kernel) -> None:
+    assert kernel.execute("%%mesh --ranks 1\nz = 5\n1 / 0").status == "error"
+    reply, prompts = kernel.execute_with_input("%mesh debug 1", ["p z", "q"])
+    assert reply.status == "ok", reply.error_text
+    assert prompts == ["(Pdb rank 1) "] * 2
+    assert "[1] 5\n" in reply.stream() and "ZeroDivisionError" in reply.stream()
+
+
+def test_breakpoint_without_stdin_is_skipped_with_a_note(kernel: Kernel) -> None:
+    reply = kernel.ok("%%mesh --ranks 0\nbreakpoint()\n'went on'")
+    assert "breakpoint() at line 2 skipped" in reply.stream("stderr")
+    assert result_text(reply) == "[0] 'went on'"
