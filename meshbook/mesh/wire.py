@@ -131,10 +131,12 @@ class Wire:
         if len(key) < 16:
             raise ValueError("the mesh key must be at least 16 bytes")
         self._key = key
+        # Keyed once: every message then copies it instead of hashing the key pads again.
+        self._mac = hmac.new(key, digestmod=hashlib.sha256)
         self.dropped = 0  # messages rejected by unpack(), for tests and diagnostics
 
     def _signature(self, header: Any, body: Any, buffers: Sequence[Any]) -> bytes:
-        mac = hmac.new(self._key, digestmod=hashlib.sha256)
+        mac = self._mac.copy()
         mac.update(header)
         mac.update(body)
         lengths = [memoryview(b).nbytes for b in buffers]
