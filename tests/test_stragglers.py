@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import meshbook
 from meshbook.mesh.controller import RankState
 from meshbook.mesh.memory import memory_report
 from meshbook.mesh.metrics import MetricsHistory
+from meshbook.mesh.sampling import MainThreadSampler, classify
 from meshbook.mesh.stragglers import slow_by_duration, straggler_report
 from meshbook.mesh.table import format_bytes
 
@@ -60,6 +62,32 @@ def test_ranks_are_compared_within_one_request() -> None:
                                2: sampled(0.05, request=7), 3: sampled(0.9, request=8)})
     assert report.stragglers == []
     assert [(t.rank, t.request, t.score) for t in report.ranks][2] == (2, 7, None)
+
+
+class Work:
+    """Stands for a torch Work handle: its wait() blocks below the caller's line."""
+
+    def wait(self) -> object:
+        return classify(sys._getframe(1))  # sampled from the caller's frame, as if in C
+
+
+def test_classify_a_live_stack() -> None:
+    here = sys._getframe()
+    assert classify(here) == (False, f"test_stragglers.py:{here.f_lineno} in test_classify_a_live_stack")
+    waiting, where = Work().wait()  # type: ignore[misc]
+    assert waiting and where.startswith("wait at test_stragglers.py:")
+
+
+def test_a_failing_sample_stops_sampling_and_says_why() -> None:
+    def no_stack() -> None:
+        raise RuntimeError("no stack")
+
+    sampler = MainThreadSampler(no_stack, lambda: 1)
+    sampler.tick(1.0)
+    assert sampler.report()["error"] == "RuntimeError: no stack"
+    report = straggler_report({0: sampler.report(), 1: sampled(0.5)})
+    assert report.summary()[-1] == ("sampling stopped on rank 0 (RuntimeError: no stack): where "
+                                    "it spends its time is unknown")
 
 
 def test_slow_by_duration_against_the_median_of_the_others() -> None:

@@ -35,7 +35,10 @@ def memory_probe(cuda_device: int | None) -> Callable[[], dict[str, Any]]:
         import torch
 
         def gpu() -> dict[str, Any]:
-            free, total = torch.cuda.mem_get_info(cuda_device)
+            try:
+                free, total = torch.cuda.mem_get_info(cuda_device)
+            except RuntimeError as exc:  # a broken CUDA context must not end the control thread
+                return {"pool": f"cuda:{cuda_device}", "limit": None, "used": None, "error": str(exc)}
             return {"pool": f"cuda:{cuda_device}", "limit": total, "used": total - free}
 
         return gpu

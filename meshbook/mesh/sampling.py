@@ -76,27 +76,36 @@ class MainThreadSampler:
         self.gap = gap
         #: Sampling can be paused (e.g. to measure what it costs); reports then age out.
         self.enabled = True
+        #: Why sampling stopped, if it failed (reported in every heartbeat from then on).
+        self.error: str | None = None
         self._samples: deque[Sample] = deque()
         self._next = 0.0
 
     def tick(self, now: float) -> None:
         """Take a sample if one is due and the main thread is busy; drop expired ones."""
-        if self.enabled and now >= self._next:
+        if self.enabled and self.error is None and now >= self._next:
             self._next = now + self.gap
-            request = self._request()
-            frame = self._frame() if request is not None else None
-            found = classify(frame) if frame is not None else None
-            if request is not None and found is not None:
-                self._samples.append(Sample(now, request, *found))
+            try:
+                self._sample(now)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not end the control thread
+                self.error = f"{type(exc).__name__}: {exc}"
         while self._samples and self._samples[0].t < now - self.window:
             self._samples.popleft()
+
+    def _sample(self, now: float) -> None:
+        request = self._request()
+        frame = self._frame() if request is not None else None
+        found = classify(frame) if frame is not None else None
+        if request is not None and found is not None:
+            self._samples.append(Sample(now, request, *found))
 
     def report(self) -> dict[str, Any]:
         """The window's samples of the latest request sampled, for a heartbeat:
         ``{"request", "n", "wait", "top": [[where, waiting, fraction]], "window"}``."""
         samples = list(self._samples)
         if not samples:
-            return {"request": None, "n": 0, "wait": 0.0, "top": [], "window": self.window}
+            return {"request": None, "n": 0, "wait": 0.0, "top": [], "window": self.window,
+                    "error": self.error}
         request = samples[-1].request
         samples = [s for s in samples if s.request == request]
         n = len(samples)
@@ -105,7 +114,7 @@ class MainThreadSampler:
                for (where, waiting), count in places.most_common(TOP_PLACES)]
         waiting = sum(s.waiting for s in samples)
         return {"request": request, "n": n, "wait": round(waiting / n, 3), "top": top,
-                "window": self.window}
+                "window": self.window, "error": self.error}
 
 
 def classify(frame: FrameType) -> tuple[bool, str] | None:
@@ -160,21 +169,24 @@ def _kind(code: CodeType) -> int:
 def _blocks_in_wait(frame: FrameType) -> bool:
     """The innermost Python frame is on a ``x.wait(...)`` line: ``Work.wait()``, a future's
     ``wait()``, ``torch.cuda.Event.wait``... block in C, below any Python frame."""
-    key = (frame.f_code, frame.f_lineno)
+    lineno = frame.f_lineno
+    if lineno is None:  # between lines (e.g. entering a function): not blocked in a call
+        return False
+    key = (frame.f_code, lineno)
     found = _waits.get(key)
     if found is None:
         if len(_waits) >= _CACHE_LIMIT:
             _waits.clear()
-        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-        found = _waits[key] = ".wait(" in line
+        found = _waits[key] = ".wait(" in linecache.getline(frame.f_code.co_filename, lineno)
     return found
 
 
 def _describe(frame: FrameType) -> str:
     name = frame.f_code.co_filename
+    lineno = frame.f_lineno or frame.f_code.co_firstlineno  # None while entering a function
     if name.startswith(CELL_PREFIX):
-        return f"cell line {frame.f_lineno}"
-    return f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        return f"cell line {lineno}"
+    return f"{os.path.basename(name)}:{lineno} in {frame.f_code.co_name}"
 
 
 _kinds: dict[CodeType, int] = {}

@@ -62,6 +62,8 @@ class RankTime:
     #: Median waiting fraction of the other ranks minus this rank's; ``None`` if not scored.
     score: float | None
     others_wait: float | None
+    #: Why the rank stopped sampling, if it did (its time is then unknown).
+    error: str | None = None
 
     @property
     def straggler(self) -> bool:
@@ -121,14 +123,16 @@ class StragglerReport:
             lines.append(f"slow: rank {s.rank} took {s.duration:.2f} s, {s.factor:.1f}x the "
                          f"median of the others ({s.others_median:.2f} s)")
         if not lines:
-            scored = [t for t in self.ranks if t.score is not None]
-            if scored:
-                lines.append(f"no straggler: the ranks wait alike (every score below "
-                             f"{STRAGGLER_SCORE:.2f})")
-            else:
-                lines.append(f"no straggler: fewer than two ranks ran code long enough in the "
-                             f"last {self.window:g} s to compare them (run a loop, then ask again)")
+            lines.append(self._no_straggler())
+        lines += [f"sampling stopped on rank {t.rank} ({t.error}): where it spends its time is "
+                  f"unknown" for t in self.ranks if t.error]
         return lines
+
+    def _no_straggler(self) -> str:
+        if any(t.score is not None for t in self.ranks):
+            return f"no straggler: the ranks wait alike (every score below {STRAGGLER_SCORE:.2f})"
+        return (f"no straggler: fewer than two ranks ran code long enough in the last "
+                f"{self.window:g} s to compare them (run a loop, then ask again)")
 
     def __str__(self) -> str:
         rows = [{"rank": t.rank, "samples": t.samples,
@@ -158,7 +162,8 @@ def score_ranks(sampled: Mapping[int, Mapping[str, Any]]) -> tuple[RankTime, ...
         places = tuple(Place(str(where), bool(waiting), float(fraction))
                        for where, waiting, fraction in report.get("top", ()))
         out.append(RankTime(rank, request, int(report.get("n", 0)),
-                            float(report.get("wait", 0.0)), places, score, others_wait))
+                            float(report.get("wait", 0.0)), places, score, others_wait,
+                            report.get("error")))
     return tuple(out)
 
 
