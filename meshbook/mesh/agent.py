@@ -171,9 +171,10 @@ class Agent:
     def _send_down(self, channel: str, rank: int, frames: list[Any]) -> None:
         import zmq
 
+        from . import wire
+
         try:
-            self.down[channel].send_multipart([_identity(rank, self.procs[rank].pid), *frames],
-                                              copy=False)
+            wire.forward(self.down[channel], frames, prefix=[_identity(rank, self.procs[rank].pid)])
         except zmq.ZMQError:
             pass  # the rank is dying: its exit report fails the request
 

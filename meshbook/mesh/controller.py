@@ -292,7 +292,7 @@ class Controller:
             if self.events in ready:
                 while True:
                     try:
-                        frames = self.events.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = wire.recv(self.events, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     try:

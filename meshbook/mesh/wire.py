@@ -180,12 +180,35 @@ def send(sock: zmq.Socket, frames: list[Any], prefix: Sequence[bytes] = (), wait
     """
     big = any(memoryview(_buffer(f)).nbytes >= ZERO_COPY_MIN for f in frames[3:])
     if not big:
-        sock.send_multipart([*prefix, *frames], copy=True)
+        _send_parts(sock, [*prefix, *frames], copy=True)
         return
     tracker = sock.send_multipart([*prefix, *frames], copy=False, track=wait)
     if wait and tracker is not None:
         tracker.wait()
 
 
-def recv(sock: zmq.Socket) -> list[Any]:
-    return sock.recv_multipart(copy=False)
+def forward(sock: zmq.Socket, frames: list[Any], prefix: Sequence[bytes] = ()) -> None:
+    """Send received frames on as they are: by reference, whatever their size."""
+    _send_parts(sock, [*prefix, *frames], copy=False)
+
+
+def recv(sock: zmq.Socket, flags: int = 0) -> list[Any]:
+    """Every frame of one message, uncopied."""
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:  # a frame knows; recv_multipart asks the socket (getsockopt) each time
+        frame = sock.recv(flags, copy=False)
+        frames.append(frame)
+    return frames
+
+
+#: ``zmq.SNDMORE`` as a plain int: or-ing pyzmq's enum flags costs more than the send itself.
+_MORE = int(zmq.SNDMORE)
+
+
+def _send_parts(sock: zmq.Socket, parts: list[Any], copy: bool) -> None:
+    # send_multipart's per-frame checks and enum flags cost half of a small message's send,
+    # and a dispatch sends one message per rank at every hop.
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        sock.send(part, _MORE if i < last else 0, copy=copy)
