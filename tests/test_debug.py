@@ -132,3 +132,17 @@ def test_collective_timeout_fails_a_forgotten_hang_on_its_own() -> None:
         assert "Timed out" in failure.message or "timeout" in failure.message.lower()
         small.interrupt([1])
         run.wait(10)
+
+
+def test_cell_explains_ranks_that_stay_busy_after_the_others_finished(mesh: meshbook.Mesh, capsys) -> None:
+    from meshbook.magics.render import RenderOptions, show_run
+
+    run = mesh.run("t = torch.ones(2)\nif rank != 1:\n    dist.all_reduce(t)\n'done'")
+    with pytest.raises(meshbook.MeshTimeout) as info:
+        show_run(run, RenderOptions(timeout=4, hang_hint=1.0), mesh)
+    note = capsys.readouterr().err
+    assert "rank(s) 0,2,3 are still busy" in note and "after the others finished" in note
+    assert "rank 1 finished the cell without joining it (idle)" in note
+    assert "rank 1 finished the cell without joining it" in str(info.value)
+    mesh.restart([1])
+    assert run.done()
