@@ -243,8 +243,9 @@ class Agent:
             if sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
                 return  # EOF: the controller is gone
             for channel, sock in self.down.items():
-                while sock.poll(0):
-                    self.hello(channel)
+                if sock in ready:  # not polled again for each request the agent forwards
+                    while sock.poll(0):
+                        self.hello(channel)
             if self.cmd in ready:
                 while self.cmd.poll(0):
                     try:
