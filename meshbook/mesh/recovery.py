@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 #: How long free ranks get to release stuck ones before their sockets are shut down.
-ABORT_AFTER_S = 0.5
+ABORT_AFTER_S = 0.2
 #: How long shut-down sockets get to end a collective before the rank is re-forked.
 KILL_AFTER_S = 2.0
 
