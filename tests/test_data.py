@@ -310,3 +310,16 @@ def test_a_rank_dying_during_a_push_is_reported_with_what_was_stored(mesh2: mesh
     assert isinstance(error, RemoteError) and error.ranks == [1]
     assert "x stored on rank(s) 0; rank(s) 1 kept their previous values" in str(error)
 
+
+def test_who_reports_the_variables_a_restarted_rank_lost(mesh2: meshbook.Mesh) -> None:
+    mesh2.run("weights = torch.ones(3)").result()
+    mesh2.push(lr=0.1)
+    assert "weights" in mesh2.who()
+    mesh2.restart([1])
+    ns = mesh2.who()
+    assert ns.lost == {1: ("lr", "weights")}
+    lost_rows = [line for line in repr(ns).splitlines() if "lost (rank restarted)" in line]
+    assert [row.split()[0] for row in lost_rows] == ["lr", "weights"]
+    assert all(row.endswith(" 1") for row in lost_rows)
+    mesh2.push(lr=0.2, ranks=[1])
+    assert mesh2.who().lost == {1: ("weights",)}
