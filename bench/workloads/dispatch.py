@@ -17,7 +17,8 @@ from contextlib import AbstractContextManager
 from functools import partial
 
 from ..harness import Context, Outcome
-from ..peers import PEERS, cells, module, running
+from ..peers import PEERS, cells, module, running, zmq_floor
+from ..procs import reaped
 from ..report import Check, Table, duration, latency, ratio
 from ..timing import Budget, Sample, Samples, clock, interleave, measure, median_of
 
@@ -32,13 +33,19 @@ CELLS_QUICK = Budget(samples=150, seconds=2)
 Latencies = dict[str, dict[int, "Samples | None"]]
 
 
+#: The reference column: meshbook's processes and sockets without meshbook (see zmq_floor).
+FLOOR = "floor"
+
+
 def api_latencies(ctx: Context, sizes: tuple[int, ...], budget: Budget) -> Latencies:
-    """Each system's no-op round trip, per size (None where it failed)."""
+    """Each system's no-op round trip, and the floor's, per size (None where it failed)."""
     out: Latencies = {}
     for n in sizes:
         for name in ctx.systems():
             out.setdefault(name, {})[n] = ctx.attempt(
                 f"dispatch: {name}, {n} ranks", partial(_api, name, n, budget))
+        out.setdefault(FLOOR, {})[n] = ctx.attempt(
+            f"dispatch: {FLOOR}, {n} ranks", partial(_floor, n, budget))
     return out
 
 
@@ -47,16 +54,29 @@ def _api(name: str, n: int, budget: Budget) -> Samples:
         return measure(clock(handle.noop), budget)
 
 
+def _floor(n: int, budget: Budget) -> Samples:
+    with reaped(f"{FLOOR} with {n} ranks", partial(zmq_floor.start, n),
+                zmq_floor.FloorHandle.close) as handle:
+        return measure(clock(handle.noop), budget)
+
+
 def api_table(title: str, found: Latencies, sizes: tuple[int, ...]) -> Table:
     peers = [p for p in PEERS if p in found]
-    table = Table(title, ["ranks", *(f"{name} `{module(name).DISPATCH}`" for name in found),
-                          *(f"{p} / meshbook" for p in peers)])
+    labels = {name: f"{name} `{module(name).DISPATCH}`" for name in found if name != FLOOR}
+    labels[FLOOR] = f"{FLOOR}: {zmq_floor.DISPATCH}"
+    table = Table(title, ["ranks", *(labels[name] for name in found),
+                          *(f"{p} / meshbook" for p in peers), f"meshbook / {FLOOR}"])
     for n in sizes:
-        ours = found["meshbook"][n]
+        ours = median_of(found["meshbook"][n])
         table.add(n, *(latency(s[n]) if s[n] else "failed" for s in found.values()),
-                  *(ratio(median_of(found[p][n]), median_of(ours)) for p in peers))
-    table.notes.append("median (p99) of the round trip; ratios are peer / meshbook medians: "
-                       "above 1x meshbook is faster")
+                  *(ratio(median_of(found[p][n]), ours) for p in peers),
+                  ratio(ours, median_of(found[FLOOR][n])))
+    table.notes += [
+        "median (p99) of the round trip; peer / meshbook above 1x: meshbook is faster",
+        (f"{FLOOR}: meshbook's path (controller -> host agent -> ranks -> controller over "
+         f"ipc, a receiver thread) in bare pyzmq with nothing of meshbook; meshbook / {FLOOR} "
+         f"is what meshbook's own work (signing, pickling, running the code, book-keeping) "
+         f"multiplies it by")]
     return table
 
 
