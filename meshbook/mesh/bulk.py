@@ -62,13 +62,6 @@ class Payload:
     buffers: list[Any] = field(default_factory=list)
     shared: SharedFile | None = None
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the value's buffers (the bulk of what moves)."""
-        if self.shared is not None:
-            return sum(length for _, length in self.shared.spans)
-        return sum(memoryview(b).nbytes for b in self.buffers)
-
     def load(self) -> Any:
         """The value, on a rank: its tensors alias the frames or the mapped file, uncopied."""
         if self.shared is None:

@@ -91,7 +91,8 @@ def _store(worker: Any, payload: Payload) -> None:
     values = payload.load()
     device = worker.namespace["device"]
     if device.type != "cpu":
-        values = {name: _walk(value, functools.partial(_onto, device)) for name, value in values.items()}
+        onto = functools.partial(_onto, device)
+        values = {name: _walk(value, onto) for name, value in values.items()}
     worker.namespace.update(values)  # only once every value arrived: all of them or none
 
 
@@ -390,14 +391,13 @@ def _one_layout(name: str, infos: RankValues) -> Layout:
         kinds = sorted({info.type for info in infos.values() if info.layout is None})
         raise ShapeError(f"full_tensor() assembles DTensors; {name!r} is a {'/'.join(kinds)} on "
                          f"some ranks (use .gather(dim) for a plain tensor split by convention)")
-    meshes = group_by_text({r: repr(i.layout.mesh_ranks) for r, i in infos.items()})  # type: ignore[union-attr]
+    layouts: dict[int, Layout] = {r: i.layout for r, i in infos.items()}
+    meshes = group_by_text({r: repr(layout.mesh_ranks) for r, layout in layouts.items()})
     if len(meshes) > 1:
         options = " or ".join(repr(format_ranks(ranks)) for ranks, _ in meshes)
         raise ShapeError(f"{name!r} lives on {len(meshes)} different DeviceMeshes; assemble one at "
                          f"a time: mesh.ref({name!r}, ranks=...) with ranks {options}")
-    first = infos[infos.ranks[0]]
-    layout = first.layout
-    assert layout is not None
+    layout = layouts[infos.ranks[0]]
     for kind, arg in layout.placements:
         if kind not in ("Shard", "Replicate", "Partial") or (kind == "Partial" and arg not in _REDUCE):
             raise ShapeError(f"cannot assemble {name!r} in the notebook: placement {kind} "
