@@ -3,7 +3,8 @@
 One importable function, so both runs execute the very same code: torchrun's workers call it
 from ``bench/ddp_torchrun.py``, meshbook's ranks through ``Mesh.apply``. It expects a
 process group to exist, seeds everything it draws from, and times only the steps (between
-two barriers), not process start or group creation.
+two barriers), not process start or group creation, and each step on its own: the median
+step is what a burst of other work on a shared machine disturbs least.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ def train(steps: int = 200, seed: int = 0, threads: int = 1, log_every: int = 50
         torch.nn.Linear(256, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(seed + rank)  # each rank its own shard
-    losses = []
+    losses, step_seconds = [], []
     dist.barrier()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
+        began = time.perf_counter()
         x = torch.randn(64, 64, generator=data)
         loss = ((model(x) - x.sum(1, keepdim=True).sin()) ** 2).mean()
         optimizer.zero_grad()
@@ -38,5 +40,8 @@ def train(steps: int = 200, seed: int = 0, threads: int = 1, log_every: int = 50
         losses.append(loss.item())
         if step % log_every == 0:
             print(f"step {step}: loss {losses[-1]:.5f}", flush=True)
+        step_seconds.append(time.perf_counter() - began)
     dist.barrier()
-    return {"rank": rank, "seconds": time.perf_counter() - started, "losses": losses}
+    # CPU of the whole process (the runtime's own threads included), over the same span.
+    return {"rank": rank, "seconds": time.perf_counter() - started, "losses": losses,
+            "step_seconds": step_seconds, "cpu_seconds": time.process_time() - cpu}

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             outcome = workload.run(ctx)
         except Exception as exc:  # noqa: BLE001 - a broken workload must not lose the others
             ctx.failures.append(f"{workload.title} failed: {type(exc).__name__}: {exc}")
+            ctx.log(f"FAILED {ctx.failures[-1]}")
             outcome = Outcome([])
         sections.append((workload, outcome, ctx.failures[before:], time.monotonic() - began))
         for table in outcome.tables:
