@@ -50,6 +50,8 @@ class Check:
     target: str
     measured: str
     met: bool | None
+    #: Why a missed target was missed, from what the same run measured (shown when missed).
+    why: str = ""
 
     def markdown(self) -> str:
         mark = {True: "met", False: "**missed**", None: "not measured"}[self.met]

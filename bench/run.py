@@ -115,4 +115,9 @@ def document(command: str, seconds: float, load: str,
 def _targets(checks: list[Check]) -> list[str]:
     if not checks:
         return ["(no targets checked in this run)"]
-    return ["| target | this run | |", "|---|---|---|", *(c.markdown() for c in checks)]
+    lines = ["| target | this run | |", "|---|---|---|", *(c.markdown() for c in checks)]
+    missed = [c for c in checks if c.met is False and c.why]
+    if missed:
+        lines += ["", "Why the missed ones were missed (from this run's own measurements):", ""]
+        lines += [f"- {c.target}: {c.why}" for c in missed]
+    return lines
