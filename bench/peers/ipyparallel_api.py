@@ -30,22 +30,34 @@ class IpyparallelHandle:
         self.view = client[:]
 
     def noop(self) -> None:
-        self.view.apply_sync(rank_side.noop)
+        _blocking(self.view.apply_sync(rank_side.noop))
 
     def push(self, tensor: Any) -> None:
-        self.view.push({"t": tensor}, block=True)
+        _blocking(self.view.push({"t": tensor}, block=True))
 
     def pull(self) -> list[Any]:
-        return list(self.view.pull("t", block=True))
+        return list(_blocking(self.view.pull("t", block=True)))
 
     def pids(self) -> list[int]:
-        return list(self.view.apply_sync(rank_side.pid))
+        return list(_blocking(self.view.apply_sync(rank_side.pid)))
 
     def close(self) -> None:
         try:
             self.client.close()
         finally:
             self.cluster.stop_cluster_sync()
+
+
+def _blocking(value: Any) -> Any:
+    """The value of a blocking call, or the interrupt it swallowed.
+
+    On Ctrl-C, ipyparallel's blocking calls return their pending ``AsyncResult`` instead of
+    raising: the interrupt is raised again here, so Ctrl-C stops the benchmark (and every
+    system is stopped on the way out) instead of being taken for a result.
+    """
+    if isinstance(value, ipp.AsyncResult):
+        raise KeyboardInterrupt
+    return value
 
 
 def start(n: int, dist: bool = False) -> IpyparallelHandle:
