@@ -20,7 +20,7 @@ from meshbook import (
     ShapeError,
     TooLargeError,
 )
-from meshbook.mesh.bulk import SHARE_MIN
+from meshbook.mesh.bulk import SHARE_MIN, pack
 from meshbook.mesh.namespaces import Layout, Namespaces, VarInfo
 
 DTENSOR_SETUP = """
@@ -187,6 +187,26 @@ def test_pushed_tensor_is_private_to_each_rank(mesh4: meshbook.Mesh) -> None:
     sums = mesh4.run("shared.sum().item()").result()
     assert dict(sums) == {r: float(r * SHARE_MIN) for r in range(4)}
     assert big.sum().item() == 0.0
+
+
+def test_a_push_whose_shared_memory_is_gone_fails_clearly() -> None:
+    with pack({"t": torch.ones(SHARE_MIN)}, shared=True) as payload:
+        assert payload.shared is not None and torch.equal(payload.load()["t"], torch.ones(SHARE_MIN))
+    with pytest.raises(RuntimeError, match="shared memory for this push is gone"):
+        payload.load()  # closed: what a rank meets after the push was interrupted
+    number = payload.shared.fd
+    other = os.open(__file__, os.O_RDONLY)  # the number now names another file of this process
+    try:
+        if other != number:
+            with pytest.raises(OSError):
+                os.fstat(number)  # still free: never put a file over one in use
+            os.dup2(other, number)
+        with pytest.raises(RuntimeError, match="shared memory for this push is gone"):
+            payload.load()
+    finally:
+        os.close(other)
+        if other != number:
+            os.close(number)
 
 
 class CountsPickling:

@@ -113,15 +113,17 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _map(shared: SharedFile) -> list[memoryview]:
+    gone = "the notebook's shared memory for this push is gone (the push was interrupted); push again"
     try:
         fd = os.open(f"/proc/{shared.pid}/fd/{shared.fd}", os.O_RDONLY)
+    except FileNotFoundError:
+        raise RuntimeError(gone) from None
     except OSError as exc:
-        raise RuntimeError(f"the notebook's shared memory for this push is gone ({exc}): "
-                           f"the push was interrupted; push again") from None
+        raise RuntimeError(f"cannot open the notebook's shared memory ({exc}): this rank may not "
+                           f"read the notebook process's files") from None
     try:
         if os.pread(fd, _TOKEN_BYTES, 0) != shared.token:
-            raise RuntimeError("the notebook's shared memory for this push is gone (the push was "
-                               "interrupted); push again")
+            raise RuntimeError(gone)  # the number now names another file of the notebook
         # Private and writable: a rank that changes its tensor gets its own pages (copy on write).
         mapped = mmap.mmap(fd, shared.size, flags=mmap.MAP_PRIVATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
