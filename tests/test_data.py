@@ -347,4 +347,7 @@ def test_who_reports_the_variables_a_restarted_rank_lost(mesh2: meshbook.Mesh) -
     assert [row.split()[0] for row in lost_rows] == ["lr", "weights"]
     assert all(row.endswith(" 1") for row in lost_rows)
     mesh2.push(lr=0.2, ranks=[1])
+    mesh2.run("fresh = 1", ranks=[1]).result()
     assert mesh2.who().lost == {1: ("weights",)}
+    mesh2.restart([1])  # what the restarted rank made since is lost again, with the rest
+    assert mesh2.who().lost == {1: ("fresh", "lr", "weights")}

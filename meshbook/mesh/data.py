@@ -142,10 +142,11 @@ class DataOps:
         lost = {}
         for rank, infos in found.items():
             state = self._controller.ranks[rank]
+            names = frozenset(infos)
             if state.lost_namespace:
-                lost[rank] = tuple(sorted(state.known_names - set(infos)))
-            else:
-                state.known_names = frozenset(infos)
+                lost[rank] = tuple(sorted(state.known_names - names))
+                names |= state.known_names  # what it lost stays known until it is back
+            state.known_names = names
         return Namespaces(found, lost, self.topology)
 
     def ref(self: Mesh, name: str, ranks: Ranks = None, *, where: Where = None) -> RemoteRef:
