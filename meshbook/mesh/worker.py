@@ -18,6 +18,7 @@ shared under a lock, so a rank's output always precedes the result it belongs to
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import sys
@@ -79,6 +80,10 @@ class Worker:
         self.started_at = 0.0
         self.executing = False  # SIGINT raises KeyboardInterrupt only in user code
         self.last_exception: BaseException | None = None
+        #: Whether the request being run can answer a debugger prompt (the notebook has stdin).
+        self.stdin_available = False
+        #: Lines typed in the notebook for this rank's debugger, delivered by the control thread.
+        self.input_replies: queue.Queue[str] = queue.Queue()
         self.generation = cfg.generation
         self._ctx = zmq.Context()
         self._out = self._ctx.socket(zmq.PUSH)
@@ -120,17 +125,23 @@ class Worker:
         install_thread_tagging(self.current_request)
         self.pump = FdPump(cfg.pipes, self._output, self.current_request)
         signal.signal(signal.SIGINT, self._on_sigint)
+        from .remote_pdb import breakpoint_hook
+        sys.breakpointhook = breakpoint_hook(self)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         self._requests = self._connect(cfg.request_addr)
         threading.Thread(target=self._control_loop, name="meshbook-control", daemon=True).start()
         self.emit("hello", None, {"pid": os.getpid(), "host": socket.gethostname()})
+        self.reinit(cfg.store_port, cfg.generation)
+
+    def reinit(self, store_port: int, generation: int) -> None:
+        """Join process-group ``generation`` and tell the controller (start and recovery)."""
         try:
-            self.init_distributed(cfg.store_port, cfg.generation)
+            self.init_distributed(store_port, generation)
         except BaseException as exc:
-            self.emit("init_failed", None, failure_from(self.rank, exc), generation=cfg.generation)
+            self.emit("init_failed", None, failure_from(self.rank, exc), generation=generation)
             raise
         self.emit("ready", None, {"device": str(self.namespace["device"]), "pid": os.getpid()},
-                  generation=cfg.generation)
+                  generation=generation)
 
     def init_distributed(self, store_port: int, generation: int) -> None:
         """(Re)create the process group and the namespace's ``device_mesh``."""
@@ -189,6 +200,7 @@ class Worker:
         self.started_at = time.monotonic()
         try:
             body = message.body()
+            self.stdin_available = bool(body.get("stdin"))
             value = self._dispatch(message.kind, body, request)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
             self.last_exception = exc
@@ -288,6 +300,9 @@ class Worker:
 
     def _control(self, message: wire.Message) -> None:
         request = message.header["id"]
+        if message.kind == "input":  # a line for this rank's debugger, typed in the notebook
+            self.input_replies.put(message.body())
+            return
         try:
             body = message.body()
             value = body["fn"](self, *body["args"], **body["kwargs"])
@@ -393,6 +408,8 @@ def run_rank(cfg: RankConfig) -> None:
         import faulthandler
         faulthandler.enable(file=crash, all_threads=True)
         os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+        # The Flight Recorder tells which collectives a stuck rank waits in (hang diagnosis).
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         import torch
         torch.set_num_threads(cfg.threads)
         worker = Worker(cfg)
