@@ -32,7 +32,7 @@ def main() -> None:
         print(mesh.run("round(sum(p.sum().item() for p in model.parameters()), 5)").result(), "\n")
 
         print(">>> half the mesh: the ranks with dp == 0")
-        print(mesh.slice(dp=0).apply(lambda: f"rank {rank} says hi").result(), "\n")
+        print(mesh.slice(dp=0).apply(lambda: f"rank {rank} says hi").result(), "\n")  # noqa: F821
 
         print(">>> errors come back grouped by identical traceback, with cell line numbers")
         try:

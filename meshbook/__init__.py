@@ -9,10 +9,33 @@ Python API (usable anywhere)::
 In Jupyter: ``%load_ext meshbook``, then ``%mesh start -n 4`` and ``%%mesh`` cells.
 """
 
-from .mesh import (CellSyntaxError, Display, Error, Mesh, MeshError, MeshStoppedError,
-                   MeshTimeout, MissingNameError, Namespaces, Output, RankFailure, RankValues,
-                   RemoteError, RemoteRef, Result, Run, SelectionError, SendError, ShapeError,
-                   TooLargeError, Topology, VarInfo, current, prewarm, start)
+from .mesh import (
+    CellSyntaxError,
+    Display,
+    Error,
+    Mesh,
+    MeshError,
+    MeshStoppedError,
+    MeshTimeout,
+    MissingNameError,
+    Namespaces,
+    Output,
+    RankFailure,
+    RankValues,
+    RemoteError,
+    RemoteRef,
+    Result,
+    Run,
+    SelectionError,
+    SendError,
+    ShapeError,
+    TooLargeError,
+    Topology,
+    VarInfo,
+    current,
+    prewarm,
+    start,
+)
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,6 @@ from typing import Iterator
 
 import psutil
 import pytest
-
 from kernels import Kernel
 
 
@@ -115,7 +114,8 @@ def test_late_output_goes_to_the_cell_that_started_it(kernel: Kernel) -> None:
 
 
 def test_display_on_a_rank_reaches_the_cell(kernel: Kernel) -> None:
-    reply = kernel.ok("%%mesh --ranks 2\nclass R:\n    def _repr_html_(self):\n        return '<i>hi</i>'\ndisplay(R())")
+    reply = kernel.ok("%%mesh --ranks 2\nclass R:\n    def _repr_html_(self):\n"
+                      "        return '<i>hi</i>'\ndisplay(R())")
     (shown,) = reply.of_type("display_data")
     assert shown["content"]["data"]["text/html"] == "<i>hi</i>"
     assert shown["content"]["metadata"]["meshbook"]["rank"] == 2

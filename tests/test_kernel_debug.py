@@ -6,7 +6,6 @@ import time
 from typing import Iterator
 
 import pytest
-
 from kernels import Kernel
 
 SKIP_ALL_REDUCE = ("%%mesh\nimport time\nt = torch.ones(8)\nif rank == 1:\n    time.sleep(60)\n"

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import meshbook
-from meshbook import Display, MeshError, Output, RankValues, RemoteError, Result, SelectionError
+from meshbook import (
+    Display,
+    MeshError,
+    Output,
+    RankValues,
+    RemoteError,
+    Result,
+    SelectionError,
+)
 
 
 def test_all_reduce_and_collapsed_repr(mesh4: meshbook.Mesh) -> None:

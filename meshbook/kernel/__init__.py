@@ -4,6 +4,6 @@
 kernel that loads the extension at start.
 """
 
-from .bridge import KernelBridge, install, uninstall
+from .bridge import KernelBridge, cell_allows_stdin, install, uninstall
 
-__all__ = ["KernelBridge", "install", "uninstall"]
+__all__ = ["KernelBridge", "cell_allows_stdin", "install", "uninstall"]

@@ -14,7 +14,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from ..mesh import Display, Mesh, Output, Run, mesh as mesh_module
+from ..mesh import Display, Mesh, Output, Run
+from ..mesh import mesh as mesh_module
 from ..mesh.run import Event, print_late
 
 
@@ -31,7 +32,7 @@ class KernelBridge:
             controller.run_listeners.append(self.attach)
         if self.kernel is not None:
             # Ranks may open a debugger prompt only if this cell's frontend can answer it.
-            controller.stdin_probe = lambda: bool(getattr(self.kernel, "_allow_stdin", False))
+            controller.stdin_probe = lambda: cell_allows_stdin(self.kernel)
 
     def attach(self, run: Run) -> None:
         if self.kernel is not None:
@@ -50,6 +51,12 @@ class KernelBridge:
                                  "transient": {}}, parent=parent)
         else:
             print_late(event)
+
+
+def cell_allows_stdin(kernel: Any) -> bool:
+    """Can the frontend of the running cell answer ``input()``? Batch runners (nbval,
+    nbconvert, papermill) execute with ``allow_stdin=False``: nobody is watching."""
+    return bool(kernel.get_parent().get("content", {}).get("allow_stdin", False))
 
 
 _bridge: KernelBridge | None = None

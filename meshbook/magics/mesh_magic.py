@@ -25,6 +25,7 @@ from .debug_commands import DebugCommands
 from .render import RenderOptions, show_run, status_table
 from .widget_commands import WidgetCommands
 
+
 @magics_class
 class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     """``%mesh`` / ``%%mesh``; the current mesh is :func:`meshbook.current`."""

@@ -18,6 +18,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..kernel import cell_allows_stdin
 from ..mesh import Mesh, Run
 from ..mesh.stragglers import DURATION_FACTOR
 from ..widgets import CellStatusView, Dashboard
@@ -83,4 +84,4 @@ def _watched(shell: Any) -> bool:
     kernel = getattr(shell, "kernel", None)
     if kernel is None:
         return False  # a terminal IPython: widgets do not render there
-    return bool(kernel.get_parent().get("content", {}).get("allow_stdin", False))
+    return cell_allows_stdin(kernel)

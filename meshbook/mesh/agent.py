@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+
 @dataclass
 class RankProcess:
     rank: int

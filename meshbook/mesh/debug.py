@@ -91,7 +91,7 @@ def _main_thread(dump: str) -> str:
     """The main thread's frames from a py-spy dump, down to the user's code (the rank's own
     machinery below it says nothing useful)."""
     lines = dump.splitlines()
-    start = next((i for i, l in enumerate(lines) if '"MainThread"' in l), None)
+    start = next((i for i, line in enumerate(lines) if '"MainThread"' in line), None)
     if start is None:
         return dump
     out = [lines[start]]

@@ -30,6 +30,7 @@ from .run import Run
 from .stragglers import DURATION_FACTOR, StragglerReport, straggler_report
 from .topology import DimSelector, Topology, resolve
 
+
 def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
           launcher: str | Launcher = "local", timeout: float = 120.0,
           collective_timeout: float = 300.0) -> "Mesh":

@@ -32,7 +32,13 @@ import psutil
 import zmq
 
 from . import proc, wire
-from .cell import cell_filename, compile_cell, current_cell_line, failure_from, register_source
+from .cell import (
+    cell_filename,
+    compile_cell,
+    current_cell_line,
+    failure_from,
+    register_source,
+)
 from .errors import RankFailure, SendError
 from .memory import memory_probe
 from .sampling import MainThreadSampler
