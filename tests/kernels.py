@@ -5,9 +5,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 from jupyter_client.manager import KernelManager
 
 
@@ -149,3 +151,26 @@ class Kernel:
         if self.manager.is_alive():
             self.manager.shutdown_kernel(now=True)
         self._reader.join(2)
+
+
+def kernel_with_mesh(start: str = "%mesh start --dims dp=2,tp=2") -> Iterator[Kernel]:
+    """A kernel with meshbook loaded and a mesh started, stopped and closed afterwards
+    (the body of the kernel test modules' shared fixture)."""
+    kernel = Kernel()
+    try:
+        kernel.ok(f"import meshbook, torch\n%load_ext meshbook\n{start}")
+        yield kernel
+        kernel.ok("%mesh stop")
+    finally:
+        kernel.close()
+
+
+def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    """The pids still alive (zombies count as gone) after waiting up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)

@@ -9,19 +9,13 @@ import sys
 import time
 from typing import Iterator
 
-import psutil
 import pytest
-from kernels import Kernel
+from kernels import Kernel, kernel_with_mesh, wait_gone
 
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[Kernel]:
-    k = Kernel()
-    k.ok("import meshbook\n%load_ext meshbook")
-    k.ok("%mesh start --dims dp=2,tp=2")
-    yield k
-    k.ok("%mesh stop")
-    k.close()
+    yield from kernel_with_mesh()
 
 
 def test_help_is_real(kernel: Kernel) -> None:
@@ -157,17 +151,6 @@ def test_no_mesh_says_how_to_start_one() -> None:
         k.close()
 
 
-def _pids_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return []
-        time.sleep(0.05)
-    return alive
-
-
 @pytest.mark.parametrize("how", ["shutdown", "restart", "sigkill"])
 def test_kernel_end_leaves_no_process(how: str) -> None:
     k = Kernel()
@@ -180,7 +163,7 @@ def test_kernel_end_leaves_no_process(how: str) -> None:
             k.manager.restart_kernel(now=False)
         else:
             os.kill(k.pid, signal.SIGKILL)
-        assert _pids_gone(pids) == []
+        assert wait_gone(pids) == []
     finally:
         k.close()
 

@@ -5,17 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kernels import Kernel, Reply
+from kernels import Kernel, Reply, kernel_with_mesh
 
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[Kernel]:
-    k = Kernel()
-    k.ok("import meshbook, torch\n%load_ext meshbook")
-    k.ok("%mesh start --dims dp=2,tp=2")
-    yield k
-    k.ok("%mesh stop")
-    k.close()
+    yield from kernel_with_mesh()
 
 
 def usage_error(reply: Reply) -> str:

@@ -6,7 +6,7 @@ import time
 from typing import Iterator
 
 import pytest
-from kernels import Kernel
+from kernels import Kernel, kernel_with_mesh
 
 SKIP_ALL_REDUCE = ("%%mesh\nimport time\nt = torch.ones(8)\nif rank == 1:\n    time.sleep(60)\n"
                    "else:\n    dist.all_reduce(t)\nt.sum().item()")
@@ -14,11 +14,7 @@ SKIP_ALL_REDUCE = ("%%mesh\nimport time\nt = torch.ones(8)\nif rank == 1:\n    t
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[Kernel]:
-    k = Kernel()
-    k.ok("import meshbook\n%load_ext meshbook\n%mesh start --dims dp=2,tp=2")
-    yield k
-    k.ok("%mesh stop")
-    k.close()
+    yield from kernel_with_mesh()
 
 
 def result_text(reply) -> str:

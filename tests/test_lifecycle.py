@@ -12,6 +12,7 @@ import time
 import psutil
 import pytest
 import zmq
+from kernels import wait_gone
 
 import meshbook
 from meshbook import MeshError, MeshStoppedError, RemoteError
@@ -87,29 +88,18 @@ def _spawn_controller(tmp_path, body: str) -> tuple[subprocess.Popen, list[int]]
     return proc, [int(p) for p in line.split()]
 
 
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return []
-        time.sleep(0.05)
-    return alive
-
-
 def test_sigkilled_controller_leaves_no_process(tmp_path) -> None:
     proc, pids = _spawn_controller(tmp_path, "time.sleep(120)")
     agent_pids = [p.pid for p in psutil.Process(proc.pid).children()]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert _wait_gone(pids + agent_pids, 5) == []
+    assert wait_gone(pids + agent_pids, 5) == []
 
 
 def test_interpreter_exit_without_stop_cleans_up(tmp_path) -> None:
     proc, pids = _spawn_controller(tmp_path, "print(mesh.run('rank').result(), flush=True)")
     assert proc.wait(60) == 0
-    assert _wait_gone(pids, 5) == []
+    assert wait_gone(pids, 5) == []
 
 
 def test_forged_and_garbled_messages_are_dropped(mesh2: meshbook.Mesh) -> None:

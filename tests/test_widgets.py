@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernels import Kernel, Reply
+from kernels import Kernel, Reply, kernel_with_mesh
 from workloads import slow_rank_loop
 
 from meshbook.widgets import html
@@ -23,12 +23,8 @@ DASHBOARD_TEXT = ("meshbook dashboard: 4 ranks (dp=2, tp=2); %mesh memory and %m
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[Kernel]:
-    k = Kernel()
-    k.ok("import threading, time\nimport meshbook, meshbook.widgets\n%load_ext meshbook\n"
-         "%mesh start --dims dp=2,tp=2\nd = meshbook.widgets.Dashboard(meshbook.current())")
-    yield k
-    k.ok("%mesh stop")
-    k.close()
+    yield from kernel_with_mesh("%mesh start --dims dp=2,tp=2\nimport threading, time\n"
+                                "import meshbook.widgets\nd = meshbook.widgets.Dashboard(meshbook.current())")
 
 
 def poll(kernel: Kernel, expr: str, ready: Callable[[Any], bool], timeout: float) -> Any:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import ipywidgets as widgets
 from IPython.display import DisplayHandle, display
 from traitlets import Dict, List, Unicode
 
@@ -30,6 +29,7 @@ from ..mesh import Mesh, Run
 from ..mesh.errors import format_ranks, group_by_text
 from ..mesh.stragglers import DURATION_FACTOR, slow_by_duration
 from . import html
+from .panel import HTMLPanel
 
 #: A cell shows its status once it has run this long.
 SHOW_AFTER_S = 1.0
@@ -37,7 +37,7 @@ SHOW_AFTER_S = 1.0
 _SEVERITY = ("done", "interrupted", "error", "dead")
 
 
-class CellStatus(widgets.VBox):
+class CellStatus(HTMLPanel):
     """Per-rank state of one cell's run; ``ranks`` and ``state`` are its model state."""
 
     #: One dict per rank: rank, state, elapsed (s), line (cell line or None), straggler.
@@ -51,8 +51,8 @@ class CellStatus(widgets.VBox):
         self._factor = factor
         self._final = False
         rows = rank_rows(mesh, run, factor)  # the model opens with its state complete
-        self._html = widgets.HTML(_render(rows, _overall(rows), final=False))
-        super().__init__(children=[self._html], ranks=rows, state=_overall(rows), **kwargs)
+        super().__init__(_render(rows, _overall(rows), final=False), ranks=rows,
+                         state=_overall(rows), **kwargs)
 
     def refresh(self) -> None:
         """Read the run and the ranks' heartbeats again."""
@@ -72,17 +72,6 @@ class CellStatus(widgets.VBox):
         """Deterministic: the ranks' states grouped, no times (they differ run to run)."""
         groups = group_by_text({row["rank"]: row["state"] for row in self.ranks})
         return "cell status: " + ", ".join(f"[{format_ranks(r)}] {s}" for r, s in groups)
-
-    def __repr__(self) -> str:
-        return self.text()
-
-    def _repr_html_(self) -> str:
-        return self._html.value
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        bundle = dict(super()._repr_mimebundle_(**kwargs) or {})
-        bundle.update({"text/plain": self.text(), "text/html": self._html.value})
-        return bundle
 
 
 class CellStatusView:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import ipywidgets as widgets
 from traitlets import Bool, Dict, Int, List
 
 from ..mesh import Mesh, current
@@ -31,6 +30,7 @@ from ..mesh.memory import MemoryRow
 from ..mesh.stragglers import StragglerReport
 from ..mesh.table import format_bytes, format_percent
 from . import html
+from .panel import HTMLPanel
 
 #: Seconds between refreshes (heartbeats arrive every 0.5 s).
 REFRESH_S = 0.5
@@ -38,7 +38,7 @@ REFRESH_S = 0.5
 SPARK_POINTS = 120
 
 
-class Dashboard(widgets.VBox):
+class Dashboard(HTMLPanel):
     """Live per-rank panel of ``mesh`` (default: the current mesh)."""
 
     #: One dict per rank: what the table shows, as numbers (bytes, %, seconds).
@@ -51,8 +51,7 @@ class Dashboard(widgets.VBox):
     def __init__(self, mesh: Mesh | None = None, refresh: float = REFRESH_S, **kwargs: Any) -> None:
         self.mesh = mesh if mesh is not None else current()
         self.refresh_s = refresh
-        self._html = widgets.HTML()
-        super().__init__(children=[self._html], **kwargs)
+        super().__init__(**kwargs)
         self._stop = threading.Event()
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="meshbook-dashboard", daemon=True)
@@ -148,17 +147,6 @@ class Dashboard(widgets.VBox):
         """Deterministic: what the panel is, never its changing numbers."""
         return (f"meshbook dashboard: {len(self.rows)} ranks ({self.mesh.topology.describe()}); "
                 f"%mesh memory and %mesh stragglers print the same as text")
-
-    def __repr__(self) -> str:
-        return self.text()
-
-    def _repr_html_(self) -> str:
-        return self._html.value
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        bundle = dict(super()._repr_mimebundle_(**kwargs) or {})
-        bundle.update({"text/plain": self.text(), "text/html": self._html.value})
-        return bundle
 
 
 def _background(row: dict[str, Any]) -> str:
