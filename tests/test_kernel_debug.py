@@ -108,3 +108,12 @@ def test_breakpoint_without_stdin_is_skipped_with_a_note(kernel: Kernel) -> None
     reply = kernel.ok("%%mesh --ranks 0\nbreakpoint()\n'went on'")
     assert "breakpoint() at line 2 skipped" in reply.stream("stderr")
     assert result_text(reply) == "[0] 'went on'"
+
+
+def test_interrupt_command_stops_work_a_timed_out_cell_left_running(kernel: Kernel) -> None:
+    reply = kernel.execute("%%mesh --timeout 1\nimport time\ntime.sleep(60)")
+    assert reply.status == "error" and "keep running" in reply.content["evalue"]
+    assert "interrupted rank(s) all" in kernel.ok("%mesh interrupt").stream()
+    started = time.monotonic()
+    assert result_text(kernel.ok("%%mesh\n'free again'")) == "[0-3] 'free again'"
+    assert time.monotonic() - started < 30  # not the 60 s sleep
