@@ -5,8 +5,9 @@ Every workload returns :class:`Table` s (one per question it answers) and :class
 padded columns, which reads well both in a terminal and in ``bench/RESULTS.md``.
 
 Numbers are written one way everywhere: latencies as ``median (p99 x)`` in the unit that
-suits them, throughputs in GB/s (10^9 bytes), and ratios as ``peer / meshbook`` so that a
-number above 1x always means meshbook is better.
+suits them, throughputs in GB/s (10^9 bytes), and comparisons with a peer as the peer's
+time (or memory) over meshbook's, so that above 1x always means meshbook is better. The
+one column the other way round, meshbook over the floor of its own design, says so.
 """
 
 from __future__ import annotations
@@ -76,11 +77,12 @@ def throughput(nbytes: float, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f} GB/s"
 
 
-def ratio(peer: float | None, ours: float | None) -> str:
-    """``peer / ours`` as ``"12x"``: above 1x meshbook is better (for times, sizes, costs)."""
-    if not peer or not ours:
+def ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` as ``"12x"`` (``"-"`` where either is missing); with a peer's time or memory
+    over meshbook's, above 1x means meshbook is better."""
+    if not a or not b:
         return "-"
-    value = peer / ours
+    value = a / b
     return f"{value:.0f}x" if value >= 10 else f"{value:.2g}x"
 
 

@@ -94,3 +94,15 @@ def interleave(samples: dict[str, Sample], budget: Budget) -> dict[str, Samples]
 def median_of(samples: Samples | None) -> float | None:
     """The median, or None for a measurement that failed."""
     return samples.median if samples else None
+
+
+def after_idle(fn: Callable[[], object], gap: float) -> Sample:
+    """A sample that leaves everything idle for ``gap`` seconds, then times one call of ``fn``:
+    a call as a notebook cell makes it, after the processes involved went to sleep."""
+    timed = clock(fn)
+
+    def sample() -> float:
+        time.sleep(gap)
+        return timed()
+
+    return sample

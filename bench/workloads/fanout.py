@@ -21,7 +21,7 @@ QUICK = Budget(samples=100, seconds=2)
 
 def run(ctx: Context) -> Outcome:
     sizes = ctx.pick((8, 16, 32), (16,))
-    found = api_latencies(ctx, sizes, ctx.budget(FULL, QUICK))
+    found, _ = api_latencies(ctx, sizes, ctx.budget(FULL, QUICK))
     table = api_table("No-op round trip to every rank as ranks grow, Python API", found, sizes)
     for name, by_size in found.items():
         known = [(n, s.median) for n, s in by_size.items() if s]
