@@ -3,7 +3,7 @@
 Run them from the repository root::
 
     ./dev bench                          # sets up .venv with the peers, then runs everything
-    python -m bench                      # everything (most of an hour), writes bench/RESULTS.md
+    python -m bench                      # everything (half an hour on 2 cores), writes bench/RESULTS.md
     python -m bench --quick              # fewer sizes and repeats (a few minutes)
     python -m bench --only dispatch,data # some workloads; add --out FILE to keep a report
 
