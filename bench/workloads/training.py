@@ -3,9 +3,10 @@
 :func:`bench.ddp_loop.train` (an MLP, fixed seeds, 200 steps, gloo, 4 ranks, a log line
 every 50 steps) runs as a ``torchrun`` script and through ``Mesh.apply`` on a fresh mesh,
 alternately, so load that comes and goes hits both alike. Only the steps are timed, between
-two barriers, and each step on its own. Both sides use the same number of threads per rank, and nothing else runs
-meanwhile (the mesh is stopped while torchrun trains). The losses of every rank and step
-must equal torchrun's exactly: meshbook runs the user's code, it does not change it.
+two barriers, and each step on its own. Both sides use the same number of threads per
+rank, and nothing else runs meanwhile (the mesh is stopped while torchrun trains). The
+losses of every rank and step must equal torchrun's exactly: meshbook runs the user's code,
+it does not change it.
 """
 
 from __future__ import annotations
