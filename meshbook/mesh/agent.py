@@ -59,7 +59,6 @@ class Agent:
         self.events = self.ctx.socket(zmq.PUSH)
         self.events.setsockopt(zmq.LINGER, 2000)
         for sock, addr in ((self.cmd, cfg["cmd_addr"]), (self.events, cfg["events_addr"])):
-            _configure_curve(sock, cfg)
             sock.connect(addr)
         self.down: dict[str, Any] = {}
         for channel in ("x", "c"):
@@ -266,13 +265,6 @@ class Agent:
 
 def _identity(rank: int, pid: int) -> bytes:
     return f"{rank}:{pid}".encode()
-
-
-def _configure_curve(sock: Any, cfg: dict[str, Any]) -> None:
-    if cfg.get("server_public"):
-        sock.curve_serverkey = cfg["server_public"].encode()
-        sock.curve_publickey = cfg["client_public"].encode()
-        sock.curve_secretkey = cfg["client_secret"].encode()
 
 
 def _cuda_count() -> int:
