@@ -146,3 +146,18 @@ def test_cell_explains_ranks_that_stay_busy_after_the_others_finished(mesh: mesh
     assert "rank 1 finished the cell without joining it" in str(info.value)
     mesh.restart([1])
     assert run.done()
+
+
+def test_a_cell_waiting_on_stuck_ranks_after_explaining_does_not_spin(mesh: meshbook.Mesh) -> None:
+    import threading
+
+    from meshbook.magics.render import RenderOptions, show_run
+
+    run = mesh.run("t = torch.ones(2)\nif rank != 1:\n    dist.all_reduce(t)\n'done'")
+    rescue = threading.Timer(3.0, mesh.restart, args=([1],))  # frees them after 3 s
+    rescue.start()
+    before = time.thread_time()  # CPU of this (the rendering) thread only
+    with pytest.raises(RemoteError):
+        show_run(run, RenderOptions(hang_hint=0.5), mesh)
+    assert time.thread_time() - before < 1.0, "the render loop spun while it waited"
+    rescue.join()  # the restart re-creates the process group after the cell ended: let it finish

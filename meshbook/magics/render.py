@@ -110,9 +110,10 @@ class _CellRun:
     def _next_wake(self) -> float | None:
         now = time.monotonic()
         waits = [self.writer.next_deadline(), 0.25 if self.view else None,
-                 _left(self.options.timeout, self.started, now),
-                 _left(self.options.grace, self.interrupted_at, now),
-                 _left(self.options.hang_hint, self.first_done_at, now)]
+                 _left(self.options.timeout, self.started, now)]
+        if not self.explained:  # once explained, these deadlines are past: never spin on them
+            waits += [_left(self.options.grace, self.interrupted_at, now),
+                      _left(self.options.hang_hint, self.first_done_at, now)]
         return min((w for w in waits if w is not None), default=None)
 
     def _pump(self, timeout: float | None) -> None:
