@@ -161,3 +161,20 @@ def test_a_cell_waiting_on_stuck_ranks_after_explaining_does_not_spin(mesh: mesh
         show_run(run, RenderOptions(hang_hint=0.5), mesh)
     assert time.thread_time() - before < 1.0, "the render loop spun while it waited"
     rescue.join()  # the restart re-creates the process group after the cell ended: let it finish
+
+
+def test_a_request_sent_while_a_rank_is_re_forked_reaches_the_new_process(mesh: meshbook.Mesh,
+                                                                          monkeypatch) -> None:
+    controller = mesh._controller
+    old_pid = mesh.run("import os\nos.getpid()", ranks=[3]).result()[3]
+    mesh.kill([3])
+    respawn, early = controller.respawn, []
+
+    def respawn_then_ask(*args, **kwargs) -> None:  # asks before the new process can listen
+        respawn(*args, **kwargs)
+        early.append(mesh.run("import os\nos.getpid()", ranks=[3]))
+
+    monkeypatch.setattr(controller, "respawn", respawn_then_ask)
+    mesh.restart([3])
+    new_pid = early[0].result(timeout=60)[3]
+    assert new_pid != old_pid and new_pid == controller.ranks[3].pid

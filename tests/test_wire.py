@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 
 import numpy as np
 import pytest
@@ -69,12 +70,19 @@ def test_numpy_arrays_roundtrip() -> None:
     assert np.array_equal(roundtrip(array), array)
 
 
+def swap_header(envelope: bytes) -> bytes:
+    evil = pickle.dumps({"k": "exec", "evil": 1})
+    return envelope[:32] + struct.pack("<I", len(evil)) + evil
+
+
 @pytest.mark.parametrize("mangle", [
-    lambda f: [b"0" * 32, *f[1:]],  # forged signature
-    lambda f: f[:2],  # truncated
-    lambda f: [f[0], f[1], f[2] + b"x", *f[3:]],  # body changed after signing
-    lambda f: [f[0], pickle.dumps({"k": "exec", "evil": 1}), *f[2:]],  # header swapped
-    lambda f: [b"\xff", b"\x00", b"", b"garbage"],
+    lambda f: [b"0" * 32 + f[0][32:], *f[1:]],  # forged signature
+    lambda f: [f[0][:20]],  # truncated
+    lambda f: [],  # nothing at all
+    lambda f: [f[0] + b"x", *f[1:]],  # body changed after signing
+    lambda f: [swap_header(f[0]), *f[1:]],  # header swapped
+    lambda f: [f[0], b"an extra buffer"],  # a buffer smuggled in
+    lambda f: [b"\xff" * 40, b"\x00", b"", b"garbage"],
 ])
 def test_tampered_messages_are_rejected_and_counted(mangle) -> None:
     wire = Wire(KEY)

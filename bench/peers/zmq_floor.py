@@ -1,9 +1,9 @@
 """The floor of meshbook's design: its processes and sockets, with nothing of meshbook.
 
-The controller's ROUTER sends one 3-frame message to a host agent process, which forwards
-it to each of ``n`` rank processes it forked; every rank answers straight to the
-controller's PULL socket, where a receiver thread counts the answers and wakes the caller.
-That is meshbook's path (``ipc://``, one hop through the agent, a receiver thread) without
+The controller sends one small message to each of ``n`` rank processes, which a host agent
+forked, through a PUSH socket per rank; every rank answers straight to the controller's
+PULL socket, where a receiver thread counts the answers and wakes the caller. That is
+meshbook's path on one host (``ipc://``, no relay, a receiver thread) without
 signing, pickling, running code or any book-keeping, so its round trip is what the design
 costs on this machine before meshbook does anything: the dispatch tables show it as a
 reference, and the gap above it is meshbook's own work.
@@ -28,7 +28,7 @@ from meshbook.mesh import wire
 from meshbook.mesh.proc import die_with_parent
 
 DISPATCH = "bare pyzmq, same path"
-MESSAGE = [b"s" * 32, b"h" * 64, b"b" * 64]  # meshbook's frames for a small request
+MESSAGE = [b"e" * 160]  # meshbook's one-frame envelope for a small request
 
 
 class FloorHandle:
@@ -36,14 +36,18 @@ class FloorHandle:
         self.n = n
         self.rundir = tempfile.mkdtemp(prefix="mb-floor-")
         self.ctx = zmq.Context()
-        self.cmd = self.ctx.socket(zmq.ROUTER)
-        self.cmd.bind(f"ipc://{self.rundir}/cmd")
         self.events = self.ctx.socket(zmq.PULL)
         self.events.bind(f"ipc://{self.rundir}/ev")
+        self.down = []
+        for rank in range(n):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.RECONNECT_IVL, 10)
+            sock.connect(f"ipc://{self.rundir}/r{rank}")
+            self.down.append(sock)
         self.agent = subprocess.Popen([sys.executable, "-m", __name__, self.rundir, str(n)],
                                       start_new_session=True)
-        self.identity, *pids = self.cmd.recv_multipart()
-        self._pids = [int(p) for p in pids]
+        hellos = [wire.recv(self.events)[0].bytes for _ in range(n + 1)]  # the ranks' and the agent's
+        self._pids = [int(h) for h in hellos if h.isdigit()]
         self._answers = 0
         self._cond = threading.Condition()
         self._receiver = threading.Thread(target=self._receive, daemon=True)
@@ -62,7 +66,7 @@ class FloorHandle:
     def noop(self) -> None:
         with self._cond:
             target = self._answers + self.n
-        wire.forward(self.cmd, MESSAGE, prefix=[self.identity])
+        wire.fan_out(self.down, MESSAGE)
         with self._cond:
             self._cond.wait_for(lambda: self._answers >= target)
 
@@ -87,41 +91,28 @@ def start(n: int, dist: bool = False) -> FloorHandle:
 def _rank(rundir: str, rank: int, agent: int) -> None:
     die_with_parent(agent)
     ctx = zmq.Context()
-    requests = ctx.socket(zmq.DEALER)
-    requests.setsockopt(zmq.IDENTITY, str(rank).encode())
-    requests.connect(f"ipc://{rundir}/down")
+    requests = ctx.socket(zmq.PULL)
+    requests.bind(f"ipc://{rundir}/r{rank}")
     answers = ctx.socket(zmq.PUSH)
     answers.connect(f"ipc://{rundir}/ev")
-    requests.send(b"hello")
+    answers.send(str(os.getpid()).encode())
     while True:
         wire.recv(requests)
-        wire.forward(answers, MESSAGE)
+        wire.send(answers, MESSAGE)
 
 
 def _agent(rundir: str, n: int) -> None:
     die_with_parent(os.getppid())
     # Fork the ranks before this process has a zmq context (and its threads).
     me = os.getpid()
-    ranks = []
     for rank in range(n):
-        pid = os.fork()
-        if pid == 0:
+        if os.fork() == 0:
             _rank(rundir, rank, me)
             os._exit(0)
-        ranks.append(pid)
-    ctx = zmq.Context()
-    down = ctx.socket(zmq.ROUTER)
-    down.bind(f"ipc://{rundir}/down")
-    for _ in range(n):
-        down.recv_multipart()  # every rank's hello: all are connected
-    cmd = ctx.socket(zmq.DEALER)
-    cmd.connect(f"ipc://{rundir}/cmd")
-    cmd.send_multipart([str(pid).encode() for pid in ranks])
-    identities = [str(rank).encode() for rank in range(n)]
-    while True:
-        frames = wire.recv(cmd)
-        for identity in identities:
-            wire.forward(down, frames, prefix=[identity])
+    with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as up:
+        up.connect(f"ipc://{rundir}/ev")
+        up.send(b"agent up")  # supervises, as meshbook's agent does, off the request path
+        signal.pause()
 
 
 if __name__ == "__main__":

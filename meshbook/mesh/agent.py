@@ -5,8 +5,9 @@ of configuration on stdin (the mesh key never appears on a command line), then:
 
 * forks each rank from its clean, torch-imported state (no parallel op has run here, so the
   children's OpenMP pools are safe) in well under a second for 8 ranks;
-* forwards the controller's requests to its ranks, sending the received frames on unchanged:
-  one message from the controller fans out to every local rank without being re-serialised;
+* does what the controller asks of the host (signal, re-fork, native stacks); requests for
+  the ranks do not pass through it: on the controller's own host the controller sends them to
+  each rank's socket directly (see DESIGN.md, "Wire"), which saves a process hop per request;
 * reports a rank's death (exit code, signal, OOM kill, its crash dump and last output) as
   soon as SIGCHLD arrives, and re-forks a rank under the same rank id on request;
 * never outlives the controller: stdin is a pipe from the controller, and EOF on it (the
@@ -60,17 +61,7 @@ class Agent:
         self.events.setsockopt(zmq.LINGER, 2000)
         for sock, addr in ((self.cmd, cfg["cmd_addr"]), (self.events, cfg["events_addr"])):
             sock.connect(addr)
-        self.down: dict[str, Any] = {}
-        for channel in ("x", "c"):
-            sock = self.ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.bind(f"ipc://{self.rundir}/a{self.host}{channel}")
-            self.down[channel] = sock
         self.procs: dict[int, RankProcess] = {}
-        # A rank's sockets are usable once it said hello on them; until then its messages wait.
-        self.connected: dict[str, set[int]] = {"x": set(), "c": set()}
-        self.backlog: dict[tuple[str, int], list[list[Any]]] = {}
         self.dead: set[int] = set()
         self.cuda = _cuda_count()
         self.threads = max(1, (os.cpu_count() or 1) // max(1, len(self.my_ranks)))
@@ -78,6 +69,7 @@ class Agent:
     # -- ranks -------------------------------------------------------------------------------
 
     def spawn(self, rank: int, store_port: int, generation: int) -> None:
+        from .wire import rank_address
         from .worker import RankConfig, run_rank
 
         local_rank = self.my_ranks.index(rank)
@@ -92,8 +84,9 @@ class Agent:
             topology=self.topology, backend=backend, device_type="cuda" if use_cuda else "cpu",
             store_host=self.cfg["store_host"], store_port=store_port, generation=generation,
             collective_timeout=self.cfg["collective_timeout"], key=self.wire._key,
-            agent_pid=os.getpid(), request_addr=f"ipc://{self.rundir}/a{self.host}x",
-            control_addr=f"ipc://{self.rundir}/a{self.host}c", events_addr=self.cfg["events_addr"],
+            agent_pid=os.getpid(), request_addr=rank_address(self.rundir, rank, generation, "x"),
+            control_addr=rank_address(self.rundir, rank, generation, "c"),
+            events_addr=self.cfg["events_addr"],
             pipes=pipes, crash_path=crash_path, threads=self.threads)
         oom = _oom_kills()
         sys.stdout.flush()
@@ -126,9 +119,6 @@ class Agent:
             output = {name: _drain(fd) for name, fd in proc.pipes.items()}
             crash = _read_and_remove(proc.crash_path)
             del self.procs[proc.rank]
-            for channel, ranks in self.connected.items():
-                ranks.discard(proc.rank)
-                self.backlog.pop((channel, proc.rank), None)
             self.dead.add(proc.rank)
             self.emit("exit", None, {"cause": cause, "pid": pid, "output": output, "crash": crash},
                       rank=proc.rank)
@@ -158,41 +148,6 @@ class Agent:
         from . import wire
 
         wire.send(self.events, self.wire.pack({"k": kind, "id": request, "host": self.host, **header}, body))
-
-    def forward(self, channel: str, message: Any) -> None:
-        for rank in message.header["ranks"]:
-            if rank not in self.procs:
-                continue  # dead: its exit report already failed the request
-            if rank in self.connected[channel]:
-                self._send_down(channel, rank, message.frames)
-            else:
-                self.backlog.setdefault((channel, rank), []).append(message.frames)
-
-    def _send_down(self, channel: str, rank: int, frames: list[Any]) -> None:
-        import zmq
-
-        from . import wire
-
-        try:
-            wire.forward(self.down[channel], frames, prefix=[_identity(rank, self.procs[rank].pid)])
-        except zmq.ZMQError:
-            pass  # the rank is dying: its exit report fails the request
-
-    def hello(self, channel: str) -> None:
-        """A rank connected on ``channel``: deliver what waited for it.
-
-        A rank's identity is ``rank:pid``, so only the process this agent forked for that rank
-        can claim it, and a re-forked rank never collides with its dead predecessor.
-        """
-        identity, *rest = self.down[channel].recv_multipart()
-        rank_text, _, pid = identity.decode(errors="replace").partition(":")
-        rank = int(rank_text) if rank_text.isdigit() else -1
-        proc = self.procs.get(rank)
-        if proc is None or identity != _identity(rank, proc.pid) or rest != [b"hello"]:
-            return  # not one of our ranks: ignore whatever it is
-        self.connected[channel].add(rank)
-        for frames in self.backlog.pop((channel, rank), []):
-            self._send_down(channel, rank, frames)
 
     def operate(self, message: Any) -> bool:
         """An operation for the agent itself; returns False when the agent should stop."""
@@ -226,8 +181,6 @@ class Agent:
         poller.register(self.cmd, zmq.POLLIN)
         poller.register(sys.stdin.fileno(), zmq.POLLIN)
         poller.register(rfd, zmq.POLLIN)
-        for sock in self.down.values():
-            poller.register(sock, zmq.POLLIN)
         for rank in self.my_ranks:
             self.spawn(rank, self.cfg["store_port"], 0)
         self.emit("agent", None, {"pid": os.getpid(), "hostname": socket.gethostname(),
@@ -242,29 +195,18 @@ class Agent:
                 self.reap()
             if sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
                 return  # EOF: the controller is gone
-            for channel, sock in self.down.items():
-                if sock in ready:  # not polled again for each request the agent forwards
-                    while sock.poll(0):
-                        self.hello(channel)
             if self.cmd in ready:
                 while self.cmd.poll(0):
                     try:
                         message = self.wire.unpack(wire.recv(self.cmd))
                     except wire.BadMessage:
                         continue
-                    channel = message.header.get("ch")
-                    if channel in ("x", "c"):
-                        self.forward(channel, message)
-                    elif channel == "a" and not self.operate(message):
+                    if not self.operate(message):
                         return
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + 1.0
                 self.emit("agent_hb", None, {"dead": sorted(self.dead)})
-
-
-def _identity(rank: int, pid: int) -> bytes:
-    return f"{rank}:{pid}".encode()
 
 
 def _cuda_count() -> int:

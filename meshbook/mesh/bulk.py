@@ -13,7 +13,7 @@ two ways:
   The file has no name, so nothing can outlive the notebook process: it is closed when the
   push completes, and its pages go away with the last rank that still maps them;
 * **wire frames** otherwise (ranks on other hosts, small values): the buffers travel as
-  zero-copy frames and the host agent forwards the same frames to each of its ranks.
+  zero-copy frames, the same frames sent by reference to each rank.
 
 The message naming the shared file is signed like every other message; the file starts with
 a random token the message carries too, so a rank never maps a file that is not this push's.

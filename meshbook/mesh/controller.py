@@ -1,8 +1,9 @@
 """The controller: the notebook's end of the wire, and the book-keeping of every rank.
 
-One :class:`Controller` per started mesh. It owns two sockets in a private (0700) runtime
-directory: a ROUTER to send requests to host agents (one send per host; the agent fans out)
-and a PULL on which ranks and agents send everything back directly. A receiver thread reads
+One :class:`Controller` per started mesh. Its sockets live in a private (0700) runtime
+directory: a PUSH per rank and channel that sends requests straight to the rank (see
+:func:`~meshbook.mesh.wire.rank_address`), a ROUTER for what it asks of the host agents
+(signals, re-forks), and a PULL on which ranks and agents send everything back. A receiver thread reads
 that PULL socket and feeds each message to the :class:`~meshbook.mesh.run.Run` it belongs to,
 tracks each rank's state and last heartbeat, and turns a rank's death into an error on every
 run that waited for it, within the agent's SIGCHLD latency.
@@ -50,6 +51,8 @@ class RankState:
     state: str = "starting"  # starting | idle | busy | dead
     cause: str = ""  # why it is dead
     generation: int = -1
+    #: The generation the rank's process was forked in: where its sockets are.
+    forked_in: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     last_seen: float = 0.0
     #: Set when the rank was restarted and its variables are gone.
@@ -82,6 +85,9 @@ class Controller:
         self.plans: list[HostPlan] = launcher.plan(topology.world_size)
         self.host_of = {r: p.host for p in self.plans for r in p.ranks}
         self.ranks = {r: RankState(r, self.host_of[r]) for r in range(topology.world_size)}
+        self._down: dict[int, dict[str, zmq.Socket]] = {}
+        for r in self.ranks:
+            self._connect_rank(r, 0)
         self.generation = 0
         self.stopped = False
         self.stop_reason = ""
@@ -182,9 +188,8 @@ class Controller:
                     self.ranks[r].state = "busy"
         for listener in self.run_listeners:
             listener(run)
-        frames = self.wire.pack({"k": kind, "id": request, "ranks": ranks, "ch": channel},
-                                raw_body=raw, buffers=buffers)
-        self._send_to_hosts(frames, ranks)
+        frames = self.wire.pack({"k": kind, "id": request}, raw_body=raw, buffers=buffers)
+        self._send_to_ranks(frames, ranks, channel)
         return run
 
     def agent_op(self, op: str, ranks: list[int], **body: Any) -> Run | None:
@@ -196,10 +201,53 @@ class Controller:
                       self.send_input)
             with self._lock:
                 self._runs[request] = run
-        frames = self.wire.pack({"k": "op", "id": request, "ranks": ranks, "ch": "a"},
-                                dict(body, op=op))
+        frames = self.wire.pack({"k": "op", "id": request, "ranks": ranks}, dict(body, op=op))
         self._send_to_hosts(frames, ranks)
         return run
+
+    def _connect_rank(self, rank: int, generation: int) -> None:
+        """Point ``rank``'s sockets at its process forked in ``generation`` (caller holds the
+        send lock).
+
+        ZeroMQ queues what is sent before the rank has bound its sockets, so a request never
+        waits for, or races with, the rank's start-up.
+        """
+        self._disconnect_rank(rank)
+        self.ranks[rank].forked_in = generation
+        socks = {}
+        for channel in ("x", "c"):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            # Retry every 10 ms until the rank binds, never backing off: a backed-off retry
+            # would hold the first request for up to the back-off after the rank is ready.
+            sock.setsockopt(zmq.RECONNECT_IVL, 10)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
+            sock.connect(wire.rank_address(self.rundir, rank, generation, channel))
+            socks[channel] = sock
+        self._down[rank] = socks
+
+    def _disconnect_rank(self, rank: int) -> None:
+        """Drop a rank's sockets with whatever they still held for it (the runs that waited on
+        it have failed), so nothing retries connecting to a dead process."""
+        for sock in self._down.pop(rank, {}).values():
+            sock.close(linger=0)
+
+    def _send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str) -> None:
+        """One message per rank, straight to its socket: on one host, relaying through the
+        agent would cost a process hop and a copy per request, and buy nothing."""
+        with self._send_lock:
+            # A rank that died since the caller checked has no sockets: its death failed the run.
+            live = [r for r in ranks if r in self._down]
+            trackers = wire.fan_out([self._down[r][channel] for r in live], frames)
+            ranks = live
+        for rank, tracker in zip(ranks, trackers):
+            # Big buffers: return once every rank has them, so the caller may change its
+            # tensors; a rank that died meanwhile never will (its run fails on its death).
+            while not tracker.done and self.ranks[rank].state != "dead" and not self.stopped:
+                try:
+                    tracker.wait(0.1)
+                except zmq.NotDone:
+                    pass
 
     def _send_to_hosts(self, frames: list[Any], ranks: list[int]) -> None:
         hosts = sorted({self.host_of[r] for r in ranks})
@@ -238,6 +286,10 @@ class Controller:
         """Re-fork dead ``ranks`` under their rank ids; they join ``generation``."""
         if not ranks:
             return
+        # Sockets first: a request sent once the rank is no longer "dead" goes to the new process.
+        with self._send_lock:
+            for r in ranks:
+                self._connect_rank(r, generation)
         with self._lock:
             for r in ranks:
                 state = self.ranks[r]
@@ -256,8 +308,7 @@ class Controller:
 
     def send_input(self, rank: int, text: str) -> None:
         """A line typed in the notebook, for ``rank``'s debugger (its control thread)."""
-        self._send_to_hosts(self.wire.pack({"k": "input", "id": None, "ranks": [rank], "ch": "c"},
-                                           text), [rank])
+        self._send_to_ranks(self.wire.pack({"k": "input", "id": None}, text), [rank], "c")
 
     def interrupt(self, ranks: list[int]) -> None:
         self.signal(ranks, signal.SIGINT)
@@ -400,6 +451,8 @@ class Controller:
             waiting = [run for run in self._runs.values() if rank in run.pending]
             queue.clear()
             self._generation_changed.notify_all()
+        with self._send_lock:
+            self._disconnect_rank(rank)
         for stream, text in body.get("output", {}).items():
             if text:
                 self._deliver(current, Output(rank, stream, text))
@@ -451,7 +504,8 @@ class Controller:
         for state in self.ranks.values():
             if state.state != "dead":
                 state.state, state.cause = "dead", "mesh stopped"
-        for sock in (self.cmd, self.events, self._wake_send, self._wake_recv):
+        rank_socks = [sock for socks in self._down.values() for sock in socks.values()]
+        for sock in (self.cmd, self.events, self._wake_send, self._wake_recv, *rank_socks):
             sock.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.rundir, ignore_errors=True)

@@ -2,7 +2,7 @@
 
 A rank is forked by its host agent (see :mod:`meshbook.mesh.agent`) and runs three threads:
 
-* the **main thread** takes requests from the agent in order and runs them: cell code
+* the **main thread** takes requests from the controller in order and runs them: cell code
   (``exec``, the value of a last expression is the result), notebook functions (``apply``) and
   meshbook's own operations (``call``). It is the only thread that runs user code, and the one
   SIGINT interrupts;
@@ -134,7 +134,8 @@ class Worker:
         from .remote_pdb import breakpoint_hook
         sys.breakpointhook = breakpoint_hook(self)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-        self._requests = self._connect(cfg.request_addr)
+        self._requests = self._listen(cfg.request_addr)
+        self._control_requests = self._listen(cfg.control_addr)  # handed to the control thread
         threading.Thread(target=self._control_loop, name="meshbook-control", daemon=True).start()
         self.emit("hello", None, {"pid": os.getpid(), "host": socket.gethostname()})
         self.reinit(cfg.store_port, cfg.generation)
@@ -182,12 +183,11 @@ class Worker:
 
     # -- the main loop ---------------------------------------------------------------------
 
-    def _connect(self, addr: str) -> zmq.Socket:
-        """A DEALER to the agent; the hello tells the agent it may now route to us."""
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.rank}:{os.getpid()}".encode())
-        sock.connect(addr)
-        sock.send(b"hello")
+    def _listen(self, addr: str) -> zmq.Socket:
+        """A PULL socket the controller sends to; it connected (and queued) before we bound."""
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(addr)
         return sock
 
     def serve(self) -> None:
@@ -285,7 +285,7 @@ class Worker:
     # -- the control thread ----------------------------------------------------------------
 
     def _control_loop(self) -> None:
-        sock = self._connect(self.cfg.control_addr)
+        sock = self._control_requests
         next_beat = 0.0
         while True:
             if sock.poll(int(TICK_S * 1000)):
