@@ -78,8 +78,8 @@ def api_table(title: str, found: Latencies, sizes: tuple[int, ...]) -> Table:
                   ratio(ours, median_of(found[FLOOR][n])))
     table.notes += [
         "median (p99) of the round trip; peer / meshbook above 1x: meshbook is faster",
-        (f"{FLOOR}: meshbook's path (controller -> host agent -> ranks -> controller over "
-         f"ipc, a receiver thread) in bare pyzmq with nothing of meshbook; meshbook / {FLOOR} "
+        (f"{FLOOR}: meshbook's path (controller -> each rank -> controller over ipc, a "
+         f"receiver thread; the host agent only supervises) in bare pyzmq with nothing of meshbook; meshbook / {FLOOR} "
          f"is what meshbook's own work (signing, pickling, running the code, book-keeping) "
          f"multiplies it by")]
     return table
@@ -132,8 +132,8 @@ def _cells(ctx: Context, sizes: tuple[int, ...], budget: Budget,
                        "difference of their medians")
     woken = median_of(after.get("meshbook", {}).get(8))
     floor = median_of(after.get(FLOOR, {}).get(8))
-    why = (f"a cell comes after idle time, and a round trip that must first wake 8 ranks, an "
-           f"agent and the controller takes {duration(woken)} through the Python API in this "
+    why = (f"a cell comes after idle time, and a round trip that must first wake 8 ranks and "
+           f"the controller takes {duration(woken)} through the Python API in this "
            f"run, and {duration(floor)} for the floor of the design (bare pyzmq, same path); "
            f"the kernel's own threads (IOPub) share the cores too") if woken and floor else ""
     check = Check("`%%mesh pass` adds < 2 ms to a local cell on 8 ranks (issue 3)",

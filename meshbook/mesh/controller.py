@@ -51,8 +51,6 @@ class RankState:
     state: str = "starting"  # starting | idle | busy | dead
     cause: str = ""  # why it is dead
     generation: int = -1
-    #: The generation the rank's process was forked in: where its sockets are.
-    forked_in: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     last_seen: float = 0.0
     #: Set when the rank was restarted and its variables are gone.
@@ -213,7 +211,6 @@ class Controller:
         waits for, or races with, the rank's start-up.
         """
         self._disconnect_rank(rank)
-        self.ranks[rank].forked_in = generation
         socks = {}
         for channel in ("x", "c"):
             sock = self.ctx.socket(zmq.PUSH)
