@@ -3,10 +3,10 @@
 One :class:`Controller` per started mesh. Its sockets live in a private (0700) runtime
 directory: a PUSH per rank and channel that sends requests straight to the rank (see
 :func:`~meshbook.mesh.wire.rank_address`), a ROUTER for what it asks of the host agents
-(signals, re-forks), and a PULL on which ranks and agents send everything back. A receiver thread reads
-that PULL socket and feeds each message to the :class:`~meshbook.mesh.run.Run` it belongs to,
-tracks each rank's state and last heartbeat, and turns a rank's death into an error on every
-run that waited for it, within the agent's SIGCHLD latency.
+(signals, re-forks), and a PULL on which ranks and agents send everything back. A receiver
+thread reads that PULL socket and feeds each message to the :class:`~meshbook.mesh.run.Run`
+it belongs to, tracks each rank's state and last heartbeat, and turns a rank's death into an
+error on every run that waited for it, within the agent's SIGCHLD latency.
 
 :class:`~meshbook.mesh.mesh.Mesh` is the user-facing view; this module is its engine.
 """
@@ -236,8 +236,7 @@ class Controller:
             # A rank that died since the caller checked has no sockets: its death failed the run.
             live = [r for r in ranks if r in self._down]
             trackers = wire.fan_out([self._down[r][channel] for r in live], frames)
-            ranks = live
-        for rank, tracker in zip(ranks, trackers):
+        for rank, tracker in zip(live, trackers):
             # Big buffers: return once every rank has them, so the caller may change its
             # tensors; a rank that died meanwhile never will (its run fails on its death).
             while not tracker.done and self.ranks[rank].state != "dead" and not self.stopped:
