@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 from typing import Iterator
 
@@ -149,8 +150,6 @@ def test_cell_explains_ranks_that_stay_busy_after_the_others_finished(mesh: mesh
 
 
 def test_a_cell_waiting_on_stuck_ranks_after_explaining_does_not_spin(mesh: meshbook.Mesh) -> None:
-    import threading
-
     from meshbook.magics.render import RenderOptions, show_run
 
     run = mesh.run("t = torch.ones(2)\nif rank != 1:\n    dist.all_reduce(t)\n'done'")

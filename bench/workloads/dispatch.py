@@ -79,9 +79,9 @@ def api_table(title: str, found: Latencies, sizes: tuple[int, ...]) -> Table:
     table.notes += [
         "median (p99) of the round trip; peer / meshbook above 1x: meshbook is faster",
         (f"{FLOOR}: meshbook's path (controller -> each rank -> controller over ipc, a "
-         f"receiver thread; the host agent only supervises) in bare pyzmq with nothing of meshbook; meshbook / {FLOOR} "
-         f"is what meshbook's own work (signing, pickling, running the code, book-keeping) "
-         f"multiplies it by")]
+         f"receiver thread; the host agent only supervises) in bare pyzmq with nothing of "
+         f"meshbook; meshbook / {FLOOR} is what meshbook's own work (signing, pickling, "
+         f"running the code, book-keeping) multiplies it by")]
     return table
 
 

@@ -5,17 +5,17 @@ This room knows nothing of IPython: it is usable from a plain script. See DESIGN
 
 from .data import RemoteRef
 from .errors import (
-                     CellSyntaxError,
-                     MeshError,
-                     MeshStoppedError,
-                     MeshTimeout,
-                     MissingNameError,
-                     RankFailure,
-                     RemoteError,
-                     SelectionError,
-                     SendError,
-                     ShapeError,
-                     TooLargeError,
+    CellSyntaxError,
+    MeshError,
+    MeshStoppedError,
+    MeshTimeout,
+    MissingNameError,
+    RankFailure,
+    RemoteError,
+    SelectionError,
+    SendError,
+    ShapeError,
+    TooLargeError,
 )
 from .launchers import prewarm
 from .mesh import Mesh, current, start

@@ -95,4 +95,3 @@ def tiles(items: Sequence[tuple[str, str, str]]) -> str:
             + "".join(f'<div style="{tile.format(border, bg or "#f5f5f5")}">{esc(text)}</div>'
                       for text, border, bg in items)
             + "</div>")
-
