@@ -30,8 +30,9 @@ from ..mesh.remote_pdb import PromptServer
 from ..mesh.run import InputRequest
 from ..mesh.table import status_table  # noqa: F401  - re-exported for the commands
 
-#: How long ranks get to stop after a forwarded interrupt before we show where they block.
-INTERRUPT_GRACE_S = 2.0
+#: How long ranks get to stop after a forwarded interrupt before we show where they block
+#: (ranks blocked in a collective that a stopped rank will never join are freed before that).
+INTERRUPT_GRACE_S = 3.0
 #: How long ranks may stay busy after others finished before the diagnosis is printed.
 HANG_HINT_S = 10.0
 
@@ -80,7 +81,8 @@ class _CellRun:
         self.started = time.monotonic()
         self.interrupted_at: float | None = None
         self.first_done_at: float | None = None
-        self.explained = False  # the diagnosis was printed once already
+        self.explained = False  # the hang hint was printed
+        self.interrupt_explained = False  # the "did not stop after the interrupt" note was printed
         self.recovery_report = ""
 
     def show(self) -> RankValues:
@@ -100,20 +102,23 @@ class _CellRun:
             self.writer.close()
             if self.view:
                 self.view.close(self.run)
-        if self.recovery_report:
-            error = self.run.exception()
-            if error is not None:
-                raise RemoteError(error.failures, error.partial, hint=self.recovery_report)
-            _note(self.recovery_report)
-        return self.run.result(timeout=0, echo=False)
+        report = "\n".join(filter(None, [self.recovery_report, self.run.step_report()]))
+        error = self.run.exception()
+        if error is not None:
+            hint = "\n".join(filter(None, [error.hint, report]))
+            raise RemoteError(error.failures, error.partial, hint=hint) from None
+        if report:
+            _note(report)
+        return self.run.values()
 
     def _next_wake(self) -> float | None:
         now = time.monotonic()
         waits = [self.writer.next_deadline(), 0.25 if self.view else None,
                  _left(self.options.timeout, self.started, now)]
-        if not self.explained:  # once explained, these deadlines are past: never spin on them
-            waits += [_left(self.options.grace, self.interrupted_at, now),
-                      _left(self.options.hang_hint, self.first_done_at, now)]
+        if not self.interrupt_explained:  # once explained, a deadline is past: never spin on it
+            waits.append(_left(self.options.grace, self.interrupted_at, now))
+        if not self.explained:
+            waits.append(_left(self.options.hang_hint, self.first_done_at, now))
         return min((w for w in waits if w is not None), default=None)
 
     def _pump(self, timeout: float | None) -> None:
@@ -134,13 +139,17 @@ class _CellRun:
     def _check_time(self) -> None:
         now = time.monotonic()
         if self.interrupted_at is not None and now - self.interrupted_at >= self.options.grace:
-            self._explain(f"rank(s) {format_ranks(self.run.pending)} did not stop within "
-                          f"{self.options.grace:g} s of the interrupt (still busy, blocked outside "
-                          f"Python). Interrupt again to free them: meshbook restarts as few ranks "
-                          f"as possible (usually none) and keeps the others' variables.")
+            if not self.interrupt_explained:
+                self.interrupt_explained = self.explained = True
+                self._explain(f"rank(s) {format_ranks(self.run.pending)} did not stop within "
+                              f"{self.options.grace:g} s of the interrupt (still busy, blocked outside "
+                              f"Python). Interrupt again to free them: meshbook restarts as few ranks "
+                              f"as possible (usually none) and keeps the others' variables.")
         elif self.first_done_at is not None and now - self.first_done_at >= self.options.hang_hint:
-            self._explain(f"rank(s) {format_ranks(self.run.pending)} are still busy "
-                          f"{now - self.first_done_at:.0f} s after the others finished.")
+            if not self.explained:
+                self.explained = True
+                self._explain(f"rank(s) {format_ranks(self.run.pending)} are still busy "
+                              f"{now - self.first_done_at:.0f} s after the others finished.")
         if self.options.timeout is not None and now - self.started >= self.options.timeout:
             diagnosis = self._diagnosis()
             raise MeshTimeout(
@@ -150,9 +159,6 @@ class _CellRun:
                 (f"\n{diagnosis}" if diagnosis else ""))
 
     def _explain(self, headline: str) -> None:
-        if self.explained:
-            return
-        self.explained = True
         self.writer.flush()
         _note(headline + "\n" + self._diagnosis())
 

@@ -81,6 +81,7 @@ class Agent:
         crash_path = os.path.join(self.rundir, f"crash-{rank}")
         cfg = RankConfig(
             rank=rank, local_rank=local_rank, local_world_size=len(self.my_ranks),
+            group_rank=self.host, group_world_size=self.cfg.get("hosts", 1),
             topology=self.topology, backend=backend, device_type="cuda" if use_cuda else "cpu",
             store_host=self.cfg["store_host"], store_port=store_port, generation=generation,
             collective_timeout=self.cfg["collective_timeout"], key=self.wire._key,

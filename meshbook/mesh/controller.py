@@ -31,14 +31,19 @@ from typing import Any, Callable
 import zmq
 
 from . import wire
-from .errors import MeshError, MeshStoppedError, RankFailure, SendError
+from .errors import MeshError, MeshStoppedError, RankFailure, SendError, format_ranks
 from .launchers import AgentHandle, HostPlan, Launcher
 from .metrics import MetricsHistory
+from .recovery import abort, free_after_interrupt
 from .run import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Run
+from .step import StepCheck
 from .topology import Topology
+from .worker import interrupt_request
 
 #: How many finished runs still get their late output routed to them.
 LATE_OUTPUT_RUNS = 256
+#: Requests that run user code: those whose irregular end triggers a step check.
+USER_KINDS = ("exec", "apply")
 
 
 @dataclass
@@ -97,6 +102,9 @@ class Controller:
         self._queues: dict[int, deque[int]] = {r: deque() for r in self.ranks}
         self._late: OrderedDict[int, Callable[[Event], None]] = OrderedDict()
         self._generation_changed = threading.Condition(self._lock)
+        #: Held by whatever re-creates the process groups (recovery, a step check's resync).
+        self.recovery_lock = threading.Lock()
+        self._step_checks: list[StepCheck] = []
         #: The last minutes of each rank's memory (for sparklines), kept from the start.
         self.history = MetricsHistory()
         #: Called on the receiver thread with (rank, metrics) for every heartbeat.
@@ -127,7 +135,7 @@ class Controller:
 
     def _agent_config(self, plan: HostPlan, store_port: int) -> dict[str, Any]:
         return {
-            "host": plan.host, "ranks": plan.ranks, "dims": list(self.topology.dims),
+            "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks, "dims": list(self.topology.dims),
             "key": self.wire._key.hex(), "backend": self.backend,
             "store_host": self.launcher.store_host, "store_port": store_port,
             "collective_timeout": self.collective_timeout, "rundir": self.rundir,
@@ -178,7 +186,7 @@ class Controller:
             raise SendError(f"{what}: cannot send {_describe_unpicklable(body, exc)}") from None
         with self._lock:
             request = next(self._ids)
-            run = Run(request, ranks, self.topology, what, self.interrupt, self.send_input)
+            run = Run(request, ranks, self.topology, what, self.interrupt_run, self.send_input, kind)
             self._runs[request] = run
             if channel == "x":
                 for r in ranks:
@@ -190,13 +198,19 @@ class Controller:
         self._send_to_ranks(frames, ranks, channel)
         return run
 
+    def call(self, fn: Callable[..., Any], *args: Any, ranks: list[int], what: str,
+             channel: str = "x") -> Run:
+        """Run one of meshbook's own rank operations, ``fn(worker, *args)``, on ``ranks``
+        (``channel="c"``: on their control threads, answered while they are busy)."""
+        return self.submit("call", {"fn": fn, "args": args, "kwargs": {}}, ranks, what, channel)
+
     def agent_op(self, op: str, ranks: list[int], **body: Any) -> Run | None:
         """Ask the agents owning ``ranks`` to do ``op`` (signal, spawn, pyspy, stop)."""
         request = next(self._ids)
         run = None
         if op == "pyspy":
-            run = Run(request, ranks, self.topology, f"native stacks of rank(s) {ranks}", self.interrupt,
-                      self.send_input)
+            run = Run(request, ranks, self.topology, f"native stacks of rank(s) {ranks}", self.interrupt_run,
+                      self.send_input, "op")
             with self._lock:
                 self._runs[request] = run
         frames = self.wire.pack({"k": "op", "id": request, "ranks": ranks}, dict(body, op=op))
@@ -307,7 +321,28 @@ class Controller:
         self._send_to_ranks(self.wire.pack({"k": "input", "id": None}, text), [rank], "c")
 
     def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to ``ranks``, whatever they run (``%mesh interrupt``)."""
+        with self._lock:
+            hit = [run for run in self._runs.values() if set(run.pending) & set(ranks)]
+        for run in hit:
+            run.interrupted = True
         self.signal(ranks, signal.SIGINT)
+        for run in hit:
+            self._free_after_interrupt(run)
+
+    def interrupt_run(self, run: Run) -> None:
+        """Interrupt ``run`` and nothing else: ranks running it get ``KeyboardInterrupt``,
+        ranks where it still waits in the queue drop it before it starts. Other runs (a
+        background ``mesh.run``) are not touched."""
+        run.interrupted = True
+        ranks = [r for r in run.pending if self.ranks[r].state != "dead"]
+        if ranks and not self.stopped:
+            self.call(interrupt_request, run.id, ranks=ranks, what="interrupt", channel="c")
+            self._free_after_interrupt(run)
+
+    def _free_after_interrupt(self, run: Run) -> None:
+        if run.kind in USER_KINDS and not self.stopped:
+            threading.Thread(target=free_after_interrupt, args=(self, run), daemon=True).start()
 
     def signal(self, ranks: list[int], sig: int) -> None:
         live = [r for r in ranks if self.ranks[r].state != "dead"]
@@ -381,7 +416,7 @@ class Controller:
             body = message.body()
             duration = header.get("t", 0.0)
             event = Result(rank, body, duration) if kind == "result" else Error(rank, body, duration)
-            self._finish(header["id"], rank, event)
+            self._finish(header["id"], rank, event, lost_group=header.get("pg") is False)
             return
         if kind == "exit":
             self._rank_died(rank, message.body())
@@ -415,10 +450,14 @@ class Controller:
         late = self._late.get(request) if request is not None else None
         (late or _print_stray)(event)
 
-    def _finish(self, request: int, rank: int, event: Event) -> None:
+    def _finish(self, request: int, rank: int, event: Event, lost_group: bool = False) -> None:
         run = self._runs.get(request)
         if run is None:
             return
+        run.irregular = run.irregular or lost_group or isinstance(event, Error)
+        if run.pending == [rank] and run.kind in USER_KINDS and (run.irregular or run.interrupted):
+            # Before the run is seen done: whoever renders it waits for this check too.
+            run.step_check = self.check_step(run)
         run._add(event)
         with self._lock:
             queue = self._queues[rank]
@@ -453,10 +492,51 @@ class Controller:
             if text:
                 self._deliver(current, Output(rank, stream, text))
         failure = RankFailure(rank, "RankDied", f"rank {rank} died: {cause}", died=cause, detail=detail)
+        stranded = sorted({r for run in waiting for r in run.pending if r != rank})
+        note = (f"rank {rank} died ({cause}). %mesh restart {rank} (mesh.restart([{rank}])) brings it "
+                f"back and re-creates the process group; the other ranks keep their variables.")
+        if stranded and not self.stopped:
+            note += (f" Rank(s) {format_ranks(stranded)} ran beside it: meshbook freed them from "
+                     f"anything waiting on it.")
+            reason = f"meshbook aborted what this rank ran: rank {rank} died ({cause})"
+            threading.Thread(target=self._free_stranded, args=(stranded, reason), daemon=True).start()
+        for run in waiting:
+            run.notes.append(note)
         for run in waiting:
             self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
         for listener in self.death_listeners:
             listener(rank, cause)
+
+    def _free_stranded(self, ranks: list[int], reason: str) -> None:
+        """Ranks that were running beside a rank that died: the group is broken, so abort
+        their collectives now instead of letting them wait for the collective timeout."""
+        if not self.recovery_lock.acquire(blocking=False):
+            return  # a recovery (restart, the second interrupt) frees them and re-creates the group
+        try:
+            abort(self, [r for r in ranks if self.ranks[r].state == "busy"], reason)
+        except MeshError as exc:
+            if not self.stopped:
+                _log(f"could not free rank(s) {format_ranks(ranks)}: {exc}")
+        finally:
+            self.recovery_lock.release()
+
+    def check_step(self, run: Run) -> "StepCheck | None":
+        """Check that every rank is at the same collective in each group after ``run``
+        stopped irregularly (see :mod:`meshbook.mesh.step`)."""
+        if self.stopped or any(s.state == "dead" for s in self.ranks.values()):
+            return None  # a dead rank's restart re-creates every group anyway
+        check = StepCheck(self, "the interrupt" if run.interrupted else "the failed cell", run.forced_resync)
+        with self._lock:
+            self._step_checks = [c for c in self._step_checks if not c.done.is_set()] + [check]
+        check.start()
+        return check
+
+    def cancel_step_checks(self) -> None:
+        """Release ranks held by step checks (recovery re-creates every group anyway)."""
+        with self._lock:
+            checks, self._step_checks = self._step_checks, []
+        for check in checks:
+            check.cancel()
 
     def _check_agents(self) -> None:
         if self.stopped or not self.agents:

@@ -78,6 +78,8 @@ def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, Ran
         return f"waits in {waiting[rank].describe()} instead"
     if snap.busy:
         return f"never reached it: at {snap.where()}"
+    if snap.last.startswith("stopped"):
+        return f"{snap.last} before joining it (idle)"
     return "finished the cell without joining it (idle)"
 
 

@@ -23,18 +23,27 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from .errors import MeshError, format_ranks
+from .hangs import group_members
+from .stacks import snapshot
 
 if TYPE_CHECKING:
     from .controller import Controller
+    from .run import Run
     from .worker import Worker
 
 #: How long free ranks get to release stuck ones before their sockets are shut down.
 ABORT_AFTER_S = 0.2
 #: How long shut-down sockets get to end a collective before the rank is re-forked.
 KILL_AFTER_S = 2.0
+#: How long ranks get to join re-created groups after a step check before being re-forked.
+RESYNC_TIMEOUT_S = 30.0
+#: How long an interrupted run's ranks get to stop before those blocked in a collective that
+#: a stopped rank will never join are freed.
+FREE_AFTER_S = 1.0
+STACKS_WAIT_S = 2.0
 
 
 @dataclass
@@ -73,10 +82,17 @@ def reinit(worker: "Worker", store_port: int, generation: int) -> None:
     worker.reinit(store_port, generation)
 
 
-def listening_ports(worker: "Worker") -> list[int]:
-    """TCP ports this rank listens on (its gloo/NCCL endpoints; control thread)."""
+def listening_ports(worker: "Worker", stuck_in: dict[int, int] | None = None,
+                    reasons: dict[int, str] | None = None) -> list[int]:
+    """TCP ports this rank listens on (its gloo/NCCL endpoints; control thread).
+
+    With ``reasons``, a rank about to have its collective aborted first learns why, so its
+    error says so even if a peer's shut-down connection fails the collective first.
+    """
     import psutil
 
+    if reasons and worker.rank in reasons and worker.request == (stuck_in or {}).get(worker.rank):
+        worker.abort_reasons[worker.request] = reasons[worker.rank]
     return sorted({c.laddr.port for c in psutil.Process().net_connections("tcp")
                    if c.status == psutil.CONN_LISTEN})
 
@@ -97,6 +113,8 @@ def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: li
     peers = set(peer_ports)
     closed = 0
     for conn in psutil.Process().net_connections("tcp"):
+        if worker.request != stuck_in.get(worker.rank):
+            break  # freed meanwhile: it may be building the new group's connections now
         if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.fd < 0:
             continue
         if conn.raddr.port in peers or conn.laddr.port in own:
@@ -118,13 +136,21 @@ def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: li
 
 def recover(controller: "Controller", restart: list[int], timeout: float) -> Recovery:
     """Free every rank and re-create the process group on all of them (see module doc)."""
+    controller.cancel_step_checks()  # ranks held for a check would never reach the re-creation
+    with controller.recovery_lock:
+        return _recover(controller, restart, timeout)
+
+
+def _recover(controller: "Controller", restart: list[int], timeout: float) -> Recovery:
     started = time.monotonic()
     controller.kill(restart)
     restarted = [r for r, s in controller.ranks.items() if s.state == "dead"]
     generation, port = controller.new_generation()
     survivors = [r for r in controller.ranks if r not in restarted]
-    joined = controller.submit("call", {"fn": reinit, "args": (port, generation), "kwargs": {}},
-                               survivors, "re-create the process group") if survivors else None
+    # Whatever these ranks were running is aborted by what follows, collective or not.
+    interrupted = [r for r in survivors if controller.current_request(r) is not None]
+    joined = controller.call(reinit, port, generation, ranks=survivors,
+                             what="re-create the process group") if survivors else None
     controller.respawn(restarted, port, generation)
 
     def stuck() -> list[int]:
@@ -135,7 +161,7 @@ def recover(controller: "Controller", restart: list[int], timeout: float) -> Rec
         waited = time.monotonic() - started
         if not aborted and waited >= ABORT_AFTER_S:
             aborted = stuck()
-            _abort(controller, aborted)
+            abort(controller, aborted)
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = stuck()
             controller.kill(hopeless)
@@ -146,20 +172,82 @@ def recover(controller: "Controller", restart: list[int], timeout: float) -> Rec
             raise MeshError(f"recovery timed out: rank(s) {format_ranks(stuck())} stay busy")
         time.sleep(0.02)
     controller.wait_generation(generation, list(controller.ranks), timeout, "recovery")
-    aborted = [r for r in aborted if r not in restarted]
+    aborted = [r for r in interrupted if r not in restarted]
     kept = [r for r in controller.ranks if r not in restarted]
     return Recovery(sorted(restarted), aborted, kept, generation, time.monotonic() - started)
 
 
-def _abort(controller: "Controller", ranks: list[int]) -> None:
+def resync(controller: "Controller", held: "Run", ahead: list[int],
+           release: Callable[[tuple[int, int]], None]) -> Recovery:
+    """Put ranks waiting in a step check (``held``) into a new process-group generation.
+
+    The ranks ``ahead`` issued collectives no peer will pair: those hold their old group's
+    connections, so they are shut down first (every rank is idle in the check, so only old
+    connections exist). A rank that still cannot join in time is re-forked.
+    """
+    with controller.recovery_lock:
+        started = time.monotonic()
+        ranks = held.pending
+        abort(controller, ahead)
+        generation, port = controller.new_generation()
+        release((port, generation))
+        restarted: list[int] = []
+        try:
+            controller.wait_generation(generation, ranks, RESYNC_TIMEOUT_S, "re-creating the process groups")
+        except MeshError:
+            restarted = [r for r in ranks if controller.ranks[r].generation != generation]
+            controller.kill(restarted)
+            controller.respawn(restarted, port, generation)
+            controller.wait_generation(generation, ranks, RESYNC_TIMEOUT_S, "re-creating the process groups")
+        held.wait(5)  # each rank's list of objects bound to the old groups
+        kept = [r for r in ranks if r not in restarted]
+        return Recovery(restarted, sorted(set(ahead) - set(restarted)), kept, generation,
+                        time.monotonic() - started)
+
+
+def free_after_interrupt(controller: "Controller", run: "Run") -> None:
+    """After ``run`` was interrupted: free its ranks blocked in a collective that a member of
+    the group, having stopped, will never join (thread).
+
+    Python cannot interrupt a rank blocked in C, and such a collective could only complete by
+    pairing with whatever the stopped rank issues next: a wrong result. So it is aborted; the
+    rank keeps its variables and the step check that follows re-creates the groups.
+    """
+    if run.wait(FREE_AFTER_S) or controller.stopped:
+        return
+    live = [r for r in run.pending if controller.ranks[r].state != "dead"]
+    asked = controller.call(snapshot, ranks=live, what="stacks", channel="c")
+    asked.wait(STACKS_WAIT_S)
+    reasons = {}
+    for rank, snap in asked.values().items():
+        if snap.request != run.id or not snap.pending:
+            continue
+        collective = snap.pending[-1]
+        members = group_members(collective, rank, controller.topology) or []
+        stopped = [m for m in members if m not in run.pending]
+        if stopped:
+            reasons[rank] = (f"interrupted: meshbook aborted its {collective.describe()}, which "
+                             f"{_ranks(stopped)} stopped before joining and would never join")
+    if reasons:
+        abort(controller, list(reasons), reasons)
+        run.forced_resync = True
+
+
+def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int, str] = "") -> None:
+    """Shut down the inter-rank connections of ``ranks``, while they still run the request
+    they run now: a collective blocked on them fails at once (with ``reason`` as its error)."""
+    ranks = [r for r in ranks if controller.ranks[r].state != "dead"]
+    if not ranks:
+        return
+    reasons = {r: reason if isinstance(reason, str) else reason[r] for r in ranks}
+    stuck_in = {r: controller.current_request(r) for r in ranks}
     live = [r for r, s in controller.ranks.items() if s.state != "dead"]
-    asked = controller.submit("call", {"fn": listening_ports, "args": (), "kwargs": {}}, live,
-                              "listening ports", channel="c")
+    asked = controller.call(listening_ports, stuck_in, {r: t for r, t in reasons.items() if t},
+                            ranks=live, what="listening ports", channel="c")
     asked.wait(5)
     ports = sorted({p for value in asked.values().values() for p in value})
-    stuck_in = {r: controller.current_request(r) for r in ranks}
-    controller.submit("call", {"fn": abort_collectives, "args": (stuck_in, ports), "kwargs": {}},
-                      ranks, "abort collectives", channel="c").wait(5)
+    controller.call(abort_collectives, stuck_in, ports, ranks=ranks, what="abort collectives",
+                    channel="c").wait(5)
 
 
 def _ranks(ranks: list[int]) -> str:

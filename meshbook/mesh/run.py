@@ -21,11 +21,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
 
 from .errors import MeshTimeout, RankFailure, RemoteError, format_ranks
 from .topology import Topology
 from .values import RankValues
+
+if TYPE_CHECKING:
+    from .step import StepCheck
+
+#: How long a run's result waits for the step check that follows an irregular end.
+STEP_CHECK_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -77,11 +83,22 @@ class Run:
     """Handle on one request to a set of ranks."""
 
     def __init__(self, request_id: int, ranks: list[int], topology: Topology, what: str,
-                 interrupt: Callable[[list[int]], None],
-                 send_input: Callable[[int, str], None]) -> None:
+                 interrupt: Callable[["Run"], None], send_input: Callable[[int, str], None],
+                 kind: str = "exec") -> None:
         self.id = request_id
         self.ranks = list(ranks)
         self.what = what
+        self.kind = kind  # "exec", "apply", "call" (meshbook's own) or "op" (the agents')
+        #: Set once an interrupt was sent for this run; with ``irregular`` (some rank failed or
+        #: lost its process group), the ranks' collective positions are checked when it ends.
+        self.interrupted = False
+        self.irregular = False
+        #: meshbook aborted some rank's collective in this run: the groups must be re-created.
+        self.forced_resync = False
+        #: The check of every rank's collective positions after this run (see ``step.py``).
+        self.step_check: StepCheck | None = None
+        #: What meshbook did about this run on its own (e.g. freeing ranks a dead rank stranded).
+        self.notes: list[str] = []
         self.submitted_at = time.monotonic()
         self._topology = topology
         self._interrupt = interrupt
@@ -170,10 +187,34 @@ class Run:
         the wait (Ctrl-C) interrupts the ranks too.
         """
         try:
-            return self._wait_and_echo(timeout, echo)
+            values = self._wait_and_echo(timeout, echo)
         except KeyboardInterrupt:
             self.interrupt()  # Ctrl-C here must stop the remote work too, not only our wait
             raise
+        except RemoteError:
+            self._report_step_check(echo)
+            raise
+        self._report_step_check(echo)
+        return values
+
+    def step_report(self, timeout: float | None = STEP_CHECK_WAIT_S) -> str:
+        """What the check after this run did: empty when the ranks were in step (or no check
+        was needed); a note when it still waits for busy ranks after ``timeout``."""
+        check = self.step_check
+        if check is None:
+            return ""
+        if not check.wait(timeout):
+            return (f"meshbook checks that every rank is at the same collective before anything "
+                    f"else runs; it waits for rank(s) {format_ranks(check.waiting_for)} to finish "
+                    f"what they run.")
+        self.step_check = None  # said once
+        return check.report
+
+    def _report_step_check(self, echo: bool) -> None:
+        if echo and self.step_check is not None:
+            report = self.step_report()
+            if report:
+                _write("stderr", report + "\n")
 
     def _wait_and_echo(self, timeout: float | None, echo: bool) -> RankValues:
         from .output import LineMerger
@@ -213,7 +254,7 @@ class Run:
     def _outcome(self) -> RankValues:
         values = self.values()
         if self._failures:
-            raise RemoteError(dict(self._failures), partial=values)
+            raise RemoteError(dict(self._failures), partial=values, hint="\n".join(self.notes))
         return values
 
     def exception(self) -> RemoteError | None:
@@ -225,9 +266,10 @@ class Run:
         return None
 
     def interrupt(self) -> None:
-        """Send SIGINT to the ranks still running this request."""
+        """Interrupt this request on the ranks still running it (ranks where it has not started
+        drop it); other requests are not touched."""
         if self._pending:
-            self._interrupt(self.pending)
+            self._interrupt(self)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else f"running on {format_ranks(self.pending)}"

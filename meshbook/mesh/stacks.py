@@ -66,6 +66,7 @@ class RankSnapshot:
     pending: tuple[Collective, ...] = ()
     native: str = ""  # a py-spy dump, when the control thread could not answer
     dead: str = ""  # why, when the rank is not running at all
+    last: str = ""  # how its last request ended, when idle ("stopped with KeyboardInterrupt at ...")
 
     @property
     def cell_frame(self) -> Frame | None:
@@ -87,7 +88,8 @@ def snapshot(worker: "Worker") -> RankSnapshot:
     busy = worker.request is not None
     frames = stack_frames(worker.main_frame()) if busy else ()
     busy_s = time.monotonic() - worker.started_at if busy else 0.0
-    return RankSnapshot(worker.rank, busy, worker.request, busy_s, frames, pending_collectives())
+    return RankSnapshot(worker.rank, busy, worker.request, busy_s, frames, pending_collectives(),
+                        last="" if busy else worker.last_outcome)
 
 
 def pending_collectives() -> tuple[Collective, ...]:

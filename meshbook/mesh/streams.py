@@ -63,6 +63,7 @@ class RankStream(io.TextIOBase):
         self._current = current_request
         self._lock = threading.Lock()
         self._partial: dict[int | None, str] = {}
+        self.buffer = RankBytes(self)
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
@@ -96,6 +97,30 @@ class RankStream(io.TextIOBase):
         for request, text in pending.items():
             if text:
                 self._sink(request, self.name, text)
+
+
+class RankBytes(io.RawIOBase):
+    """``sys.stdout.buffer`` of a rank: bytes written here are decoded (UTF-8, split
+    characters kept for the next write) and go the way of the text stream."""
+
+    def __init__(self, text: RankStream) -> None:
+        super().__init__()
+        self._text = text
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._text.fileno()
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        view = memoryview(data)
+        self._text.write(self._decoder.decode(view.tobytes()))
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._text.flush()
 
 
 class FdPump:

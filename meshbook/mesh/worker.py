@@ -24,14 +24,14 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FunctionType
 from typing import Any, Callable
 
 import psutil
 import zmq
 
-from . import proc, wire
+from . import proc, torchrun, wire
 from .cell import (
     cell_filename,
     compile_cell,
@@ -56,6 +56,8 @@ class RankConfig:
     rank: int
     local_rank: int
     local_world_size: int
+    group_rank: int  # the host's index (torchrun's GROUP_RANK)
+    group_world_size: int  # how many hosts
     topology: Topology
     backend: str  # "gloo", or "cuda:nccl,cpu:gloo" on GPUs
     device_type: str  # "cpu" or "cuda"
@@ -90,6 +92,18 @@ class Worker:
         self.stdin_available = False
         #: Lines typed in the notebook for this rank's debugger, delivered by the control thread.
         self.input_replies: queue.Queue[str] = queue.Queue()
+        #: Verdicts of step checks (see :mod:`meshbook.mesh.step`), delivered by the control thread.
+        self.verdicts: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        #: Requests interrupted before they started: dropped when their turn comes.
+        self.cancelled: set[int] = set()
+        #: The request a targeted interrupt is meant for (None: any user code, e.g. SIGINT).
+        self.interrupt_target: int | None = None
+        #: How the last request ended, in words (the hang diagnosis quotes it).
+        self.last_outcome = ""
+        #: Why meshbook aborted a request's collective (request -> reason), for its error.
+        self.abort_reasons: dict[int, str] = {}
+        self._noted_in: int | None = None
+        self._noted: set[str] = set()
         self.generation = cfg.generation
         self._ctx = zmq.Context()
         self._out = self._ctx.socket(zmq.PUSH)
@@ -131,6 +145,8 @@ class Worker:
         install_thread_tagging(self.current_request)
         self.pump = FdPump(cfg.pipes, self._output, self.current_request)
         signal.signal(signal.SIGINT, self._on_sigint)
+        sys.argv = ["mesh-rank"]  # the agent's own arguments would confuse a script's argparse
+        self.init_group, self.destroy_group = torchrun.install(self)
         from .remote_pdb import breakpoint_hook
         sys.breakpointhook = breakpoint_hook(self)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -158,7 +174,7 @@ class Worker:
 
         cfg = self.cfg
         if dist.is_initialized():
-            dist.destroy_process_group()
+            self.destroy_group()
         if cfg.device_type == "cuda":
             torch.cuda.set_device(cfg.local_rank)
             device = torch.device("cuda", cfg.local_rank)
@@ -169,9 +185,11 @@ class Worker:
         timeout = timedelta(seconds=cfg.collective_timeout)
         store = dist.TCPStore(cfg.store_host, store_port, topo.world_size, is_master=self.rank == 0,
                               timeout=timeout, wait_for_workers=False)
+        os.environ.update(torchrun.environment(
+            self.rank, topo.world_size, cfg.local_rank, cfg.local_world_size, cfg.group_rank,
+            cfg.group_world_size, (cfg.store_host, store_port)))
         store = dist.PrefixStore(f"gen{generation}", store)
-        dist.init_process_group(cfg.backend, store=store, rank=self.rank,
-                                world_size=topo.world_size, timeout=timeout)
+        self.init_group(cfg.backend, store=store, rank=self.rank, world_size=topo.world_size, timeout=timeout)
         device_mesh = init_device_mesh(cfg.device_type, topo.shape, mesh_dim_names=topo.names)
         self.generation = generation
         self.namespace.update(
@@ -205,12 +223,19 @@ class Worker:
         self.request = request
         self.started_at = time.monotonic()
         try:
+            if request in self.cancelled:
+                self.cancelled.discard(request)
+                raise KeyboardInterrupt("interrupted before it started: nothing ran")
             body = message.body()
             self.stdin_available = bool(body.get("stdin"))
             value = self._dispatch(message.kind, body, request)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
             self.last_exception = exc
-            self._finish(request, failure=failure_from(self.rank, exc))
+            failure = failure_from(self.rank, exc)
+            reason = self.abort_reasons.pop(request, "")
+            if reason:
+                failure = replace(failure, type_name="CollectiveAborted", message=reason)
+            self._finish(request, failure=failure)
         else:
             self._finish(request, value=value)
 
@@ -256,9 +281,12 @@ class Worker:
         proc.flush_c_stdio()
         self.pump.drain()
         self.last_request, self.request = request, None
+        self.last_outcome = describe_outcome(failure)
+        # False tells the controller this rank lost its process group: a step check follows.
+        header = {"t": duration, "pg": _has_process_group()}
         if failure is None:
             try:
-                frames = self.wire.pack({"k": "result", "id": request, "rank": self.rank, "t": duration},
+                frames = self.wire.pack({"k": "result", "id": request, "rank": self.rank, **header},
                                         value)
             except Exception as exc:
                 failure = RankFailure(
@@ -270,10 +298,19 @@ class Worker:
                 with self._out_lock:
                     wire.send(self._out, frames, wait=True)
                 return
-        self.emit("error", request, failure, t=duration)
+        self.emit("error", request, failure, **header)
+
+    def note_once(self, key: str, text: str) -> None:
+        """Print ``text`` to the cell once per request (a loop calling init_process_group...)."""
+        if self._noted_in != self.request:
+            self._noted_in, self._noted = self.request, set()
+        if key not in self._noted:
+            self._noted.add(key)
+            print(text, file=sys.stderr)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self.executing:
+        target, self.interrupt_target = self.interrupt_target, None
+        if self.executing and target in (None, self.request):
             raise KeyboardInterrupt
 
     def display(self, *objs: Any, **kwargs: Any) -> None:
@@ -341,6 +378,30 @@ class Worker:
         for name, extra in self.heartbeat_extras.items():
             out[name] = extra()
         return out
+
+
+def interrupt_request(worker: Worker, request: int) -> None:
+    """Interrupt ``request`` only (control thread): ``KeyboardInterrupt`` if the rank runs it
+    now, dropped unstarted if it still waits in the rank's queue, nothing otherwise."""
+    if worker.request == request:
+        worker.interrupt_target = request
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler on the main thread
+    elif worker.last_request is None or request > worker.last_request:
+        worker.cancelled.add(request)
+
+
+def describe_outcome(failure: RankFailure | None) -> str:
+    """``stopped with KeyboardInterrupt at cell line 4 (time.sleep(600))``."""
+    if failure is None:
+        return "finished the cell"
+    frame = next((f for f in reversed(failure.frames) if f.in_cell), None)
+    where = f" at {frame.where}" + (f" ({frame.line})" if frame.line else "") if frame else ""
+    return f"stopped with {failure.type_name}{where}"
+
+
+def _has_process_group() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is None or not dist.is_available() or dist.is_initialized()
 
 
 def _travelled_by_value(fn: FunctionType) -> bool:
@@ -418,6 +479,7 @@ def run_rank(cfg: RankConfig) -> None:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         import torch
         torch.set_num_threads(cfg.threads)
+        torchrun.reseed()  # a fork shares its agent's random state; a torchrun process would not
         worker = Worker(cfg)
         worker.start()
         worker.serve()

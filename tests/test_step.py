@@ -1,0 +1,142 @@
+"""Ranks never silently out of step: interrupts, failures and deaths (real gloo meshes).
+
+A collective pairs the n-th call of every member; these tests stop ranks at different
+points and check that the next collective is still right (or refused), never silently wrong,
+and that the cell says what meshbook did.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Iterator
+
+import pytest
+
+import meshbook
+from meshbook import RemoteError
+
+ASYNC_LOOP = """import time; i = 0
+while True:
+    w = dist.all_reduce(torch.ones(1), async_op=True); time.sleep(0.01 * (rank + 1)); w.wait(); i += 1
+"""
+CHECK = "x = torch.tensor([10.0 * (rank + 1)]); dist.all_reduce(x); x.item()"
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[meshbook.Mesh]:
+    with meshbook.start(2) as m:
+        yield m
+
+
+def failures_of(run: meshbook.Run, timeout: float = 30) -> RemoteError:
+    with pytest.raises(RemoteError) as info:
+        run.result(timeout=timeout, echo=False)
+    return info.value
+
+
+def test_an_unpaired_async_collective_is_found_and_the_groups_re_created(pair: meshbook.Mesh) -> None:
+    pair.run("model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))").result()
+    run = pair.run("import time\nif rank == 0:\n    w = dist.all_reduce(torch.ones(1), async_op=True)\n"
+                   "time.sleep(60)")
+    time.sleep(1.5)
+    run.interrupt()
+    error = failures_of(run)
+    assert {f.type_name for f in error.failures.values()} == {"KeyboardInterrupt"}
+    report = run.step_report()
+    assert "out of step after the interrupt: in the default group, rank 0 has issued" in report
+    assert report.count("re-created") >= 1 and report.count("The ranks were out of step") == 1
+    assert "[0,1] bound to the old groups, re-create: model (DDP module)" in report
+    assert run.step_report() == ""  # said once
+    assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}
+
+
+def test_interrupts_at_random_moments_never_give_a_wrong_result_or_a_silent_hang(pair: meshbook.Mesh) -> None:
+    chooser = random.Random(12)
+    resynced = 0
+    for attempt in range(20):
+        run = pair.run(ASYNC_LOOP)
+        time.sleep(chooser.uniform(0.3, 1.2))
+        run.interrupt()
+        # a rank blocked in a collective its stopped peer will never join is freed on its own
+        assert run.wait(30), f"attempt {attempt}: the run did not end after the interrupt"
+        assert run.exception() is not None
+        resynced += "re-created" in run.step_report(timeout=60)
+        values = pair.run(CHECK).result(timeout=30, echo=False)
+        assert dict(values) == {0: 30.0, 1: 30.0}, f"attempt {attempt}: {values}"
+    assert resynced > 0  # the loop does get out of step: the check is not a no-op here
+
+
+def test_a_cell_failing_on_some_ranks_after_a_collective_others_skipped(pair: meshbook.Mesh) -> None:
+    run = pair.run("if rank == 1:\n    raise ValueError('bad batch')\n"
+                   "w = dist.all_reduce(torch.ones(1), async_op=True)")
+    error = failures_of(run)
+    assert list(error.failures) == [1]
+    report = run.step_report()
+    assert "after the failed cell: in the default group, rank 0 has issued" in report, report
+    assert "rank 1 has issued" in report
+    assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}
+
+
+def test_a_failure_that_leaves_the_ranks_in_step_re_creates_nothing(pair: meshbook.Mesh) -> None:
+    pair.run("kept = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))").result()
+    generation = pair.status()[0].generation
+    run = pair.run("x = torch.ones(1); dist.all_reduce(x)\n1 / 0")
+    failures_of(run)
+    assert run.step_report() == ""
+    assert pair.status()[0].generation == generation
+    assert pair.run("kept(torch.ones(2)).sum().item() == kept(torch.ones(2)).sum().item()").result().unique()
+
+
+def test_an_interrupt_stops_only_its_own_run_and_cancels_it_where_it_has_not_started(
+        pair: meshbook.Mesh) -> None:
+    background = pair.run("import time\ntime.sleep(3)\n'background done'")
+    queued = pair.run("never = 1")
+    time.sleep(0.5)
+    queued.interrupt()
+    error = failures_of(queued)
+    assert {f.type_name for f in error.failures.values()} == {"KeyboardInterrupt"}
+    assert all("before it started" in f.message for f in error.failures.values())
+    assert background.result(timeout=30).unique() == "background done"
+    assert pair.run("'never' in globals()").result().unique() is False
+
+
+def test_a_dead_rank_frees_the_others_at_once_with_their_variables() -> None:
+    with meshbook.start(3) as mesh:
+        mesh.run("keep = rank * 100").result()
+        started = time.monotonic()
+        run = mesh.run("import os, time\nx = torch.ones(1)\nif rank == 1:\n    time.sleep(0.5)\n"
+                       "    os._exit(0)\ndist.all_reduce(x)")
+        assert run.wait(60), "the survivors stayed blocked on the dead rank"
+        took = time.monotonic() - started
+        error = run.exception()
+        assert error is not None and error.failures[1].died == "exit code 0"
+        for survivor in (0, 2):  # freed by meshbook, or by gloo noticing the closed connection first
+            failure = error.failures[survivor]
+            assert ("rank 1 died (exit code 0)" in failure.message if failure.type_name == "CollectiveAborted"
+                    else "Connection closed by peer" in failure.message), failure.headline
+        assert error.hint.startswith("rank 1 died (exit code 0). %mesh restart 1"), error.hint
+        assert "%mesh restart 1" in error.hint
+        print(f"the cell failed {took:.1f} s after it started (rank 1 died at 0.5 s)")
+        verdict = " ".join(mesh.diagnose().verdict)
+        assert "finished the cell without joining it" not in verdict
+        mesh.restart([1])
+        values = mesh.run("t = torch.ones(1); dist.all_reduce(t); (globals().get('keep'), t.item())").result()
+        assert dict(values) == {0: (0, 3.0), 1: (None, 3.0), 2: (200, 3.0)}
+
+
+def test_the_diagnosis_says_how_a_rank_that_stopped_left_the_cell() -> None:
+    with meshbook.start(3) as mesh:
+        run = mesh.run("x = torch.ones(1)\nif rank == 1:\n    raise ValueError('bad batch')\n"
+                       "dist.all_reduce(x)")
+        deadline = time.monotonic() + 30
+        while run.pending != [0, 2] or not all(s.pending for s in mesh.snapshots([0, 2]).values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        (verdict,) = mesh.diagnose().verdict
+        assert verdict.endswith("rank 1 stopped with ValueError at cell line 3 (raise ValueError('bad batch')) "
+                                "before joining it (idle)"), verdict
+        recovery = mesh.recover()
+        assert recovery.aborted == [0, 2] and "ranks 0,2 had their collective aborted" in recovery.render()
+        assert run.wait(30)
+        assert dict(mesh.run(CHECK).result(timeout=30)) == {0: 60.0, 1: 60.0, 2: 60.0}
