@@ -68,7 +68,7 @@ class Agent:
 
     # -- ranks -------------------------------------------------------------------------------
 
-    def spawn(self, rank: int, store_port: int, generation: int) -> None:
+    def spawn(self, rank: int, generation: int) -> None:
         from .wire import rank_address
         from .worker import RankConfig, run_rank
 
@@ -82,7 +82,7 @@ class Agent:
         cfg = RankConfig(
             rank=rank, local_rank=local_rank, local_world_size=len(self.my_ranks),
             topology=self.topology, backend=backend, device_type="cuda" if use_cuda else "cpu",
-            store_host=self.cfg["store_host"], store_port=store_port, generation=generation,
+            store_host=self.cfg["store_host"], rundir=self.rundir, generation=generation,
             collective_timeout=self.cfg["collective_timeout"], key=self.wire._key,
             agent_pid=os.getpid(), request_addr=rank_address(self.rundir, rank, generation, "x"),
             control_addr=rank_address(self.rundir, rank, generation, "c"),
@@ -160,7 +160,7 @@ class Agent:
             self.kill(ranks, body["sig"])
         elif op == "spawn":
             for rank in ranks:
-                self.spawn(rank, body["store_port"], body["generation"])
+                self.spawn(rank, body["generation"])
         elif op == "pyspy":
             for rank in ranks:
                 self.emit("result", message.header["id"], _pyspy(self.procs.get(rank)), rank=rank)
@@ -182,7 +182,7 @@ class Agent:
         poller.register(sys.stdin.fileno(), zmq.POLLIN)
         poller.register(rfd, zmq.POLLIN)
         for rank in self.my_ranks:
-            self.spawn(rank, self.cfg["store_port"], 0)
+            self.spawn(rank, 0)
         self.emit("agent", None, {"pid": os.getpid(), "hostname": socket.gethostname(),
                                   "pids": {r: p.pid for r, p in self.procs.items()}})
         next_beat = 0.0

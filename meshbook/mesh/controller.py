@@ -116,8 +116,7 @@ class Controller:
 
     def launch(self, timeout: float) -> None:
         """Start the agents and wait until every rank has torch.distributed ready."""
-        port = free_port()
-        configs = {p.host: self._agent_config(p, port) for p in self.plans}
+        configs = {p.host: self._agent_config(p) for p in self.plans}
         try:
             self.agents = self.launcher.launch(self.plans, configs)
             self.wait_generation(0, list(self.ranks), timeout, "start")
@@ -125,11 +124,11 @@ class Controller:
             self.stop()
             raise
 
-    def _agent_config(self, plan: HostPlan, store_port: int) -> dict[str, Any]:
+    def _agent_config(self, plan: HostPlan) -> dict[str, Any]:
         return {
             "host": plan.host, "ranks": plan.ranks, "dims": list(self.topology.dims),
             "key": self.wire._key.hex(), "backend": self.backend,
-            "store_host": self.launcher.store_host, "store_port": store_port,
+            "store_host": self.launcher.store_host,
             "collective_timeout": self.collective_timeout, "rundir": self.rundir,
             "cmd_addr": f"ipc://{self.rundir}/cmd", "events_addr": f"ipc://{self.rundir}/ev",
         }
@@ -272,13 +271,13 @@ class Controller:
                     raise MeshError(f"rank(s) {live} did not die within {timeout:g} s of SIGKILL")
                 self._generation_changed.wait(0.05)
 
-    def new_generation(self) -> tuple[int, int]:
-        """A new process-group generation and a free port for its store."""
+    def new_generation(self) -> int:
+        """A new process-group generation (its ranks meet in a new store)."""
         with self._lock:
             self.generation += 1
-            return self.generation, free_port()
+            return self.generation
 
-    def respawn(self, ranks: list[int], store_port: int, generation: int) -> None:
+    def respawn(self, ranks: list[int], generation: int) -> None:
         """Re-fork dead ``ranks`` under their rank ids; they join ``generation``."""
         if not ranks:
             return
@@ -290,7 +289,7 @@ class Controller:
             for r in ranks:
                 state = self.ranks[r]
                 state.state, state.cause, state.lost_namespace = "starting", "", True
-        self.agent_op("spawn", ranks, store_port=store_port, generation=generation)
+        self.agent_op("spawn", ranks, generation=generation)
 
     def current_request(self, rank: int) -> int | None:
         """The exec request ``rank`` is running now (the head of its queue)."""

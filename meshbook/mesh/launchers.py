@@ -38,7 +38,8 @@ class AgentHandle(Protocol):
 
 
 class Launcher(Protocol):
-    #: Address ranks use to reach rank 0's TCPStore.
+    #: The address whose interface the ranks' torch.distributed endpoints listen on
+    #: (loopback for a local mesh).
     store_host: str
 
     def plan(self, world_size: int) -> list[HostPlan]: ...

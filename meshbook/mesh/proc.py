@@ -1,4 +1,5 @@
-"""Process plumbing shared by the host agent and the ranks: death signals, exit causes."""
+"""Process plumbing shared by the host agent and the ranks: death signals, exit causes,
+which interface torch.distributed listens on."""
 
 from __future__ import annotations
 
@@ -23,6 +24,20 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
         _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if os.getppid() != expected_parent:
         os._exit(1)
+
+
+def listen_only_on(address: str) -> None:
+    """Make gloo and NCCL's bootstrap listen on the interface that holds ``address`` only.
+
+    Left alone, gloo binds the address the host name resolves to, which other machines can
+    reach; a local mesh (``address`` is loopback) needs no listener outside the machine.
+    """
+    import psutil
+
+    for interface, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
+            return
 
 
 def flush_c_stdio() -> None:

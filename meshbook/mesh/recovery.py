@@ -13,7 +13,7 @@ and stops at the first that frees every rank:
    under the same rank id: only these lose their variables.
 
 Ranks asked to restart (``mesh.restart([1])``) and ranks that died are re-forked first. Then
-every rank joins a new process group (a new generation on a new store port), rebuilds
+every rank joins a new process group (a new generation in a new store), rebuilds
 ``device_mesh``, and the :class:`Recovery` report says exactly who kept and who lost what.
 """
 
@@ -68,9 +68,9 @@ class Recovery:
 # -- rank side --------------------------------------------------------------------------------
 
 
-def reinit(worker: "Worker", store_port: int, generation: int) -> None:
+def reinit(worker: "Worker", generation: int) -> None:
     """Leave the old process group and join generation ``generation``'s (exec thread)."""
-    worker.reinit(store_port, generation)
+    worker.reinit(generation)
 
 
 def listening_ports(worker: "Worker") -> list[int]:
@@ -121,11 +121,11 @@ def recover(controller: "Controller", restart: list[int], timeout: float) -> Rec
     started = time.monotonic()
     controller.kill(restart)
     restarted = [r for r, s in controller.ranks.items() if s.state == "dead"]
-    generation, port = controller.new_generation()
+    generation = controller.new_generation()
     survivors = [r for r in controller.ranks if r not in restarted]
-    joined = controller.submit("call", {"fn": reinit, "args": (port, generation), "kwargs": {}},
+    joined = controller.submit("call", {"fn": reinit, "args": (generation,), "kwargs": {}},
                                survivors, "re-create the process group") if survivors else None
-    controller.respawn(restarted, port, generation)
+    controller.respawn(restarted, generation)
 
     def stuck() -> list[int]:
         return [r for r in survivors if controller.busy_with_other(r, joined.id)] if joined else []
@@ -139,7 +139,7 @@ def recover(controller: "Controller", restart: list[int], timeout: float) -> Rec
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = stuck()
             controller.kill(hopeless)
-            controller.respawn(hopeless, port, generation)
+            controller.respawn(hopeless, generation)
             restarted += hopeless
             break
         if waited > timeout:

@@ -59,8 +59,8 @@ class RankConfig:
     topology: Topology
     backend: str  # "gloo", or "cuda:nccl,cpu:gloo" on GPUs
     device_type: str  # "cpu" or "cuda"
-    store_host: str
-    store_port: int
+    store_host: str  # the address the ranks' torch.distributed endpoints listen on
+    rundir: str  # the mesh's private runtime directory, where its stores live
     generation: int
     collective_timeout: float
     key: bytes
@@ -138,19 +138,19 @@ class Worker:
         self._control_requests = self._listen(cfg.control_addr)  # handed to the control thread
         threading.Thread(target=self._control_loop, name="meshbook-control", daemon=True).start()
         self.emit("hello", None, {"pid": os.getpid(), "host": socket.gethostname()})
-        self.reinit(cfg.store_port, cfg.generation)
+        self.reinit(cfg.generation)
 
-    def reinit(self, store_port: int, generation: int) -> None:
+    def reinit(self, generation: int) -> None:
         """Join process-group ``generation`` and tell the controller (start and recovery)."""
         try:
-            self.init_distributed(store_port, generation)
+            self.init_distributed(generation)
         except BaseException as exc:
             self.emit("init_failed", None, failure_from(self.rank, exc), generation=generation)
             raise
         self.emit("ready", None, {"device": str(self.namespace["device"]), "pid": os.getpid()},
                   generation=generation)
 
-    def init_distributed(self, store_port: int, generation: int) -> None:
+    def init_distributed(self, generation: int) -> None:
         """(Re)create the process group and the namespace's ``device_mesh``."""
         import torch
         import torch.distributed as dist
@@ -167,9 +167,7 @@ class Worker:
         topo = cfg.topology
         from datetime import timedelta
         timeout = timedelta(seconds=cfg.collective_timeout)
-        store = dist.TCPStore(cfg.store_host, store_port, topo.world_size, is_master=self.rank == 0,
-                              timeout=timeout, wait_for_workers=False)
-        store = dist.PrefixStore(f"gen{generation}", store)
+        store = dist.PrefixStore(f"gen{generation}", make_store(cfg, generation, timeout))
         dist.init_process_group(cfg.backend, store=store, rank=self.rank,
                                 world_size=topo.world_size, timeout=timeout)
         device_mesh = init_device_mesh(cfg.device_type, topo.shape, mesh_dim_names=topo.names)
@@ -343,6 +341,21 @@ class Worker:
         return out
 
 
+def make_store(cfg: RankConfig, generation: int, timeout: Any) -> Any:
+    """The store where the ranks of process-group ``generation`` meet.
+
+    A file in the mesh's private (0700) runtime directory: only the mesh's own processes can
+    open it, where a ``TCPStore`` listens on every interface and lets anyone set and get its
+    keys. One file per generation, so ranks re-forked by a recovery never read the keys of
+    the group they replace.
+    """
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(cfg.rundir, f"store-g{generation}"), cfg.topology.world_size)
+    store.set_timeout(timeout)
+    return store
+
+
 def _travelled_by_value(fn: FunctionType) -> bool:
     """True for a function cloudpickle sent by value (defined in a notebook or a test),
     whose globals are a fresh dict rather than an importable module's namespace."""
@@ -414,6 +427,7 @@ def run_rank(cfg: RankConfig) -> None:
         import faulthandler
         faulthandler.enable(file=crash, all_threads=True)
         os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+        proc.listen_only_on(cfg.store_host)
         # The Flight Recorder tells which collectives a stuck rank waits in (hang diagnosis).
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         import torch
