@@ -1,5 +1,5 @@
 """Process plumbing shared by the host agent and the ranks: death signals, exit causes,
-which interface torch.distributed listens on."""
+which interface torch.distributed listens on, and taking every descendant down."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import ctypes.util
 import os
 import signal
 import sys
+import time
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -37,6 +39,46 @@ def listen_only_on(address: str) -> None:
     for interface, addresses in psutil.net_if_addrs().items():
         if any(a.address == address for a in addresses):
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
+            return
+
+
+def become_subreaper() -> None:
+    """Adopt our orphaned descendants: what a rank's child starts and leaves behind
+    (``setsid``, a double fork) stays in our tree, so :func:`kill_descendants` finds it."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def kill_descendants(timeout: float = 3.0) -> None:
+    """SIGKILL every process below this one, however it detached, and reap what we adopted.
+
+    Repeated until none is left, since a descendant may fork while the others die.
+    """
+    import psutil
+
+    me = psutil.Process()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = me.children(recursive=True)
+        if not found:
+            return
+        for child in found:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        reap_any()
+        time.sleep(0.01)
+
+
+def reap_any() -> None:
+    """Collect every child of ours that has exited (adopted orphans included)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
             return
 
 
