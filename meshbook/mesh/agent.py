@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .oom import killed_by_oom, oom_kills
+
 
 @dataclass
 class RankProcess:
@@ -42,7 +44,8 @@ class RankProcess:
     pid: int
     pipes: dict[str, int]  # stream -> read end, drained after death for the last words
     crash_path: str
-    oom_kills: int | None
+    oom_kills: int | None  # the cgroup's OOM-kill count when the rank started
+    started: float  # time.monotonic() at the fork
 
 
 class Agent:
@@ -93,7 +96,7 @@ class Agent:
             control_addr=rank_address(self.rundir, rank, generation, "c"),
             events_addr=self.cfg["events_addr"],
             pipes=pipes, crash_path=crash_path, threads=self.threads)
-        oom = _oom_kills()
+        oom = oom_kills()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -101,7 +104,8 @@ class Agent:
             run_rank(cfg)  # never returns
         for _, write in pipes.values():
             os.close(write)
-        self.procs[rank] = RankProcess(rank, pid, {n: r for n, (r, _) in pipes.items()}, crash_path, oom)
+        self.procs[rank] = RankProcess(rank, pid, {n: r for n, (r, _) in pipes.items()}, crash_path, oom,
+                                       time.monotonic())
         self.dead.discard(rank)
 
     def reap(self) -> None:
@@ -119,7 +123,7 @@ class Agent:
             if proc is None:
                 continue
             cause = describe_status(status)
-            if cause == "SIGKILL" and proc.oom_kills is not None and (_oom_kills() or 0) > proc.oom_kills:
+            if cause == "SIGKILL" and killed_by_oom(pid, proc.oom_kills, proc.started):
                 cause = "SIGKILL (killed by the OOM killer)"
             output = {name: _drain(fd) for name, fd in proc.pipes.items()}
             crash = _read_and_remove(proc.crash_path)
@@ -220,12 +224,6 @@ def _cuda_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _oom_kills() -> int | None:
-    from .proc import oom_kills
-
-    return oom_kills()
 
 
 def _drain(fd: int) -> str:

@@ -102,18 +102,3 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def oom_kills() -> int | None:
-    """The OOM-kill count of our cgroup (cgroup v2), to tell an OOM kill from a plain SIGKILL."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            path = f.read().strip().split("::", 1)[-1]
-        with open(f"/sys/fs/cgroup{path}/memory.events") as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == "oom_kill":
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return None
