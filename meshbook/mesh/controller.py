@@ -33,6 +33,7 @@ import zmq
 from . import wire
 from .errors import MeshError, MeshStoppedError, RankFailure, SendError
 from .launchers import AgentHandle, HostPlan, Launcher
+from .limits import DEFAULT_MAX_BYTES
 from .metrics import MetricsHistory
 from .run import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Run
 from .topology import Topology
@@ -65,6 +66,8 @@ class Controller:
         self.topology = topology
         self.backend = backend
         self.collective_timeout = collective_timeout
+        #: The most a result may weigh before it stays on its rank (``start(max_result_bytes=)``).
+        self.max_result_bytes = DEFAULT_MAX_BYTES
         self.launcher = launcher
         self.wire = wire.Wire(secrets.token_bytes(32))
         self.rundir = tempfile.mkdtemp(prefix="mb-", dir=_runtime_base())  # mode 0700

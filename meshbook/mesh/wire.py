@@ -244,6 +244,11 @@ class Wire:
         return Message(header, envelope[_OPEN + head_length:], buffers)
 
 
+def size(frames: Sequence[Any]) -> int:
+    """Bytes of a packed message, its buffers included."""
+    return sum(memoryview(_buffer(f)).nbytes for f in frames)
+
+
 def rank_address(rundir: str, rank: int, generation: int, channel: str) -> str:
     """Where a rank forked in ``generation`` takes requests on ``channel``.
 

@@ -40,6 +40,7 @@ from .cell import (
     register_source,
 )
 from .errors import RankFailure, SendError
+from .limits import KeptOnRank
 from .memory import memory_probe
 from .sampling import MainThreadSampler
 from .streams import FdPump, RankStream, install_thread_tagging
@@ -88,6 +89,8 @@ class Worker:
         self.last_exception: BaseException | None = None
         #: Whether the request being run can answer a debugger prompt (the notebook has stdin).
         self.stdin_available = False
+        #: The most the running request's result may weigh (None: no limit, meshbook's own calls).
+        self.result_limit: int | None = None
         #: Lines typed in the notebook for this rank's debugger, delivered by the control thread.
         self.input_replies: queue.Queue[str] = queue.Queue()
         self.generation = cfg.generation
@@ -205,6 +208,7 @@ class Worker:
         try:
             body = message.body()
             self.stdin_available = bool(body.get("stdin"))
+            self.result_limit = body.get("max_bytes")
             value = self._dispatch(message.kind, body, request)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
             self.last_exception = exc
@@ -256,8 +260,7 @@ class Worker:
         self.last_request, self.request = request, None
         if failure is None:
             try:
-                frames = self.wire.pack({"k": "result", "id": request, "rank": self.rank, "t": duration},
-                                        value)
+                frames = self._pack_result(request, value, duration)
             except Exception as exc:
                 failure = RankFailure(
                     self.rank, SendError.__name__,
@@ -269,6 +272,18 @@ class Worker:
                     wire.send(self._out, frames, wait=True)
                 return
         self.emit("error", request, failure, t=duration)
+
+    def _pack_result(self, request: int, value: Any, duration: float) -> list[Any]:
+        """The result's message; a result over the request's limit stays here as ``_`` and a
+        :class:`KeptOnRank` travels instead."""
+        header = {"k": "result", "id": request, "rank": self.rank, "t": duration}
+        frames = self.wire.pack(header, value)
+        nbytes = wire.size(frames)
+        if self.result_limit is None or nbytes <= self.result_limit:
+            return frames
+        self.namespace["_"] = value
+        kept = KeptOnRank(f"{type(value).__module__}.{type(value).__qualname__}", nbytes, self.result_limit)
+        return self.wire.pack(header, kept)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         if self.executing:
