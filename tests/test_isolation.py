@@ -113,3 +113,12 @@ def test_the_mesh_listens_on_loopback_only(stranger: str) -> None:
         assert dict(mesh.run(code).result(timeout=60)) == {r: 4.0 for r in range(4)}
         for sock in garbage:
             sock.close()
+
+
+def test_a_re_forked_rank_0_joins_the_new_generations_store(mesh2: meshbook.Mesh) -> None:
+    """Rank 0 held no special store role to lose: re-forked, it meets the others in the file
+    of the new generation."""
+    mesh2.restart([0])
+    code = "x = torch.ones(1)\ndist.all_reduce(x)\nx.item()"
+    assert dict(mesh2.run(code).result(timeout=60)) == {0: 2.0, 1: 2.0}
+    assert os.path.exists(os.path.join(mesh2._controller.rundir, "store-g1"))
