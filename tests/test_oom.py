@@ -30,31 +30,23 @@ def lay_out(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[str
     return str(root), str(tmp_path / "self-cgroup")
 
 
-def test_v2_reads_memory_events(tmp_path: Path) -> None:
-    root, membership = lay_out(tmp_path, "0::/user.slice/job\n", {
-        "user.slice/job/memory.events": "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n"})
-    assert oom_kills(root, membership) == 2
-
-
-def test_v1_reads_oom_control(tmp_path: Path) -> None:
-    root, membership = lay_out(tmp_path, "5:cpu,cpuacct:/job\n4:memory:/job\n1:name=systemd:/job\n", {
+@pytest.mark.parametrize("membership, files, kills", [
+    pytest.param("0::/user.slice/job\n", {
+        "user.slice/job/memory.events": "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n"},
+        2, id="v2 memory.events"),
+    pytest.param("5:cpu,cpuacct:/job\n4:memory:/job\n1:name=systemd:/job\n", {
         "memory/job/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 7\n",
-        "memory/job/memory.failcnt": "31\n"})
-    assert oom_kills(root, membership) == 7
-
-
-def test_v1_before_kernel_4_13_counts_limit_hits(tmp_path: Path) -> None:
-    root, membership = lay_out(tmp_path, "4:memory:/job\n", {
+        "memory/job/memory.failcnt": "31\n"}, 7, id="v1 memory.oom_control"),
+    pytest.param("4:memory:/job\n", {
         "memory/job/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\n",
-        "memory/job/memory.failcnt": "31\n"})
-    assert oom_kills(root, membership) == 31
-
-
-def test_hybrid_prefers_v2_and_falls_back_to_v1(tmp_path: Path) -> None:
-    root, membership = lay_out(tmp_path, "4:memory:/job\n0::/job\n", {
+        "memory/job/memory.failcnt": "31\n"}, 31, id="v1 before kernel 4.13: limit hits"),
+    pytest.param("4:memory:/job\n0::/job\n", {
         "memory/job/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 4\n",
-        "unified/README": "the v2 hierarchy here has no memory controller\n"})
-    assert oom_kills(root, membership) == 4
+        "unified/README": "the v2 hierarchy here has no memory controller\n"}, 4, id="hybrid: v1 memory"),
+])
+def test_the_oom_kill_count_is_read_from_either_cgroup_version(tmp_path: Path, membership: str,
+                                                               files: dict[str, str], kills: int) -> None:
+    assert oom_kills(*lay_out(tmp_path, membership, files)) == kills
 
 
 def test_no_memory_cgroup_reads_nothing(tmp_path: Path) -> None:

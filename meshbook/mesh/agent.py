@@ -110,15 +110,9 @@ class Agent:
 
     def reap(self) -> None:
         """Collect dead ranks and tell the controller how each died."""
-        from .proc import describe_status
+        from .proc import describe_status, exited_children
 
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, status in exited_children():
             proc = next((p for p in self.procs.values() if p.pid == pid), None)
             if proc is None:
                 continue

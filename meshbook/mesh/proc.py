@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from typing import Iterator
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -67,19 +68,22 @@ def kill_descendants(timeout: float = 3.0) -> None:
                 child.kill()
             except psutil.Error:
                 pass
-        reap_any()
+        for _ in exited_children():
+            pass  # reaped
         time.sleep(0.01)
 
 
-def reap_any() -> None:
-    """Collect every child of ours that has exited (adopted orphans included)."""
+def exited_children() -> Iterator[tuple[int, int]]:
+    """``(pid, waitpid status)`` of each child of ours that has exited (adopted orphans
+    included), reaping it; never blocks."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        yield pid, status
 
 
 def flush_c_stdio() -> None:
