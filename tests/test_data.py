@@ -68,6 +68,20 @@ def test_who_collapses_identical_rows_and_totals_per_rank(mesh4: meshbook.Mesh) 
     assert mesh4.who(where={"dp": 1}).ranks == [2, 3]
 
 
+def test_who_counts_memory_held_under_two_names_once(mesh2: meshbook.Mesh) -> None:
+    mesh2.run("a = torch.ones(1000)\nb = a\nview = a[:10]\nbatch = [a, torch.zeros(5)]\n"
+              "model = torch.nn.Linear(100, 100)\nsharded_model = model\n"
+              "wrapped = torch.nn.Sequential(model)\nx = 1\ny = 1").result()
+    ns = mesh2.who()
+    rows = {line.split()[0]: line for line in repr(ns).splitlines()[1:-1]}
+    assert "same as a" in rows["b"] and "memory of a" in rows["view"]
+    assert "same as model" in rows["sharded_model"] and "memory of model" in rows["wrapped"]
+    assert "same as" not in rows["y"], "small ints are shared objects, not shared memory"
+    model_bytes = (100 * 100 + 100) * 4
+    assert dict(ns.totals()) == {0: 4000 + 5 * 4 + model_bytes, 1: 4000 + 5 * 4 + model_bytes}
+    assert ns["b"][0].nbytes == 4000, "the row keeps its own size for pull limits"
+
+
 def test_the_who_table_groups_ranks_and_totals_each_rank() -> None:
     layout = Layout(("dp", "tp"), (2, 1), (0, 1), (("Shard", 0), ("Replicate", None)), (2, 3))
     w = VarInfo("w", "DTensor", (4, 3), "bfloat16", "cpu", 12, layout=layout)
@@ -176,7 +190,8 @@ def test_push_many_values_and_containers(mesh4: meshbook.Mesh) -> None:
     mesh4.push({"ranks_seen": [0, 1]}, state=state, lr=0.1, ranks="1-2")
     got = mesh4.run("(state['name'], state['b'][1], lr, ranks_seen, state['w'].sum().item())",
                     ranks=[1, 2]).result()
-    assert got.unique() == ("layer", 2.5, 0.1, [0, 1], pytest.approx(state["w"].sum().item()))
+    # float32 sums of many elements differ in the last bits with the number of threads summing
+    assert got.unique() == ("layer", 2.5, 0.1, [0, 1], pytest.approx(state["w"].sum().item(), rel=1e-4))
     assert "lr" not in mesh4.who(ranks=[0, 3])
 
 

@@ -76,6 +76,17 @@ def test_two_interrupts_free_ranks_that_ignore_the_first(kernel: Kernel) -> None
     assert result_text(vals) == "[0] (0, 4.0)\n[1] (None, 4.0)\n[2] (200, 4.0)\n[3] (300, 4.0)"
 
 
+def test_an_interrupt_leaves_a_background_run_alone(kernel: Kernel) -> None:
+    kernel.ok("bg = meshbook.current().run('import time\\ntime.sleep(4)\\n\"background done\"')")
+    msg_id, sent = kernel.submit("meshbook.current().push(big=torch.ones(1 << 20))")  # queued behind bg
+    time.sleep(1.5)
+    kernel.manager.interrupt_kernel()
+    reply = kernel.wait(msg_id, sent, timeout=60)
+    assert reply.status == "error" and reply.content["ename"] == "KeyboardInterrupt"
+    assert kernel.value("sorted(set(bg.result(timeout=30, echo=False).values()))") == ["background done"]
+    assert result_text(kernel.ok("%%mesh\n'big' in globals()")) == "[0-3] False"
+
+
 def test_timeout_ends_the_cell_with_a_diagnosis_then_restart_one_rank(kernel: Kernel) -> None:
     kernel.ok("%%mesh\nkeep = rank * 100")
     reply = kernel.execute(SKIP_ALL_REDUCE.replace("%%mesh", "%%mesh --timeout 3"))

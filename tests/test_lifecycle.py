@@ -124,3 +124,26 @@ def test_forged_and_garbled_messages_are_dropped(mesh2: meshbook.Mesh) -> None:
     assert dict(mesh2.run("rank").result()) == {0: 0, 1: 1}
     for sock in (push, rogue):
         sock.close(linger=0)
+
+
+def test_a_captured_request_sent_again_does_not_run_again(mesh2: meshbook.Mesh) -> None:
+    """The frames the controller sent for a cell, pushed to the rank's socket twice more."""
+    controller = mesh2._controller
+    sent: list[list] = []
+    pack = controller.wire.pack
+    controller.wire.pack = lambda *a, **k: sent.append(pack(*a, **k)) or sent[-1]  # records, then sends
+    try:
+        mesh2.run("n = globals().get('n', 0) + 1", ranks=[0]).result()
+    finally:
+        del controller.wire.pack
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(meshbook.mesh.wire.rank_address(controller.rundir, 0, 0, "x"))
+    for _ in range(2):
+        push.send_multipart([bytes(memoryview(f)) for f in sent[-1]])
+    push.close(linger=1000)
+    refused = mesh2.call(lambda worker: worker.wire.replayed, ranks=[0], control=True)
+    deadline = time.monotonic() + 10
+    while refused.result()[0] < 2 and time.monotonic() < deadline:
+        refused = mesh2.call(lambda worker: worker.wire.replayed, ranks=[0], control=True)
+    assert refused.result()[0] == 2
+    assert mesh2.run("n", ranks=[0]).result()[0] == 1

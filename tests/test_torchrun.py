@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -86,10 +88,11 @@ def test_bytes_to_sys_stdout_buffer(mesh: meshbook.Mesh, capsys: pytest.CaptureF
 
 def test_the_environment_follows_a_restarted_rank() -> None:
     with meshbook.start(2) as mesh:
-        before = mesh.run("import os\nos.environ['MASTER_PORT']").result()[0]
+        mesh.run("import os\nos.environ['RANK'] = 'changed by the user'").result()
         mesh.restart([1])
-        after = mesh.run("import os\n(os.environ['RANK'], os.environ['MASTER_PORT'])").result()
-        assert after[1] == ("1", after[0][1]) and after[0][1] != before
+        after = mesh.run("import os\n(os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['MASTER_PORT'])"
+                         ).result()
+        assert after[0][:2] == ("0", "0") and after[1][:2] == ("1", "1") and after[0][2] == after[1][2]
 
 
 def test_a_pasted_torchrun_script_gives_torchrun_s_losses(mesh: meshbook.Mesh, tmp_path: Path) -> None:
@@ -98,10 +101,16 @@ def test_a_pasted_torchrun_script_gives_torchrun_s_losses(mesh: meshbook.Mesh, t
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT)],
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    try:
+        output, _ = torchrun.communicate(timeout=240)
+    finally:  # torchrun's workers too, however it ended
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(torchrun.pid, signal.SIGKILL)
+    assert torchrun.returncode == 0, output[-3000:]
     expected = json.loads(losses_file.read_text())
     for cell in cells_of(SCRIPT):
         mesh.run(cell).result()

@@ -20,7 +20,7 @@ import meshbook
 from ..mesh import CellSyntaxError, MeshError, RemoteError
 from ..mesh.topology import parse_dims, parse_where
 from .base import command, describe, require_mesh, running_mesh
-from .data_commands import DataCommands
+from .data_commands import DataCommands, parse_size
 from .debug_commands import DebugCommands
 from .render import RenderOptions, show_run, status_table
 from .widget_commands import WidgetCommands
@@ -46,6 +46,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @argument("--ordered", action="store_true",
               help="print each rank's output in rank order when the cell ends (deterministic)")
     @argument("--quiet", "-q", action="store_true", help="do not display the results")
+    @argument("--max-bytes", help="a result bigger than this (e.g. 512M, 8G) stays on its rank as `_` "
+                                  "(default: the mesh's, 2 GiB unless started otherwise)")
     @argument("--no-status", action="store_true",
               help="no live per-rank status for this cell (shown when a cell runs over 1 s)")
     @argument("--first-line", type=int, default=2, help=argparse.SUPPRESS)
@@ -78,7 +80,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
         mesh = require_mesh()
         where = parse_where(args.where) if args.where else None
         run = mesh.run(cell, args.ranks, where=where, first_line=args.first_line,
-                       name=self.shell.execution_count)
+                       name=self.shell.execution_count,
+                       max_bytes=parse_size(args.max_bytes) if args.max_bytes else None)
         values = show_run(run, RenderOptions(ordered=args.ordered, timeout=args.timeout), mesh,
                           view=self.cell_view(mesh, run, enabled=not args.no_status))
         if args.out:

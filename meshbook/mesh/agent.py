@@ -12,7 +12,12 @@ of configuration on stdin (the mesh key never appears on a command line), then:
   soon as SIGCHLD arrives, and re-forks a rank under the same rank id on request;
 * never outlives the controller: stdin is a pipe from the controller, and EOF on it (the
   controller died, however it died) kills every rank and ends the agent. ``PR_SET_PDEATHSIG``
-  backs this up where the launcher allows it, and ranks die with the agent the same way.
+  (SIGTERM, which the agent catches to clean up) backs this up where the launcher allows it,
+  and ranks die with the agent the same way;
+* leaves nothing behind: it is a child subreaper, so whatever a rank starts stays in its tree
+  however it detaches (``setsid``, a double fork), and on its way out it kills every
+  descendant. Its log lives in the mesh's runtime directory, which it removes when the
+  controller is gone (a SIGKILLed kernel cannot remove it).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .oom import killed_by_oom, oom_kills
+
 
 @dataclass
 class RankProcess:
@@ -37,7 +44,8 @@ class RankProcess:
     pid: int
     pipes: dict[str, int]  # stream -> read end, drained after death for the last words
     crash_path: str
-    oom_kills: int | None
+    oom_kills: int | None  # the cgroup's OOM-kill count when the rank started
+    started: float  # time.monotonic() at the fork
 
 
 class Agent:
@@ -68,7 +76,7 @@ class Agent:
 
     # -- ranks -------------------------------------------------------------------------------
 
-    def spawn(self, rank: int, store_port: int, generation: int) -> None:
+    def spawn(self, rank: int, generation: int) -> None:
         from .wire import rank_address
         from .worker import RankConfig, run_rank
 
@@ -83,13 +91,14 @@ class Agent:
             rank=rank, local_rank=local_rank, local_world_size=len(self.my_ranks),
             group_rank=self.host, group_world_size=self.cfg.get("hosts", 1),
             topology=self.topology, backend=backend, device_type="cuda" if use_cuda else "cpu",
-            store_host=self.cfg["store_host"], store_port=store_port, generation=generation,
+            store_host=self.cfg["store_host"], rundir=self.rundir, generation=generation,
+            master_port=self.cfg["master_port"],
             collective_timeout=self.cfg["collective_timeout"], key=self.wire._key,
             agent_pid=os.getpid(), request_addr=rank_address(self.rundir, rank, generation, "x"),
             control_addr=rank_address(self.rundir, rank, generation, "c"),
             events_addr=self.cfg["events_addr"],
             pipes=pipes, crash_path=crash_path, threads=self.threads)
-        oom = _oom_kills()
+        oom = oom_kills()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -97,25 +106,20 @@ class Agent:
             run_rank(cfg)  # never returns
         for _, write in pipes.values():
             os.close(write)
-        self.procs[rank] = RankProcess(rank, pid, {n: r for n, (r, _) in pipes.items()}, crash_path, oom)
+        self.procs[rank] = RankProcess(rank, pid, {n: r for n, (r, _) in pipes.items()}, crash_path, oom,
+                                       time.monotonic())
         self.dead.discard(rank)
 
     def reap(self) -> None:
         """Collect dead ranks and tell the controller how each died."""
-        from .proc import describe_status
+        from .proc import describe_status, exited_children
 
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, status in exited_children():
             proc = next((p for p in self.procs.values() if p.pid == pid), None)
             if proc is None:
                 continue
             cause = describe_status(status)
-            if cause == "SIGKILL" and proc.oom_kills is not None and (_oom_kills() or 0) > proc.oom_kills:
+            if cause == "SIGKILL" and killed_by_oom(pid, proc.oom_kills, proc.started):
                 cause = "SIGKILL (killed by the OOM killer)"
             output = {name: _drain(fd) for name, fd in proc.pipes.items()}
             crash = _read_and_remove(proc.crash_path)
@@ -134,13 +138,13 @@ class Agent:
                 except ProcessLookupError:
                     pass
 
-    def shutdown(self) -> None:
-        self.kill(list(self.procs))
-        deadline = time.monotonic() + 5
-        while self.procs and time.monotonic() < deadline:
-            self.reap()
-            time.sleep(0.01)
-        if self.own_rundir:
+    def shutdown(self, controller_done: bool) -> None:
+        """Kill every rank and whatever they started; remove the runtime directory when the
+        controller no longer needs it (after a crash it may still read our log there)."""
+        from .proc import kill_descendants
+
+        kill_descendants(5.0)
+        if controller_done or self.own_rundir:
             shutil.rmtree(self.rundir, ignore_errors=True)
 
     # -- messages ----------------------------------------------------------------------------
@@ -161,7 +165,7 @@ class Agent:
             self.kill(ranks, body["sig"])
         elif op == "spawn":
             for rank in ranks:
-                self.spawn(rank, body["store_port"], body["generation"])
+                self.spawn(rank, body["generation"])
         elif op == "pyspy":
             for rank in ranks:
                 self.emit("result", message.header["id"], _pyspy(self.procs.get(rank)), rank=rank)
@@ -183,7 +187,7 @@ class Agent:
         poller.register(sys.stdin.fileno(), zmq.POLLIN)
         poller.register(rfd, zmq.POLLIN)
         for rank in self.my_ranks:
-            self.spawn(rank, self.cfg["store_port"], 0)
+            self.spawn(rank, 0)
         self.emit("agent", None, {"pid": os.getpid(), "hostname": socket.gethostname(),
                                   "pids": {r: p.pid for r, p in self.procs.items()}})
         next_beat = 0.0
@@ -216,12 +220,6 @@ def _cuda_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _oom_kills() -> int | None:
-    from .proc import oom_kills
-
-    return oom_kills()
 
 
 def _drain(fd: int) -> str:
@@ -271,29 +269,81 @@ def main() -> None:
                                      description="meshbook host agent (started by a launcher)")
     parser.add_argument("--parent", type=int, default=None,
                         help="pid of the controller; die with it (PR_SET_PDEATHSIG)")
+    parser.add_argument("--log", default=None,
+                        help="the file our stderr goes to: moved into the runtime directory")
     args = parser.parse_args()
+    from .proc import become_subreaper, die_with_parent
+
+    signal.signal(signal.SIGTERM, _stop)  # until serve() handles it: clean up on the way out
+    become_subreaper()
     if args.parent is not None:
-        from .proc import die_with_parent
+        die_with_parent(args.parent, signal.SIGTERM)
+    try:
+        _run(args.log)
+    finally:
+        os._exit(0)
 
-        die_with_parent(args.parent)
-    import torch  # noqa: F401  - once, here, so every fork starts with it imported
-    import torch.distributed  # noqa: F401
-    import torch.distributed.device_mesh  # noqa: F401
 
+def _stop(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _run(log: str | None) -> None:
+    """Wait for the configuration, then serve; clean up however that ends."""
+    try:
+        import torch  # noqa: F401  - once, here, so every fork starts with it imported
+        import torch.distributed  # noqa: F401
+        import torch.distributed.device_mesh  # noqa: F401
+
+        cfg = _read_config()
+    except BaseException:
+        _remove(log)  # a standby agent whose controller went away, or died
+        raise
+    if cfg is None:
+        _remove(log)
+        return
+    agent = Agent(cfg)
+    if log is not None and "log" in cfg:
+        _move_log(log, cfg["log"])
+    done = False
+    try:
+        agent.serve()
+        done = True  # the controller is gone or stops: nobody reads the runtime directory
+    except SystemExit:
+        done = True
+    finally:
+        agent.shutdown(done)
+
+
+def _read_config() -> dict[str, Any] | None:
+    """The configuration line from stdin, or None at EOF (the controller went away first)."""
     stdin = sys.stdin.fileno()
     line = b""
     while not line.endswith(b"\n"):
         select.select([stdin], [], [])
         chunk = os.read(stdin, 65536)
         if not chunk:
-            return  # the controller went away before it needed us
+            return None
         line += chunk
-    agent = Agent(json.loads(line))
-    try:
-        agent.serve()
-    finally:
-        agent.shutdown()
-        os._exit(0)
+    return json.loads(line)  # type: ignore[no-any-return]
+
+
+def _move_log(old: str, new: str) -> None:
+    """Point our stderr at ``new``, carrying over what ``old`` holds, and remove ``old``."""
+    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with open(old, "rb") as f:
+        os.write(fd, f.read())
+    os.dup2(fd, 2)
+    os.close(fd)
+    _remove(old)
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

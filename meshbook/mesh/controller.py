@@ -33,6 +33,7 @@ import zmq
 from . import wire
 from .errors import MeshError, MeshStoppedError, RankFailure, SendError, format_ranks
 from .launchers import AgentHandle, HostPlan, Launcher
+from .limits import DEFAULT_MAX_BYTES
 from .metrics import MetricsHistory
 from .recovery import abort, free_after_interrupt
 from .run import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Run
@@ -70,9 +71,12 @@ class Controller:
         self.topology = topology
         self.backend = backend
         self.collective_timeout = collective_timeout
+        #: The most a result may weigh before it stays on its rank (``start(max_result_bytes=)``).
+        self.max_result_bytes = DEFAULT_MAX_BYTES
         self.launcher = launcher
         self.wire = wire.Wire(secrets.token_bytes(32))
         self.rundir = tempfile.mkdtemp(prefix="mb-", dir=_runtime_base())  # mode 0700
+        self.master_port = free_port()  # what a pasted torchrun script reads as MASTER_PORT
         self.ctx = zmq.Context()
         self.cmd = self.ctx.socket(zmq.ROUTER)
         self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -124,8 +128,7 @@ class Controller:
 
     def launch(self, timeout: float) -> None:
         """Start the agents and wait until every rank has torch.distributed ready."""
-        port = free_port()
-        configs = {p.host: self._agent_config(p, port) for p in self.plans}
+        configs = {p.host: self._agent_config(p) for p in self.plans}
         try:
             self.agents = self.launcher.launch(self.plans, configs)
             self.wait_generation(0, list(self.ranks), timeout, "start")
@@ -133,12 +136,13 @@ class Controller:
             self.stop()
             raise
 
-    def _agent_config(self, plan: HostPlan, store_port: int) -> dict[str, Any]:
+    def _agent_config(self, plan: HostPlan) -> dict[str, Any]:
         return {
             "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks, "dims": list(self.topology.dims),
             "key": self.wire._key.hex(), "backend": self.backend,
-            "store_host": self.launcher.store_host, "store_port": store_port,
+            "store_host": self.launcher.store_host,
             "collective_timeout": self.collective_timeout, "rundir": self.rundir,
+            "master_port": self.master_port,
             "cmd_addr": f"ipc://{self.rundir}/cmd", "events_addr": f"ipc://{self.rundir}/ev",
         }
 
@@ -286,13 +290,13 @@ class Controller:
                     raise MeshError(f"rank(s) {live} did not die within {timeout:g} s of SIGKILL")
                 self._generation_changed.wait(0.05)
 
-    def new_generation(self) -> tuple[int, int]:
-        """A new process-group generation and a free port for its store."""
+    def new_generation(self) -> int:
+        """A new process-group generation (its ranks meet in a new store)."""
         with self._lock:
             self.generation += 1
-            return self.generation, free_port()
+            return self.generation
 
-    def respawn(self, ranks: list[int], store_port: int, generation: int) -> None:
+    def respawn(self, ranks: list[int], generation: int) -> None:
         """Re-fork dead ``ranks`` under their rank ids; they join ``generation``."""
         if not ranks:
             return
@@ -304,7 +308,7 @@ class Controller:
             for r in ranks:
                 state = self.ranks[r]
                 state.state, state.cause, state.lost_namespace = "starting", "", True
-        self.agent_op("spawn", ranks, store_port=store_port, generation=generation)
+        self.agent_op("spawn", ranks, generation=generation)
 
     def current_request(self, rank: int) -> int | None:
         """The exec request ``rank`` is running now (the head of its queue)."""

@@ -50,6 +50,7 @@ from .errors import (
     group_by_text,
 )
 from .launchers import AgentProcess
+from .limits import DEFAULT_MAX_BYTES
 from .namespaces import (
     SEEDED,
     Layout,
@@ -68,9 +69,6 @@ if TYPE_CHECKING:
 
     from .controller import Controller
     from .mesh import Mesh
-
-#: The most a pull moves unless told otherwise (summed over the ranks pulled from).
-DEFAULT_MAX_BYTES = 2 ** 31
 
 Ranks = Sequence[int] | str | int | None
 Where = Mapping[str, DimSelector] | None

@@ -38,7 +38,8 @@ class AgentHandle(Protocol):
 
 
 class Launcher(Protocol):
-    #: Address ranks use to reach rank 0's TCPStore.
+    #: The address whose interface the ranks' torch.distributed endpoints listen on
+    #: (loopback for a local mesh).
     store_host: str
 
     def plan(self, world_size: int) -> list[HostPlan]: ...
@@ -59,13 +60,21 @@ class AgentProcess:
             # PR_SET_PDEATHSIG follows the forking *thread*: only the main thread lives as
             # long as the process. The stdin pipe covers every other case.
             args += ["--parent", str(os.getpid())]
-        self.log = tempfile.NamedTemporaryFile(prefix="meshbook-agent-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=self.log, start_new_session=True, env=env)
+        # Until it is configured the agent logs here; then it moves the log into the runtime
+        # directory, which it removes when this process is gone (the agent removes this too).
+        fd, self.log = tempfile.mkstemp(prefix="meshbook-agent-", suffix=".log")
+        self.logs = [self.log]
+        try:
+            self.proc = subprocess.Popen([*args, "--log", self.log], stdin=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, stderr=fd, start_new_session=True,
+                                         env=env)
+        finally:
+            os.close(fd)
 
     def configure(self, config: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(config) + "\n").encode())
+        self.logs.insert(0, os.path.join(config["rundir"], "agent.log"))
+        self.proc.stdin.write((json.dumps({**config, "log": self.logs[0]}) + "\n").encode())
         self.proc.stdin.flush()
 
     def alive(self) -> bool:
@@ -75,13 +84,16 @@ class AgentProcess:
         code = self.proc.poll()
         what = "running" if code is None else (
             f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
-        self.log.flush()
-        try:
-            with open(self.log.name, errors="replace") as f:
-                tail = f.read()[-3000:].strip()
-        except OSError:
-            tail = ""
-        return what + (f"; its log ends with:\n{tail}" if tail else "")
+        return what + (f"; its log ends with:\n{tail}" if (tail := self._log_tail()) else "")
+
+    def _log_tail(self) -> str:
+        for path in self.logs:  # moved into the runtime directory once configured
+            try:
+                with open(path, errors="replace") as f:
+                    return f.read()[-3000:].strip()
+            except OSError:
+                continue
+        return ""
 
     def terminate(self, timeout: float = 5.0) -> None:
         """Close stdin (the agent kills its ranks and exits); force it after ``timeout``."""
@@ -95,9 +107,8 @@ class AgentProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()  # its ranks die with it (PR_SET_PDEATHSIG)
             self.proc.wait()
-        self.log.close()
         try:
-            os.unlink(self.log.name)
+            os.unlink(self.log)  # the agent removes it, unless it could not clean up
         except OSError:
             pass
 

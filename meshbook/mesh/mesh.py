@@ -24,6 +24,7 @@ from .data import DataOps
 from .debug import DebugOps
 from .errors import MeshError
 from .launchers import Launcher, get_launcher
+from .limits import DEFAULT_MAX_BYTES
 from .memory import MemoryReport, memory_report
 from .metrics import MetricsHistory
 from .run import Run
@@ -33,20 +34,22 @@ from .topology import DimSelector, Topology, resolve
 
 def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
           launcher: str | Launcher = "local", timeout: float = 120.0,
-          collective_timeout: float = 300.0) -> "Mesh":
+          collective_timeout: float = 300.0, max_result_bytes: int = DEFAULT_MAX_BYTES) -> "Mesh":
     """Start a mesh of ranks and return it once torch.distributed is ready on every rank.
 
     ``n`` ranks, or named ``dims`` whose product is the world size (``{"dp": 2, "tp": 2}``);
     each rank's namespace then holds ``device_mesh``, a torch ``DeviceMesh`` with those names.
     ``backend="auto"`` is gloo on CPU and NCCL (plus gloo for CPU tensors) with one GPU per
     rank when CUDA is present. ``collective_timeout`` bounds how long a collective may hang
-    before it fails on its own.
+    before it fails on its own. A result bigger than ``max_result_bytes`` (2 GiB, like
+    ``pull``'s ``max_bytes``) stays on its rank as ``_``; ``run(max_bytes=...)`` overrides it.
     """
     topology = Topology.create(n, dims)
     if backend not in ("auto", "gloo", "nccl") and ":" not in backend:
         raise MeshError(f"backend {backend!r}: use 'auto', 'gloo', 'nccl' or a torch backend "
                         f"string like 'cuda:nccl,cpu:gloo'")
     controller = Controller(topology, get_launcher(launcher), backend, collective_timeout)
+    controller.max_result_bytes = max_result_bytes
     controller.launch(timeout)
     mesh = Mesh(controller, list(range(topology.world_size)))
     global _current
@@ -111,12 +114,14 @@ class Mesh(DebugOps, DataOps):
 
     def run(self, code: str, ranks: Sequence[int] | str | int | None = None, *,
             where: Mapping[str, DimSelector] | None = None, first_line: int = 1,
-            name: str | int | None = None) -> Run:
+            name: str | int | None = None, max_bytes: int | None = None) -> Run:
         """Run ``code`` in each selected rank's namespace; the value of a final expression is
         that rank's result. A ``SyntaxError`` is raised here, before anything is sent.
 
         ``first_line`` numbers the code's first line (tracebacks then use the numbers a user
-        sees in a notebook cell); ``name`` names the code in tracebacks and stacks.
+        sees in a notebook cell); ``name`` names the code in tracebacks and stacks. A result
+        bigger than ``max_bytes`` (by default the mesh's ``max_result_bytes``) stays on its rank
+        as ``_``, and the rank's value says so.
         """
         if not isinstance(code, str):
             raise MeshError(f"run() takes code as a string, not {type(code).__name__}; "
@@ -125,7 +130,8 @@ class Mesh(DebugOps, DataOps):
         cell_name = name if name is not None else "run"
         compile_cell(code, cell_filename(cell_name), first_line)
         body = {"code": code, "first_line": first_line, "name": cell_name,
-                "stdin": self._controller.stdin_probe()}
+                "stdin": self._controller.stdin_probe(),
+                "max_bytes": self._controller.max_result_bytes if max_bytes is None else max_bytes}
         return self._controller.submit("exec", body, chosen, _describe_code(code))
 
     def apply(self, fn: Callable[..., Any], *args: Any,
@@ -140,7 +146,8 @@ class Mesh(DebugOps, DataOps):
         if not callable(fn):
             raise MeshError(f"apply() needs a function, got a {type(fn).__name__}")
         chosen = self.select(ranks, where)
-        body = {"fn": fn, "args": args, "kwargs": kwargs, "stdin": self._controller.stdin_probe()}
+        body = {"fn": fn, "args": args, "kwargs": kwargs, "stdin": self._controller.stdin_probe(),
+                "max_bytes": self._controller.max_result_bytes}
         return self._controller.submit("apply", body, chosen, f"apply({_name_of(fn)})")
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: Sequence[int] | None = None,

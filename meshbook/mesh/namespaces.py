@@ -15,16 +15,21 @@ rank holds in total underneath::
     step  int                                                                        0-3
     total per rank: [0-3] 64 B
 
-Variables a rank had before it was restarted are listed as ``lost`` rather than silently
-missing. Private names (``_x``), modules, classes, imported functions and the names meshbook
-seeds (``rank``, ``torch``, ``device_mesh``...) are left out.
+Memory is counted once per rank: a second name for the same object (``b = a``; a model held
+as ``model`` and ``sharded_model``) says ``same as a`` in the bytes column, a value whose
+memory an earlier name already holds (a view, a wrapper around the same parameters) says
+``memory of a``, and neither adds to the total. Variables a rank had before it was restarted
+are listed as ``lost`` rather than silently missing. Private names (``_x``), modules,
+classes, imported functions and the names meshbook seeds (``rank``, ``torch``,
+``device_mesh``...) are left out.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import BuiltinFunctionType, FunctionType, ModuleType
 from typing import Any
 
@@ -76,6 +81,11 @@ class VarInfo:
     nbytes: int | None = None  # bytes held on this rank (a DTensor's local shard)
     params: int | None = None  # an nn.Module's parameter count
     layout: Layout | None = None  # DTensors only
+    #: ``"same as a"`` / ``"memory of a"``: what an earlier name of this rank already holds.
+    shared: str | None = None
+    #: Bytes this variable adds to its rank's total: memory no earlier name holds (``None``:
+    #: not measured, ``nbytes`` counts).
+    held: int | None = None
 
     @property
     def is_tensor(self) -> bool:
@@ -87,7 +97,7 @@ class VarInfo:
             "name": self.name, "type": self.type,
             "shape": _shape_text(self.shape) if self.shape is not None else "",
             "dtype": self.dtype or "", "device": self.device or "",
-            "bytes": format_bytes(self.nbytes) if self.nbytes is not None else "",
+            "bytes": self.shared or (format_bytes(self.nbytes) if self.nbytes is not None else ""),
             "params": f"{self.params:,}" if self.params is not None else "",
             "placements": self.layout.describe() if self.layout else "",
             "local": _shape_text(self.layout.local_shape) if self.layout else "",
@@ -131,15 +141,66 @@ def describe(name: str, value: Any) -> VarInfo:
 
 def inventory(namespace: Mapping[str, Any]) -> dict[str, VarInfo]:
     """:func:`describe` every user variable of a rank's namespace, by name."""
-    # A snapshot: this may run on the control thread while the main thread runs a cell.
-    items = sorted(namespace.items(), key=lambda item: item[0])
+    # A snapshot: this may run on the control thread while the main thread runs a cell. In
+    # the order names were first assigned, so the name a value got first owns its memory.
+    items = list(namespace.items())
     out = {}
+    owners = _Owners()
     for name, value in items:
         if _shown(name, value):
             try:
-                out[name] = describe(name, value)
+                out[name] = owners.attribute(describe(name, value), value)
             except Exception:  # noqa: BLE001 - a broken object must not hide the others
                 out[name] = VarInfo(name, type(value).__name__)
+    return dict(sorted(out.items()))
+
+
+class _Owners:
+    """Which name first held each object and each storage, so a rank's memory counts once."""
+
+    def __init__(self) -> None:
+        self.objects: dict[int, str] = {}
+        self.storages: dict[tuple[str, int], str] = {}
+
+    def attribute(self, info: VarInfo, value: Any) -> VarInfo:
+        if info.nbytes is None:
+            return info  # not measured (a number, a string): small, and ints are shared anyway
+        first = self.objects.setdefault(id(value), info.name)
+        if first != info.name:
+            return replace(info, shared=f"same as {first}", held=0)
+        held = _storages(value, _CONTAINER_DEPTH)
+        new = {key: size for key, size in held.items() if key not in self.storages}
+        self.storages.update(dict.fromkeys(new, info.name))
+        if held and not new:
+            return replace(info, shared=f"memory of {self.storages[next(iter(held))]}", held=0)
+        return replace(info, held=sum(new.values()) if held else info.nbytes)
+
+
+def _storages(value: Any, depth: int) -> dict[tuple[str, int], int]:
+    """The memory blocks ``value`` holds, (device, address) -> bytes: a tensor's storage
+    (a DTensor's local one), a module's parameters' and buffers', an array's base buffer,
+    and those of tensors inside lists, tuples and dicts."""
+    torch = sys.modules.get("torch")
+    numpy = sys.modules.get("numpy")
+    if torch is not None and isinstance(value, torch.Tensor):
+        storage = local_shard(value).untyped_storage()
+        return {(str(value.device), storage.data_ptr()): storage.nbytes()} if storage.nbytes() else {}
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return _merged(_storages(t, depth) for t in itertools.chain(value.parameters(), value.buffers()))
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        while isinstance(value.base, numpy.ndarray):
+            value = value.base
+        return {("cpu", value.__array_interface__["data"][0]): int(value.nbytes)} if value.nbytes else {}
+    if isinstance(value, (list, tuple, dict)) and depth > 0:
+        items = value.values() if isinstance(value, dict) else value
+        return _merged(_storages(item, depth - 1) for item in items if not isinstance(item, _SCALARS))
+    return {}
+
+
+def _merged(parts: Any) -> dict[tuple[str, int], int]:
+    out: dict[tuple[str, int], int] = {}
+    for part in parts:
+        out.update(part)
     return out
 
 
@@ -175,7 +236,7 @@ class Namespaces:
 
     def totals(self) -> RankValues:
         """Bytes of tensors, arrays and modules each rank holds."""
-        return RankValues({r: sum(i.nbytes or 0 for i in infos.values())
+        return RankValues({r: sum((i.nbytes if i.held is None else i.held) or 0 for i in infos.values())
                            for r, infos in self.variables.items()}, self._topology)
 
     def rows(self) -> list[dict[str, str]]:

@@ -1,4 +1,5 @@
-"""Process plumbing shared by the host agent and the ranks: death signals, exit causes."""
+"""Process plumbing shared by the host agent and the ranks: death signals, exit causes,
+which interface torch.distributed listens on, and taking every descendant down."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import ctypes.util
 import os
 import signal
 import sys
+import time
+from typing import Iterator
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -23,6 +27,63 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
         _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if os.getppid() != expected_parent:
         os._exit(1)
+
+
+def listen_only_on(address: str) -> None:
+    """Make gloo and NCCL's bootstrap listen on the interface that holds ``address`` only.
+
+    Left alone, gloo binds the address the host name resolves to, which other machines can
+    reach; a local mesh (``address`` is loopback) needs no listener outside the machine.
+    """
+    import psutil
+
+    for interface, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
+            return
+
+
+def become_subreaper() -> None:
+    """Adopt our orphaned descendants: what a rank's child starts and leaves behind
+    (``setsid``, a double fork) stays in our tree, so :func:`kill_descendants` finds it."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def kill_descendants(timeout: float = 3.0) -> None:
+    """SIGKILL every process below this one, however it detached, and reap what we adopted.
+
+    Repeated until none is left, since a descendant may fork while the others die.
+    """
+    import psutil
+
+    me = psutil.Process()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = me.children(recursive=True)
+        if not found:
+            return
+        for child in found:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        for _ in exited_children():
+            pass  # reaped
+        time.sleep(0.01)
+
+
+def exited_children() -> Iterator[tuple[int, int]]:
+    """``(pid, waitpid status)`` of each child of ours that has exited (adopted orphans
+    included), reaping it; never blocks."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, status
 
 
 def flush_c_stdio() -> None:
@@ -45,18 +106,3 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def oom_kills() -> int | None:
-    """The OOM-kill count of our cgroup (cgroup v2), to tell an OOM kill from a plain SIGKILL."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            path = f.read().strip().split("::", 1)[-1]
-        with open(f"/sys/fs/cgroup{path}/memory.events") as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == "oom_kill":
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return None

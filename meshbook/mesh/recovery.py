@@ -13,7 +13,7 @@ and stops at the first that frees every rank:
    under the same rank id: only these lose their variables.
 
 Ranks asked to restart (``mesh.restart([1])``) and ranks that died are re-forked first. Then
-every rank joins a new process group (a new generation on a new store port), rebuilds
+every rank joins a new process group (a new generation in a new store), rebuilds
 ``device_mesh``, and the :class:`Recovery` report says exactly who kept and who lost what.
 """
 
@@ -77,9 +77,9 @@ class Recovery:
 # -- rank side --------------------------------------------------------------------------------
 
 
-def reinit(worker: "Worker", store_port: int, generation: int) -> None:
+def reinit(worker: "Worker", generation: int) -> None:
     """Leave the old process group and join generation ``generation``'s (exec thread)."""
-    worker.reinit(store_port, generation)
+    worker.reinit(generation)
 
 
 def listening_ports(worker: "Worker", stuck_in: dict[int, int] | None = None,
@@ -145,13 +145,13 @@ def _recover(controller: "Controller", restart: list[int], timeout: float) -> Re
     started = time.monotonic()
     controller.kill(restart)
     restarted = [r for r, s in controller.ranks.items() if s.state == "dead"]
-    generation, port = controller.new_generation()
+    generation = controller.new_generation()
     survivors = [r for r in controller.ranks if r not in restarted]
     # Whatever these ranks were running is aborted by what follows, collective or not.
     interrupted = [r for r in survivors if controller.current_request(r) is not None]
-    joined = controller.call(reinit, port, generation, ranks=survivors,
+    joined = controller.call(reinit, generation, ranks=survivors,
                              what="re-create the process group") if survivors else None
-    controller.respawn(restarted, port, generation)
+    controller.respawn(restarted, generation)
 
     def stuck() -> list[int]:
         return [r for r in survivors if controller.busy_with_other(r, joined.id)] if joined else []
@@ -165,7 +165,7 @@ def _recover(controller: "Controller", restart: list[int], timeout: float) -> Re
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = stuck()
             controller.kill(hopeless)
-            controller.respawn(hopeless, port, generation)
+            controller.respawn(hopeless, generation)
             restarted += hopeless
             break
         if waited > timeout:
@@ -178,7 +178,7 @@ def _recover(controller: "Controller", restart: list[int], timeout: float) -> Re
 
 
 def resync(controller: "Controller", held: "Run", ahead: list[int],
-           release: Callable[[tuple[int, int]], None]) -> Recovery:
+           release: Callable[[int], None]) -> Recovery:
     """Put ranks waiting in a step check (``held``) into a new process-group generation.
 
     The ranks ``ahead`` issued collectives no peer will pair: those hold their old group's
@@ -189,15 +189,15 @@ def resync(controller: "Controller", held: "Run", ahead: list[int],
         started = time.monotonic()
         ranks = held.pending
         abort(controller, ahead)
-        generation, port = controller.new_generation()
-        release((port, generation))
+        generation = controller.new_generation()
+        release(generation)
         restarted: list[int] = []
         try:
             controller.wait_generation(generation, ranks, RESYNC_TIMEOUT_S, "re-creating the process groups")
         except MeshError:
             restarted = [r for r in ranks if controller.ranks[r].generation != generation]
             controller.kill(restarted)
-            controller.respawn(restarted, port, generation)
+            controller.respawn(restarted, generation)
             controller.wait_generation(generation, ranks, RESYNC_TIMEOUT_S, "re-creating the process groups")
         held.wait(5)  # each rank's list of objects bound to the old groups
         kept = [r for r in ranks if r not in restarted]

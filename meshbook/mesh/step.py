@@ -83,15 +83,14 @@ def hold(worker: "Worker") -> list[str]:
 
     Returns the variables bound to the old groups when the groups were re-created.
     """
-    verdict = worker.verdicts.get()
-    if verdict is None:
+    generation = worker.verdicts.get()
+    if generation is None:
         return []
-    store_port, generation = verdict
-    worker.reinit(store_port, generation)
+    worker.reinit(generation)
     return bound_objects(worker.namespace)
 
 
-def release(worker: "Worker", verdict: tuple[int, int] | None) -> None:
+def release(worker: "Worker", verdict: int | None) -> None:
     """The controller's verdict for a rank waiting in :func:`hold` (control thread)."""
     worker.verdicts.put(verdict)
 
@@ -245,7 +244,7 @@ class StepCheck:
         recovery = resync(ctl, self.held, [r for s in skews for r in s.ahead], self._release)
         return render_resync(self.cause, skews, gone, recovery, dict(self.held.values().items()))
 
-    def _release(self, verdict: tuple[int, int] | None) -> None:
+    def _release(self, verdict: int | None) -> None:
         with self._lock:  # once: a second verdict would wait in a rank's queue for its next check
             if self._released:
                 return
@@ -268,7 +267,9 @@ def render_resync(cause: str, skews: list[Skew], gone: list[int], recovery: "Rec
     if skews:
         lines.append(f"The ranks were out of step after {cause}: " +
                      "; ".join(s.describe() for s in skews) + " collectives. The next collective "
-                     "would have paired different calls, so meshbook re-created the process groups.")
+                     "would have paired different calls, so meshbook re-created the process groups. "
+                     "Your own state may differ between ranks too (a loop counter, a data iterator): "
+                     "set it alike on every rank before you go on.")
     if gone:
         lines.append(f"{_ranks(gone)} destroyed the default process group; meshbook re-created it.")
     lines.append(recovery.render())

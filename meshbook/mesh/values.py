@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping
 
 from .errors import format_ranks, group_by_text
+from .limits import capped
 from .topology import DimSelector, Topology
 
 
@@ -65,7 +66,7 @@ class RankValues(Mapping[int, Any]):
         lines = []
         for ranks, text in self.groups():
             label = f"[{format_ranks(ranks)}] "
-            lines.append(label + text.replace("\n", "\n" + " " * len(label)))
+            lines.append(label + capped(text).replace("\n", "\n" + " " * len(label)))
         return "\n".join(lines)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:

@@ -3,12 +3,17 @@
 A message is a list of ZeroMQ frames::
 
     [envelope, buffer_0, buffer_1, ...]
-    envelope = signature (32 bytes) | header length (4 bytes, little-endian) | header | body
+    envelope = signature (32 bytes) | stamp (20 bytes) | header length (4 bytes) | header | body
+    stamp = sender (8 bytes) | stream (4 bytes) | sequence number (8 bytes), little-endian
 
 * ``header`` is a small pickled ``dict`` that receivers read first (kind, request id, rank);
 * ``body`` is the payload, pickled with protocol 5 by cloudpickle (so notebook-defined
   functions travel), with numpy arrays and CPU tensors (bf16 included, through a byte view)
   lifted out as separate ``buffer`` frames that are neither copied nor pickled;
+* ``stamp`` names the sending stream (a random id per sending :class:`Wire`, one per process,
+  and a number per sending thread) and numbers its messages 1, 2, 3...; a receiver refuses a
+  message that is not newer than the last one it took from that stream (see
+  :class:`ReplayGuard`), so a captured message sent again never runs again;
 * ``signature`` is HMAC-SHA256, with the per-mesh key, over the rest of the envelope and the
   buffers' count and lengths. Like the Jupyter protocol, the bulk buffers themselves are not
   hashed: they are raw bytes that only a signed body can give meaning to, and hashing
@@ -17,8 +22,15 @@ A message is a list of ZeroMQ frames::
 Signature, header and body share one frame because every frame costs a few microseconds at
 each send and receive, and a dispatch to 8 ranks sends and receives 16 small messages.
 
-Nothing is unpickled before its signature checks out, so an unsigned, forged or garbled
-message is dropped by :meth:`Wire.unpack` (raising :class:`BadMessage`) and can never run code.
+Nothing is unpickled before its signature and stamp check out, so an unsigned, forged,
+garbled or replayed message is dropped by :meth:`Wire.unpack` (raising :class:`BadMessage`)
+and can never run code.
+
+A stream is per sending *thread*: each thread's messages leave on a socket in the order it
+packed them, whereas two threads sharing a socket may send in the other order than they
+packed (signing happens outside the send lock). The receiving window is per receiving thread
+for the same reason: every socket meshbook reads is drained by one thread, in order, while the
+same sender may reach two threads of a rank (its ``x`` and ``c`` sockets) in either order.
 """
 
 from __future__ import annotations
@@ -26,9 +38,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import io
+import itertools
+import logging
 import pickle
+import secrets
 import struct
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -42,8 +58,15 @@ PROTOCOL = 5
 ZERO_COPY_MIN = 64 * 1024
 
 
+_log = logging.getLogger(__name__)
+
+
 class BadMessage(Exception):
     """A message failed its signature check or could not be decoded; it is dropped."""
+
+
+class ReplayedMessage(BadMessage):
+    """A correctly signed message that is not newer than one already taken from its sender."""
 
 
 def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...], requires_grad: bool,
@@ -128,8 +151,32 @@ def _buffer(frame: Any) -> Any:
 
 
 _SIGNATURE = 32
+_STAMP = struct.Struct("<8sIQ")  # sender, stream, sequence number
 _HEAD = struct.Struct("<I")
-_OPEN = _SIGNATURE + _HEAD.size  # where the header starts
+_OPEN = _SIGNATURE + _STAMP.size + _HEAD.size  # where the header starts
+
+
+class _SendStream(threading.local):
+    """This thread's stream of a :class:`Wire`: its number and its message counter."""
+
+    def __init__(self, numbers: "itertools.count[int]") -> None:
+        self.number = next(numbers)
+        self.counter = itertools.count(1)
+
+
+class ReplayGuard(threading.local):
+    """The newest sequence number taken from each sending stream, per receiving thread."""
+
+    def __init__(self) -> None:
+        self.newest: dict[tuple[bytes, int], int] = {}
+
+    def admit(self, sender: bytes, stream: int, number: int) -> None:
+        """Take message ``number`` of a stream, or raise :class:`ReplayedMessage`."""
+        newest = self.newest.get((sender, stream), 0)
+        if number <= newest:
+            raise ReplayedMessage(f"replayed message: number {number} of stream {sender.hex()}/{stream}, "
+                                  f"which is at {newest} already")
+        self.newest[sender, stream] = number
 
 
 class Wire:
@@ -142,6 +189,11 @@ class Wire:
         # Keyed once: every message then copies it instead of hashing the key pads again.
         self._mac = hmac.new(key, digestmod=hashlib.sha256)
         self.dropped = 0  # messages rejected by unpack(), for tests and diagnostics
+        self.replayed = 0  # of which signed messages sent again
+        #: Names this process's streams: a forked child must make its own Wire.
+        self.sender = secrets.token_bytes(8)
+        self._stream = _SendStream(itertools.count())
+        self._guard = ReplayGuard()
 
     def _signature(self, signed: Any, buffers: Sequence[Any]) -> bytes:
         mac = self._mac.copy()
@@ -156,7 +208,9 @@ class Wire:
         head = pickle.dumps(header, protocol=PROTOCOL)
         if raw_body is None:
             raw_body, buffers = dumps(body) if body is not None else (b"", [])
-        signed = b"".join((_HEAD.pack(len(head)), head, raw_body))
+        stream = self._stream
+        stamp = _STAMP.pack(self.sender, stream.number, next(stream.counter))
+        signed = b"".join((stamp, _HEAD.pack(len(head)), head, raw_body))
         return [self._signature(signed, buffers) + signed, *buffers]
 
     def unpack(self, frames: Sequence[Any]) -> Message:
@@ -171,10 +225,16 @@ class Wire:
             expected = self._signature(envelope[_SIGNATURE:], buffers)
             if not hmac.compare_digest(envelope[:_SIGNATURE], expected):
                 raise BadMessage("bad signature")
-            (head_length,) = _HEAD.unpack_from(envelope, _SIGNATURE)
+            self._guard.admit(*_STAMP.unpack_from(envelope, _SIGNATURE))
+            (head_length,) = _HEAD.unpack_from(envelope, _OPEN - _HEAD.size)
             header = pickle.loads(envelope[_OPEN:_OPEN + head_length])
             if not isinstance(header, dict) or "k" not in header:
                 raise BadMessage("header is not a message header")
+        except ReplayedMessage as exc:
+            self.dropped += 1
+            self.replayed += 1
+            _log.warning("meshbook: dropped a %s", exc)
+            raise
         except BadMessage:
             self.dropped += 1
             raise
@@ -182,6 +242,11 @@ class Wire:
             self.dropped += 1
             raise BadMessage(f"undecodable message: {exc}") from None
         return Message(header, envelope[_OPEN + head_length:], buffers)
+
+
+def size(frames: Sequence[Any]) -> int:
+    """Bytes of a packed message, its buffers included."""
+    return sum(memoryview(_buffer(f)).nbytes for f in frames)
 
 
 def rank_address(rundir: str, rank: int, generation: int, channel: str) -> str:

@@ -40,6 +40,7 @@ from .cell import (
     register_source,
 )
 from .errors import RankFailure, SendError
+from .limits import KeptOnRank
 from .memory import memory_probe
 from .sampling import MainThreadSampler
 from .streams import FdPump, RankStream, install_thread_tagging
@@ -61,8 +62,9 @@ class RankConfig:
     topology: Topology
     backend: str  # "gloo", or "cuda:nccl,cpu:gloo" on GPUs
     device_type: str  # "cpu" or "cuda"
-    store_host: str
-    store_port: int
+    store_host: str  # the address the ranks' torch.distributed endpoints listen on
+    rundir: str  # the mesh's private runtime directory, where its stores live
+    master_port: int  # torchrun's MASTER_PORT for scripts that read it (meshbook's store is a file)
     generation: int
     collective_timeout: float
     key: bytes
@@ -90,10 +92,12 @@ class Worker:
         self.last_exception: BaseException | None = None
         #: Whether the request being run can answer a debugger prompt (the notebook has stdin).
         self.stdin_available = False
+        #: The most the running request's result may weigh (None: no limit, meshbook's own calls).
+        self.result_limit: int | None = None
         #: Lines typed in the notebook for this rank's debugger, delivered by the control thread.
         self.input_replies: queue.Queue[str] = queue.Queue()
         #: Verdicts of step checks (see :mod:`meshbook.mesh.step`), delivered by the control thread.
-        self.verdicts: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self.verdicts: queue.Queue[int | None] = queue.Queue()
         #: Requests interrupted before they started: dropped when their turn comes.
         self.cancelled: set[int] = set()
         #: The request a targeted interrupt is meant for (None: any user code, e.g. SIGINT).
@@ -154,19 +158,19 @@ class Worker:
         self._control_requests = self._listen(cfg.control_addr)  # handed to the control thread
         threading.Thread(target=self._control_loop, name="meshbook-control", daemon=True).start()
         self.emit("hello", None, {"pid": os.getpid(), "host": socket.gethostname()})
-        self.reinit(cfg.store_port, cfg.generation)
+        self.reinit(cfg.generation)
 
-    def reinit(self, store_port: int, generation: int) -> None:
+    def reinit(self, generation: int) -> None:
         """Join process-group ``generation`` and tell the controller (start and recovery)."""
         try:
-            self.init_distributed(store_port, generation)
+            self.init_distributed(generation)
         except BaseException as exc:
             self.emit("init_failed", None, failure_from(self.rank, exc), generation=generation)
             raise
         self.emit("ready", None, {"device": str(self.namespace["device"]), "pid": os.getpid()},
                   generation=generation)
 
-    def init_distributed(self, store_port: int, generation: int) -> None:
+    def init_distributed(self, generation: int) -> None:
         """(Re)create the process group and the namespace's ``device_mesh``."""
         import torch
         import torch.distributed as dist
@@ -183,12 +187,10 @@ class Worker:
         topo = cfg.topology
         from datetime import timedelta
         timeout = timedelta(seconds=cfg.collective_timeout)
-        store = dist.TCPStore(cfg.store_host, store_port, topo.world_size, is_master=self.rank == 0,
-                              timeout=timeout, wait_for_workers=False)
         os.environ.update(torchrun.environment(
             self.rank, topo.world_size, cfg.local_rank, cfg.local_world_size, cfg.group_rank,
-            cfg.group_world_size, (cfg.store_host, store_port)))
-        store = dist.PrefixStore(f"gen{generation}", store)
+            cfg.group_world_size, (cfg.store_host, cfg.master_port)))
+        store = dist.PrefixStore(f"gen{generation}", make_store(cfg, generation, timeout))
         self.init_group(cfg.backend, store=store, rank=self.rank, world_size=topo.world_size, timeout=timeout)
         device_mesh = init_device_mesh(cfg.device_type, topo.shape, mesh_dim_names=topo.names)
         self.generation = generation
@@ -228,6 +230,7 @@ class Worker:
                 raise KeyboardInterrupt("interrupted before it started: nothing ran")
             body = message.body()
             self.stdin_available = bool(body.get("stdin"))
+            self.result_limit = body.get("max_bytes")
             value = self._dispatch(message.kind, body, request)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
             self.last_exception = exc
@@ -286,8 +289,7 @@ class Worker:
         header = {"t": duration, "pg": _has_process_group()}
         if failure is None:
             try:
-                frames = self.wire.pack({"k": "result", "id": request, "rank": self.rank, **header},
-                                        value)
+                frames = self._pack_result(request, value, header)
             except Exception as exc:
                 failure = RankFailure(
                     self.rank, SendError.__name__,
@@ -307,6 +309,18 @@ class Worker:
         if key not in self._noted:
             self._noted.add(key)
             print(text, file=sys.stderr)
+
+    def _pack_result(self, request: int, value: Any, fields: dict[str, Any]) -> list[Any]:
+        """The result's message; a result over the request's limit stays here as ``_`` and a
+        :class:`KeptOnRank` travels instead."""
+        header = {"k": "result", "id": request, "rank": self.rank, **fields}
+        frames = self.wire.pack(header, value)
+        nbytes = wire.size(frames)
+        if self.result_limit is None or nbytes <= self.result_limit:
+            return frames
+        self.namespace["_"] = value
+        kept = KeptOnRank(f"{type(value).__module__}.{type(value).__qualname__}", nbytes, self.result_limit)
+        return self.wire.pack(header, kept)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         target, self.interrupt_target = self.interrupt_target, None
@@ -404,6 +418,21 @@ def _has_process_group() -> bool:
     return dist is None or not dist.is_available() or dist.is_initialized()
 
 
+def make_store(cfg: RankConfig, generation: int, timeout: Any) -> Any:
+    """The store where the ranks of process-group ``generation`` meet.
+
+    A file in the mesh's private (0700) runtime directory: only the mesh's own processes can
+    open it, where a ``TCPStore`` listens on every interface and lets anyone set and get its
+    keys. One file per generation, so ranks re-forked by a recovery never read the keys of
+    the group they replace.
+    """
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(cfg.rundir, f"store-g{generation}"), cfg.topology.world_size)
+    store.set_timeout(timeout)
+    return store
+
+
 def _travelled_by_value(fn: FunctionType) -> bool:
     """True for a function cloudpickle sent by value (defined in a notebook or a test),
     whose globals are a fresh dict rather than an importable module's namespace."""
@@ -475,6 +504,7 @@ def run_rank(cfg: RankConfig) -> None:
         import faulthandler
         faulthandler.enable(file=crash, all_threads=True)
         os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+        proc.listen_only_on(cfg.store_host)
         # The Flight Recorder tells which collectives a stuck rank waits in (hang diagnosis).
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         import torch

@@ -1,0 +1,83 @@
+"""Nothing a mesh started outlives it: not what its ranks start, however it detaches, and
+not its files, however its kernel ends (real kernels through jupyter_client)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from kernels import Kernel, wait_gone
+
+import meshbook
+
+#: On every rank: a plain child, a child in its own session, and a double-forked daemon in its
+#: own session (its parent exits at once); their pids are the cell's `kids`.
+DETACHING_CELL = """%%mesh
+import os, subprocess
+kids = [subprocess.Popen(["sleep", "300"]).pid,
+        subprocess.Popen(["sleep", "300"], start_new_session=True).pid]
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setsid()
+    daemon = os.fork()
+    if daemon == 0:
+        os.execvp("sleep", ["sleep", "300"])
+    os.write(w, str(daemon).encode())
+    os._exit(0)
+kids.append(int(os.read(r, 20)))
+"""
+
+
+def files_gone(paths: list[str], timeout: float = 5.0) -> list[str]:
+    """The paths still there after waiting up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in paths if os.path.exists(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["stop", "shutdown", "sigkill"])
+def test_whatever_the_ranks_started_and_the_mesh_files_go_with_the_kernel(how: str) -> None:
+    k = Kernel()
+    try:
+        k.ok("import meshbook\n%load_ext meshbook\n%mesh start -n 2")
+        k.ok(DETACHING_CELL)
+        kids = k.value("sorted(p for v in meshbook.current().pull('kids').values() for p in v)")
+        assert len(kids) == 6 and wait_gone(kids, 0.5) == kids, "the sleeps are running"
+        pids = k.mesh_pids()
+        files = k.value("[meshbook.current()._controller.rundir, *meshbook.current()._controller.agents[0].logs]")
+        assert os.path.isdir(files[0]) and os.path.isfile(files[1]), files
+        started = time.monotonic()
+        if how == "stop":
+            k.ok("%mesh stop")
+        elif how == "shutdown":
+            k.manager.shutdown_kernel(now=False)
+        else:
+            os.kill(k.pid, signal.SIGKILL)
+        assert wait_gone(kids + pids, 5.0) == [], f"outlived the {how}"
+        assert files_gone(files, 5.0) == [], f"left behind by the {how}"
+        assert time.monotonic() - started < 30  # generous: the point is that it happens at all
+    finally:
+        k.close()
+
+
+def test_an_agent_that_dies_under_a_live_controller_is_explained_from_its_log() -> None:
+    """The agent's log moved into the runtime directory; the controller still reads it."""
+    mesh = meshbook.start(2)
+    agent = mesh._controller.agents[0]
+    try:
+        assert agent.logs[0].startswith(mesh._controller.rundir) and not os.path.exists(agent.logs[1])
+        with open(f"/proc/{agent.proc.pid}/fd/2", "a") as log:
+            log.write("the agent's last words\n")
+        os.kill(agent.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not mesh.stopped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "killed by SIGKILL; its log ends with:\nthe agent's last words" in mesh._controller.stop_reason
+    finally:
+        mesh.stop()
+    assert not os.path.exists(mesh._controller.rundir)

@@ -1,0 +1,65 @@
+"""Results over the size limit stay on their rank; long reprs are cut before the notebook."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import torch
+from kernels import Kernel
+
+import meshbook
+from meshbook.mesh.limits import REPR_CHARS, KeptOnRank
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def small_limit() -> Iterator[meshbook.Mesh]:
+    """Two ranks whose results may weigh 1 MiB."""
+    mesh = meshbook.start(2, max_result_bytes=MiB)
+    yield mesh
+    mesh.stop()
+
+
+def test_a_result_over_the_limit_stays_on_the_rank_as_underscore(small_limit: meshbook.Mesh) -> None:
+    values = small_limit.run("torch.arange(2 ** 19, dtype=torch.float32) + rank").result()
+    kept = values[0]
+    assert isinstance(kept, KeptOnRank) and kept.type == "torch.Tensor" and kept.limit == MiB
+    assert kept.nbytes > 2 * MiB - 1024
+    assert "kept on the rank as `_`" in repr(values) and "mesh.pull('_', max_bytes=...)" in repr(values)
+    pulled = small_limit.pull("_")  # pull's own limit (2 GiB) lets it come
+    assert torch.equal(pulled[1], torch.arange(2 ** 19, dtype=torch.float32) + 1)
+
+
+def test_the_limit_can_be_raised_per_run_and_covers_apply(small_limit: meshbook.Mesh) -> None:
+    assert small_limit.run("torch.ones(2 ** 19)", max_bytes=4 * MiB).result()[0].shape == (2 ** 19,)
+    assert isinstance(small_limit.apply(lambda: b"x" * (2 * MiB)).result()[1], KeptOnRank)
+    assert small_limit.run("len(_)").result()[1] == 2 * MiB, "apply's result stayed as `_` too"
+    assert small_limit.run("'small'").result()[0] == "small"
+
+
+def test_a_long_repr_is_cut_with_a_note() -> None:
+    values = meshbook.RankValues({0: "y" * 50_000, 1: "y" * 50_000 + "z"})
+    lines = repr(values).splitlines()
+    assert len(lines) == 2, "values that differ only past the cut stay apart"
+    assert all(len(line) < REPR_CHARS + 200 for line in lines)
+    assert lines[0].endswith("[cut: the repr is 50,002 characters, the first 20,000 are shown]")
+
+
+def test_the_cell_shows_the_note_and_takes_max_bytes() -> None:
+    k = Kernel()
+    try:
+        k.ok("import meshbook\n%load_ext meshbook\n%mesh start -n 2")
+        big = "%%mesh {}\ntorch.ones(2 ** 20)"
+        shown = k.ok(big.format("--max-bytes 1M")).of_type("execute_result")[0]["content"]["data"]["text/plain"]
+        assert "kept on the rank as `_` (over the 1.0 MiB result limit)" in shown
+        shown = k.ok(big.format("--max-bytes 8M")).of_type("execute_result")[0]["content"]["data"]["text/plain"]
+        assert "tensor([1., 1., 1.,  ..., 1., 1., 1.])" in shown
+        shown = k.ok("%%mesh\n'y' * 100_000").of_type("execute_result")[0]["content"]["data"]["text/plain"]
+        assert len(shown) < 2 * REPR_CHARS and "[cut: the repr is 100,002 characters" in shown
+        bad = k.execute("%%mesh --max-bytes lots\n1")
+        assert bad.status == "error" and "write a size like" in bad.content["evalue"]
+        k.ok("%mesh stop")
+    finally:
+        k.close()
