@@ -96,6 +96,20 @@ def test_several_ranks_at_breakpoints_are_served_one_after_another(kernel: Kerne
     assert result_text(reply) == "[0] 0\n[1] 1"
 
 
+def test_a_debugger_session_keeps_the_cell_status_out_of_its_transcript(kernel: Kernel) -> None:
+    # the prompt's answer keeps the rank busy 1.5 s inside pdb: a status would show by then
+    at_once, _ = kernel.execute_with_input("%%mesh --ranks 0\nbreakpoint()\nrank",
+                                           ["import time; time.sleep(1.5)", "c"])
+    assert at_once.status == "ok" and at_once.of_type("display_data") == [], "status inside pdb"
+    # a status already showing when pdb opens stays above it and ends without durations
+    later, _ = kernel.execute_with_input("%%mesh --ranks 0\nimport time\ntime.sleep(1.5)\n"
+                                         "breakpoint()\nrank", ["import time; time.sleep(1.5)", "c"])
+    final = [m["content"]["data"] for m in kernel.messages_of(later.msg_id)
+             if m["msg_type"] == "update_display_data"]
+    assert len(later.of_type("display_data")) == 1 and len(final) == 1, final
+    assert "durations not shown" in final[0]["text/html"] and " s " not in final[0]["text/html"]
+
+
 def test_post_mortem_of_a_rank(kernel: Kernel) -> None:
     assert kernel.execute("%%mesh --ranks 1\nz = 5\n1 / 0").status == "error"
     reply, prompts = kernel.execute_with_input("%mesh debug 1", ["p z", "q"])
