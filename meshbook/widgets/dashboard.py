@@ -76,6 +76,8 @@ class Dashboard(HTMLPanel):
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(5)
+            if not self.mesh.stopped:
+                self.refresh()  # the snapshot shows the ranks as they are now, and says closed
         super().close()
 
     def _loop(self) -> None:
@@ -107,7 +109,7 @@ class Dashboard(HTMLPanel):
                 "wait": sampled.wait if sampled and sampled.samples else None}
 
     def _title(self) -> str:
-        state = "mesh stopped" if self.mesh.stopped else "live"
+        state = "mesh stopped" if self.mesh.stopped else "closed" if self._stop.is_set() else "live"
         return f"meshbook: {len(self.rows)} ranks ({self.mesh.topology.describe()}), {state}"
 
     def _render(self, report: StragglerReport) -> str:

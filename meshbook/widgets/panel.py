@@ -7,9 +7,12 @@ model not found", never the fallbacks. So a panel is displayed under a ``display
 once it stops changing (:meth:`HTMLPanel.freeze`), each of its displays is replaced by the
 static HTML and text alone: what a saved notebook stores is then readable anywhere.
 
-A display is replaced under the header of the cell that showed it, not the running one:
-JupyterLab routes a display update to the output area of the request it answers, so an update
-sent from a later cell (``dashboard.close()``) would never reach the panel's own cell.
+Frontends find the display to replace in two ways. JupyterLab routes an update to the output
+area of the request it answers, so an update sent from a later cell (``dashboard.close()``)
+must carry the header of the cell that showed the panel; nbclient (nbconvert, nbval) and the
+classic notebook only listen to the running cell, and look the display id up across cells.
+So an update from a later cell is sent under both headers; each frontend ignores the copy it
+cannot place.
 """
 
 from __future__ import annotations
@@ -72,10 +75,12 @@ class HTMLPanel(widgets.VBox):
         if kernel is not None and shown:
             sys.stdout.flush()  # what the cell printed before comes first
             sys.stderr.flush()
+            running = kernel.get_parent()
             for display_id, parent in shown:
                 content = {"data": self.static_bundle(), "metadata": {},
                            "transient": {"display_id": display_id}}
-                kernel.session.send(kernel.iopub_socket, "update_display_data", content, parent=parent)
+                for header in [parent] if parent == running else [parent, running]:
+                    kernel.session.send(kernel.iopub_socket, "update_display_data", content, parent=header)
 
     def close(self) -> None:
         """Leave a static snapshot where the panel was shown, then close the widget."""
