@@ -3,8 +3,9 @@ notebooks, the stop button on a hung collective, and no process left after a res
 
 Slow (a JupyterLab server and Chromium): marked ``browser`` and left out of ``./dev test``;
 ``./dev browser`` installs what they need and runs them. They skip, saying why, where
-JupyterLab, Playwright or Chromium is missing (in CI they fail instead). ``MESHBOOK_SCREENSHOTS=DIR`` also keeps the tutorials' widgets as PNGs
-in DIR (the README shows those in docs/screenshots).
+JupyterLab, Playwright or Chromium is missing (in CI they fail instead).
+``MESHBOOK_SCREENSHOTS=DIR`` also keeps the tutorials' widgets as PNGs in DIR (the README
+shows those in docs/screenshots).
 """
 
 from __future__ import annotations
