@@ -149,6 +149,19 @@ def test_cell_explains_ranks_that_stay_busy_after_the_others_finished(mesh: mesh
     assert run.done()
 
 
+def test_cell_explains_a_hang_while_no_rank_has_finished(mesh: meshbook.Mesh, capsys) -> None:
+    from meshbook.magics.render import RenderOptions, show_run
+
+    run = mesh.run(SKIP_ALL_REDUCE)  # rank 1 sleeps 60 s: no rank finishes for a minute
+    with pytest.raises(meshbook.MeshTimeout):
+        show_run(run, RenderOptions(stuck_hint=2.0, timeout=8), mesh)
+    note = capsys.readouterr().err
+    assert "rank(s) 0,2,3 wait in a collective (for over 2 s) while rank(s) 1 are elsewhere." in note
+    assert "rank 1 never reached it: at cell line 4 (time.sleep(60))" in note
+    mesh.restart([1])
+    assert run.done()
+
+
 def test_a_cell_waiting_on_stuck_ranks_after_explaining_does_not_spin(mesh: meshbook.Mesh) -> None:
     from meshbook.magics.render import RenderOptions, show_run
 

@@ -53,15 +53,18 @@ def test_two_interrupts_free_ranks_that_ignore_the_first(kernel: Kernel) -> None
                                    "    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n"
                                    "    time.sleep(60)")
     msg_id, sent = kernel.submit(code)
-    time.sleep(1.5)
-    kernel.manager.interrupt_kernel()
+    deadline = time.monotonic() + 60
+    while "rank 1 never reached it" not in stderr_of(kernel, msg_id):  # the automatic hang hint
+        assert time.monotonic() < deadline, "the hang was never explained"
+        time.sleep(0.1)
+    kernel.manager.interrupt_kernel()  # the first interrupt after the hint is explained too
     deadline = time.monotonic() + 30
     while "did not stop within 3 s" not in stderr_of(kernel, msg_id):
         assert time.monotonic() < deadline, "the stuck ranks were never explained"
         time.sleep(0.1)
     explained = stderr_of(kernel, msg_id)
     assert "ranks 0,2,3 wait in all_reduce" in explained
-    assert "rank 1 never reached it: at cell line 7 (time.sleep(60))" in explained
+    assert explained.count("rank 1 never reached it: at cell line 7 (time.sleep(60))") == 2
     assert "Interrupt again" in explained
     second = time.monotonic()
     kernel.manager.interrupt_kernel()
@@ -131,6 +134,20 @@ def test_several_ranks_at_breakpoints_are_served_one_after_another(kernel: Kerne
     first, second = prompts[0], prompts[2]
     assert prompts == [first, first, second, second] and first != second
     assert result_text(reply) == "[0] 0\n[1] 1"
+
+
+def test_a_debugger_session_keeps_the_cell_status_out_of_its_transcript(kernel: Kernel) -> None:
+    # the prompt's answer keeps the rank busy 1.5 s inside pdb: a status would show by then
+    at_once, _ = kernel.execute_with_input("%%mesh --ranks 0\nbreakpoint()\nrank",
+                                           ["import time; time.sleep(1.5)", "c"])
+    assert at_once.status == "ok" and at_once.of_type("display_data") == [], "status inside pdb"
+    # a status already showing when pdb opens stays above it and ends without durations
+    later, _ = kernel.execute_with_input("%%mesh --ranks 0\nimport time\ntime.sleep(1.5)\n"
+                                         "breakpoint()\nrank", ["import time; time.sleep(1.5)", "c"])
+    final = [m["content"]["data"] for m in kernel.messages_of(later.msg_id)
+             if m["msg_type"] == "update_display_data"]
+    assert len(later.of_type("display_data")) == 1 and len(final) == 1, final
+    assert "durations not shown" in final[0]["text/html"] and " s " not in final[0]["text/html"]
 
 
 def test_post_mortem_of_a_rank(kernel: Kernel) -> None:

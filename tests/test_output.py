@@ -80,3 +80,31 @@ def test_ordered_collector_prints_in_rank_order_grouping_identical_output() -> N
     ordered.feed_event(Output(0, "stdout", "same\n"))
     ordered.close()
     assert written == [("stdout", "[0,1] same\n[2] rank two\n")]
+
+
+def test_a_line_merges_with_the_same_line_a_moment_later() -> None:
+    written, write = collect()
+    clock = Clock()
+    merger = LineMerger([0, 1], write, clock=clock)
+    merger.feed_event(Output(0, "stdout", "epoch 1\n"))
+    clock.now = 0.6  # a busy machine ran rank 1 a moment later
+    merger.poll()
+    merger.feed_event(Output(1, "stdout", "epoch 1\n"))
+    merger.poll()
+    assert written == [("stdout", "[0,1] epoch 1\n")]
+
+
+def test_per_rank_lines_come_out_in_rank_order_once_every_rank_printed_its_own() -> None:
+    written, write = collect()
+    merger = LineMerger([0, 1, 2], write, clock=Clock())
+    for rank in (2, 0, 1):
+        merger.feed_event(Output(rank, "stdout", "epoch 1\n"))
+    for rank in (2, 0):
+        merger.feed_event(Output(rank, "stdout", f"loss of rank {rank}\nnext {rank}\n"))
+    merger.poll()
+    assert written == [("stdout", "[0-2] epoch 1\n")], "rank 1 has not printed its second line"
+    merger.feed_event(Output(1, "stdout", "loss of rank 1\n"))
+    merger.poll()
+    assert written[1:] == [("stdout", "[0] loss of rank 0\n[1] loss of rank 1\n[2] loss of rank 2\n")]
+    merger.close()
+    assert written[2:] == [("stdout", "[0] next 0\n[2] next 2\n")]

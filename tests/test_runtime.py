@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -88,6 +89,22 @@ def test_errors_are_grouped_with_cell_line_numbers(mesh4: meshbook.Mesh) -> None
     assert (frame.in_cell, frame.lineno, frame.line) == (True, 2, "b = 1 / (rank % 2)")
     rendered = err.render()
     assert "cell line 2" in rendered and "worker.py" not in rendered
+
+
+@pytest.mark.parametrize("code, torch_frame", [
+    ("t = torch.ones(2)\ndist.all_reduce(t, group=123)", "distributed_c10d.py:{}, in get_backend"),
+    ("t = torch.ones(2)\ndist.broadcast(t, src=7)", "distributed_c10d.py:{}, in broadcast"),
+    ("def f():\n    return torch.nn.Linear(2, 3)(torch.ones(4))\nf()", "linear.py:{}, in forward"),
+])
+def test_tracebacks_keep_the_cell_and_where_torch_raised_not_torch_wrappers(
+        mesh4: meshbook.Mesh, code: str, torch_frame: str) -> None:
+    with pytest.raises(RemoteError) as info:
+        mesh4.run(code, ranks=[0]).result()
+    frames = info.value.failures[0].frames
+    assert all(f.in_cell for f in frames[:-1]) and frames[0].line == code.splitlines()[-1]
+    innermost = frames[-1].format().splitlines()[0].strip().rsplit("/", 1)[-1]
+    assert re.fullmatch(torch_frame.format(r"\d+"), innermost), frames
+    assert "c10d_logger" not in info.value.render() and "_call_impl" not in info.value.render()
 
 
 def test_first_line_shifts_reported_lines(mesh4: meshbook.Mesh) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -28,15 +29,15 @@ def test_the_rank_that_waits_least_while_the_others_wait_is_the_straggler() -> N
     report = straggler_report({0: sampled(0.95), 1: sampled(0.9), 2: sampled(0.05), 3: sampled(0.96)})
     assert report.stragglers == [2]
     scores = {t.rank: t.score for t in report.ranks}
-    assert scores == {0: -0.05, 1: 0.05, 2: 0.9, 3: -0.06}
+    assert scores == {0: 0.0, 1: 0.05, 2: 0.9, 3: 0.0}, "waiting more than most is no score below 0"
     assert str(report) == (
         "straggler: rank 2 (score 0.90): it waits in collectives 5% of the time, the others 95%\n"
         "  rank 2 spends its time at: cell line 8 (95%), all_reduce at cell line 8 (5%)\n"
         "rank  samples  waiting  score  flag       most time at\n"
-        "0     20       95%      -0.05             all_reduce at cell line 8 (95%), cell line 8 (5%)\n"
+        "0     20       95%      0.00              all_reduce at cell line 8 (95%), cell line 8 (5%)\n"
         "1     20       90%      0.05              all_reduce at cell line 8 (90%), cell line 8 (10%)\n"
         "2     20       5%       0.90   straggler  cell line 8 (95%), all_reduce at cell line 8 (5%)\n"
-        "3     20       96%      -0.06             all_reduce at cell line 8 (96%), cell line 8 (4%)")
+        "3     20       96%      0.00              all_reduce at cell line 8 (96%), cell line 8 (4%)")
 
 
 def test_two_ranks_and_two_stragglers() -> None:
@@ -78,6 +79,23 @@ def test_classify_a_live_stack() -> None:
     assert waiting and where.startswith("wait at test_stragglers.py:")
 
 
+def test_an_idle_rank_keeps_its_last_window_until_the_next_request() -> None:
+    request: list[int | None] = [7]
+    here = sys._getframe()
+    sampler = MainThreadSampler(lambda: here, lambda: request[0])
+    for t in range(1, 6):  # five samples of request 7
+        sampler.tick(float(t))
+    request[0] = None
+    sampler.tick(100.0)  # long after the loop ended, with nothing running
+    report = sampler.report()
+    assert (report["request"], report["n"], report["total_n"], report["stuck_s"]) == (7, 5, 5, 0.0)
+    request[0] = 8
+    for t in (101.0, 112.0):  # the next request: the old window goes, its own slides
+        sampler.tick(t)
+    report = sampler.report()
+    assert (report["request"], report["n"], report["total_n"]) == (8, 1, 2)
+
+
 def test_a_failing_sample_stops_sampling_and_says_why() -> None:
     def no_stack() -> None:
         raise RuntimeError("no stack")
@@ -111,10 +129,11 @@ def test_memory_report_rows_and_limits() -> None:
     report = memory_report([healthy, dead], now)
     assert report.near_limit() == [0]
     assert report.rows[1].rss is None, "a dead rank's last numbers describe no process"
-    assert str(report) == (
-        "rank  host  pid  device  state           cpu  rss      memory pool                         heartbeat\n"
-        "0     h     11   cpu     idle            12%  3.0 GiB  host 95% of 100 B (near its limit)  0.5 s ago\n"
-        "1     h     -    cpu     dead (SIGKILL)  -    -        -                                   -")
+    cells = [re.split(r"\s{2,}", line) for line in str(report).splitlines()]  # columns: 2+ spaces
+    assert cells == [
+        ["rank", "host", "pid", "device", "state", "cpu", "rss", "memory pool", "heartbeat"],
+        ["0", "h", "11", "cpu", "idle", "12%", "3.0 GiB", "host RAM 95 B / 100 B (95%, near its limit)", "0.5 s ago"],
+        ["1", "h", "-", "cpu", "dead (SIGKILL)", "-", "-", "-", "-"]]
     gpu = RankState(0, 0, state="busy", last_seen=now,
                     metrics={"rss": 1, "cuda_allocated": 2 << 20, "cuda_reserved": 4 << 20,
                              "cuda_peak": 3 << 20})
@@ -157,10 +176,15 @@ def test_sampling_flags_the_slow_rank_inside_a_loop(mesh4: meshbook.Mesh, tmp_pa
         for rank in (0, 1, 3):
             t = report.get(rank)
             assert t is not None and not t.straggler and t.places[0].where == "all_reduce at cell line 10"
+        time.sleep(1.0)
+        assert all(s < 1.0 for s in mesh4.stuck(run).values()), \
+            f"a new all_reduce every step is no hang: {mesh4.stuck(run)}"
     finally:
         stop.touch()
     steps = run.result(timeout=60)
     assert len(set(steps.values())) == 1, "every rank leaves the loop after the same step"
+    time.sleep(1.0)  # heartbeats from the idle ranks
+    assert mesh4.stragglers().stragglers == [2], "the verdict outlives the loop until the next cell"
 
 
 def test_slow_rank_by_cell_duration(mesh4: meshbook.Mesh) -> None:

@@ -64,6 +64,20 @@ def displays(reply: Reply) -> list[dict[str, Any]]:
     return [m["content"]["data"] for _, m in reply.outputs if m["msg_type"] == "display_data"]
 
 
+def replaced(kernel: Kernel, reply: Reply) -> list[dict[str, Any]]:
+    """What replaced the displays of ``reply``'s cell (sent under that cell's header, so a
+    frontend routes it to that cell's outputs), each checked to name a display it showed."""
+    shown = {m["content"]["transient"]["display_id"] for m in kernel.messages_of(reply.msg_id)
+             if m["msg_type"] == "display_data"}
+    updates = [m["content"] for m in kernel.messages_of(reply.msg_id)
+               if m["msg_type"] == "update_display_data"]
+    assert all(u["transient"]["display_id"] in shown for u in updates), (shown, updates)
+    return [u["data"] for u in updates]
+
+
+STATIC = ["text/html", "text/plain"]  # what a saved notebook shows without a kernel
+
+
 def test_dashboard_rows_are_live(kernel: Kernel) -> None:
     rows = poll(kernel, "d.rows", lambda rows: all(r["rss"] for r in rows), 10)
     assert [r["rank"] for r in rows] == [0, 1, 2, 3]
@@ -108,19 +122,30 @@ def test_cell_status_follows_the_ranks_and_ends_with_durations(kernel: Kernel) -
     assert max(last["ranks"], key=lambda r: r["elapsed"])["rank"] == 1
     shown, = displays(reply)
     assert shown["text/plain"] == "cell status: [0-3] running"
-    final = [m["content"]["data"] for m in kernel.messages_of(reply.msg_id)
-             if m["msg_type"] == "update_display_data"]
-    assert final[-1]["text/plain"] == "cell status: [0-3] done"
-    assert "per-rank durations" in final[-1]["text/html"] and html.FLAG in final[-1]["text/html"]
+    assert "application/vnd.jupyter.widget-view+json" in shown
+    final, = replaced(kernel, reply)
+    assert sorted(final) == STATIC, "a saved notebook would show 'Error displaying widget'"
+    assert final["text/plain"] == "cell status: [0-3] done"
+    assert "per-rank durations" in final["text/html"] and html.FLAG in final["text/html"]
+    closed = [m for m in kernel.messages_of(reply.msg_id) if m["msg_type"] == "comm_close"]
+    assert closed, "the status widget's models outlive their cell"
+
+
+def test_durations_split_computing_from_waiting_in_collectives(kernel: Kernel) -> None:
+    # every rank ends at the same all_reduce, so all take the same time; rank 1 computed it
+    reply = watched(kernel, "%%mesh\nimport time\nt = torch.ones(1)\n"
+                            "time.sleep(3.0 if rank == 1 else 0.2)\ndist.all_reduce(t)")
+    last = cell_status_states(kernel, reply)[-1]["ranks"]
+    assert all(r["waiting"] is not None for r in last), last
+    assert last[1]["waiting"] < 1.0 and all(last[r]["waiting"] > 1.5 for r in (0, 2, 3)), last
+    assert [r["rank"] for r in last if r["straggler"]] == [1], last
+    final, = replaced(kernel, reply)
+    assert "s computing" in final["text/html"] and "waiting in collectives" in final["text/html"]
 
 
 def test_fallbacks_are_deterministic_and_batch_runs_store_no_status(kernel: Kernel) -> None:
     long_cell = "%%mesh\nimport time\ntime.sleep(1.6)"
-    finals = []
-    for _ in range(2):
-        reply = watched(kernel, long_cell)
-        finals.append([m["content"]["data"]["text/plain"] for m in kernel.messages_of(reply.msg_id)
-                       if m["msg_type"] == "update_display_data"])
+    finals = [[data["text/plain"] for data in replaced(kernel, watched(kernel, long_cell))] for _ in range(2)]
     assert finals == [["cell status: [0-3] done"]] * 2
     batch = kernel.ok(long_cell)  # as nbconvert / nbval run it: allow_stdin=False
     assert displays(batch) == [] and cell_status_states(kernel, batch) == []
@@ -143,24 +168,34 @@ def test_a_killed_rank_shows_dead(kernel: Kernel) -> None:
     assert rank3[0] == "running" and rank3[-1] == "dead"
     assert [r["state"] for r in states[-1]["ranks"]] == ["done", "done", "done", "dead"]
     assert states[-1]["state"] == "dead"
-    final = [m["content"]["data"]["text/plain"] for m in kernel.messages_of(reply.msg_id)
-             if m["msg_type"] == "update_display_data"]
-    assert final == ["cell status: [0-2] done, [3] dead"]
+    assert [data["text/plain"] for data in replaced(kernel, reply)] == ["cell status: [0-2] done, [3] dead"]
     row = poll(kernel, "d.rows[3]", lambda r: r["dead"], 10)
     assert row["state"] == "dead (SIGKILL)" and row["rss"] is None and row["pid"] is None
     assert html.DEAD_BG in kernel.value("d._html.value")
 
 
-def test_closing_or_stopping_ends_the_updates(kernel: Kernel) -> None:
+def test_closing_or_stopping_ends_the_updates_and_leaves_a_snapshot(kernel: Kernel) -> None:
     listeners = "[len(c.heartbeat_listeners), len(c.death_listeners)]"
-    kernel.ok(f"c = meshbook.current()._controller\nbefore = {listeners}\n"
-              "d2 = meshbook.widgets.Dashboard(meshbook.current())")
+    kernel.ok(f"c = meshbook.current()._controller\nbefore = {listeners}")
+    shown = kernel.ok("%mesh dashboard")
+    assert "application/vnd.jupyter.widget-view+json" in displays(shown)[0]
+    kernel.ok("d2 = meshbook.widgets.Dashboard(meshbook.current())")
     assert kernel.value("d2.thread.is_alive()") is True
+    shown_d = kernel.ok("d")
     kernel.ok("d.close()")
     assert kernel.value("(d.thread.is_alive(), d.live, d.comm)") == (False, False, None)
+    snapshot, = replaced(kernel, shown_d)  # the closing cell replaced the display in its own cell
+    assert sorted(snapshot) == STATIC and "<table" in snapshot["text/html"]
+    assert snapshot["text/plain"] == DASHBOARD_TEXT
     kernel.ok("%mesh stop")
     poll(kernel, "d2.thread.is_alive()", lambda alive: not alive, 5)
     assert kernel.value("d2.live") is False
     assert "mesh stopped" in kernel.value("d2._html.value")
+    deadline = time.monotonic() + 5  # the one %mesh dashboard showed froze as the mesh stopped
+    while not replaced(kernel, shown):
+        assert time.monotonic() < deadline, "the dashboard never froze after the mesh stopped"
+        time.sleep(0.1)
+    snapshot, = replaced(kernel, shown)
+    assert sorted(snapshot) == STATIC and "mesh stopped" in snapshot["text/html"]
     assert kernel.value(f"{listeners} == before") is True
     assert kernel.value("[t.name for t in threading.enumerate() if 'dashboard' in t.name]") == []

@@ -12,8 +12,10 @@ block, and the cell keeps waiting. A second interrupt frees them with
 :meth:`~meshbook.Mesh.recover` (restarting as few ranks as possible, usually none) and the
 cell ends with the ranks' errors and what the recovery did.
 
-When some ranks finished and the others stay busy, or ``--timeout`` expires, the hang
-diagnosis (:meth:`~meshbook.Mesh.diagnose`) is printed, so a hang never goes unexplained.
+When ranks have waited ``STUCK_HINT_S`` inside one collective call that other ranks of the
+cell have not joined (their heartbeats say so), when some ranks finished and the others stay
+busy, or when ``--timeout`` expires, the hang diagnosis (:meth:`~meshbook.Mesh.diagnose`) is
+printed, so a hang never goes unexplained, even while no rank has finished.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from ..mesh.table import status_table  # noqa: F401  - re-exported for the comma
 INTERRUPT_GRACE_S = 3.0
 #: How long ranks may stay busy after others finished before the diagnosis is printed.
 HANG_HINT_S = 10.0
+#: How long ranks may wait in one collective that others have not joined before it is.
+STUCK_HINT_S = 5.0
+#: How often a cell re-reads the ranks' heartbeats for that (they arrive every 0.5 s).
+STUCK_CHECK_S = 0.5
 
 
 class CellView(Protocol):
@@ -51,6 +57,7 @@ class RenderOptions:
     timeout: float | None = None
     grace: float = INTERRUPT_GRACE_S
     hang_hint: float = HANG_HINT_S
+    stuck_hint: float = STUCK_HINT_S
 
 
 def write_stream(stream: str, text: str) -> None:
@@ -91,6 +98,7 @@ class _CellRun:
                 try:
                     self._pump(self._next_wake())
                     self._check_time()
+                    self._check_stuck()
                 except KeyboardInterrupt:
                     if self.interrupted_at is None:
                         self.interrupted_at = time.monotonic()
@@ -118,7 +126,8 @@ class _CellRun:
         if not self.interrupt_explained:  # once explained, a deadline is past: never spin on it
             waits.append(_left(self.options.grace, self.interrupted_at, now))
         if not self.explained:
-            waits.append(_left(self.options.hang_hint, self.first_done_at, now))
+            waits += [_left(self.options.hang_hint, self.first_done_at, now),
+                      STUCK_CHECK_S if self.mesh is not None else None]
         return min((w for w in waits if w is not None), default=None)
 
     def _pump(self, timeout: float | None) -> None:
@@ -157,6 +166,18 @@ class _CellRun:
                 f"{self.options.timeout:g} s. The ranks keep running as they are: inspect them "
                 f"with %mesh stacks, stop them with %mesh interrupt." +
                 (f"\n{diagnosis}" if diagnosis else ""))
+
+    def _check_stuck(self) -> None:
+        """Explain ranks waiting in a collective call the other ranks have not joined."""
+        if self.explained or self.mesh is None or self.interrupted_at is not None \
+                or self.prompts.used:  # ranks wait on purpose while one is in the debugger
+            return
+        waiting = self.mesh.stuck(self.run)
+        elsewhere = [r for r in self.run.ranks if r not in waiting]
+        if elsewhere and max(waiting.values(), default=0.0) >= self.options.stuck_hint:
+            self._explain(f"rank(s) {format_ranks(waiting)} wait in a collective (for over "
+                          f"{self.options.stuck_hint:g} s) while rank(s) {format_ranks(elsewhere)} "
+                          f"are elsewhere.")
 
     def _explain(self, headline: str) -> None:
         self.writer.flush()

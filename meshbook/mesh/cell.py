@@ -8,6 +8,12 @@ tracebacks show the cell's own lines.
 
 The controller compiles first, to report a ``SyntaxError`` before anything is sent; ranks
 compile again from the same source (code objects do not travel).
+
+Tracebacks leave out meshbook's own frames, and most of torch's: the cell line that called
+torch says what the user did, and torch's innermost frame where the error left it (the check
+that raised, the gloo call that failed). The frames in between (``c10d_logger`` wrappers, its
+``_get_msg_dict``, ``Module._call_impl`` on the way to a forward defined in the notebook) are
+torch's business, as meshbook's are its own.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import traceback
 from dataclasses import dataclass
 from types import CodeType, TracebackType
 
-from .errors import CellSyntaxError, Frame, RankFailure
+from .errors import CellSyntaxError, Frame, RankFailure, short_path
 
 #: File names of submitted code start with this, so their frames are recognised as cell code.
 CELL_PREFIX = "<mesh cell "
@@ -68,9 +74,16 @@ def is_internal(filename: str) -> bool:
 
 
 def frames_of(tb: TracebackType | None) -> tuple[Frame, ...]:
-    """User-facing frames of a traceback: meshbook's own rank machinery is left out."""
-    return tuple(_frame(f.filename, f.lineno or 0, f.name, f.line or "")
-                 for f in traceback.extract_tb(tb) if not is_internal(f.filename))
+    """User-facing frames of a traceback: meshbook's own rank machinery is left out, and so
+    are torch's frames, except the innermost frame when the error was raised inside torch."""
+    frames = [_frame(f.filename, f.lineno or 0, f.name, f.line or "")
+              for f in traceback.extract_tb(tb) if not is_internal(f.filename)]
+    return tuple(f for i, f in enumerate(frames)
+                 if not _in_torch(f) or (i == len(frames) - 1))
+
+
+def _in_torch(frame: Frame) -> bool:
+    return short_path(frame.filename).startswith("torch/")
 
 
 def _frame(filename: str, lineno: int, name: str, line: str) -> Frame:

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 #: A pool this full is about to run out.
 NEAR_LIMIT = 0.9
+#: How a report names the CPU pools (a GPU pool is named by its device, ``cuda:0``).
+_POOL_NAMES = {"host": "host RAM", "container": "container RAM"}
 
 
 def memory_probe(cuda_device: int | None) -> Callable[[], dict[str, Any]]:
@@ -89,11 +91,13 @@ class MemoryRow:
         return self.state.startswith("dead")
 
     def pool_text(self) -> str:
-        """``"host 41% of 125.8 GiB"``, with ``" (near its limit)"`` when it is."""
+        """What the pool is and how full: ``"host RAM 51.2 GiB / 125.8 GiB (41%)"``, with
+        ``", near its limit"`` inside the brackets when it is."""
         if self.pool_fraction is None:
             return "-"
-        text = f"{self.pool} {format_percent(self.pool_fraction)} of {format_bytes(self.pool_limit)}"
-        return text + (" (near its limit)" if self.near_limit else "")
+        near = ", near its limit" if self.near_limit else ""
+        return (f"{_POOL_NAMES.get(self.pool, self.pool)} {format_bytes(self.pool_used)} / "
+                f"{format_bytes(self.pool_limit)} ({format_percent(self.pool_fraction)}{near})")
 
 
 @dataclass(frozen=True)

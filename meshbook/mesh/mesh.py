@@ -28,7 +28,7 @@ from .limits import DEFAULT_MAX_BYTES
 from .memory import MemoryReport, memory_report
 from .metrics import MetricsHistory
 from .run import Run
-from .stragglers import DURATION_FACTOR, StragglerReport, straggler_report
+from .stragglers import DURATION_FACTOR, StragglerReport, straggler_report, stuck_in_collectives
 from .topology import DimSelector, Topology, resolve
 
 
@@ -172,9 +172,16 @@ class Mesh(DebugOps, DataOps):
         """Which rank the others wait for, from where each rank spent the last seconds
         (sampled inside collectives or not); with ``run``, also the ranks whose duration
         exceeds ``factor`` times the median of the others'."""
-        sampled = {s.rank: s.metrics.get("sampling", {}) for s in self.status()
-                   if s.state != "dead"}
-        return straggler_report(sampled, run.durations if run is not None else None, factor)
+        return straggler_report(self._sampled(), run.durations if run is not None else None, factor)
+
+    def stuck(self, run: Run) -> dict[int, float]:
+        """Seconds each rank of ``run`` has waited inside its current collective call, from
+        its last heartbeat (ranks not in a collective are left out)."""
+        return stuck_in_collectives(self._sampled(), run.id)
+
+    def _sampled(self) -> dict[int, dict[str, Any]]:
+        """Each live rank's sampling report (where its main thread spent the last seconds)."""
+        return {s.rank: s.metrics.get("sampling", {}) for s in self.status() if s.state != "dead"}
 
     @property
     def history(self) -> MetricsHistory:

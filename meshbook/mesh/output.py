@@ -1,9 +1,13 @@
 """Rank output as people want to read it: one line for what several ranks print alike.
 
 :class:`LineMerger` streams: a line printed by ranks 0-3 is written once as ``[0-3] epoch 1``
-as soon as every rank still running has printed it, or after a short window (so a line only
-rank 0 prints is not held back for long). Lines keep their order; a rank that prints the same
-text twice contributes to two separate lines.
+as soon as every rank still running has printed it, or has printed another line in its place
+(ranks print in step: rank 2's third line was not this one, so it will not join it), or after
+a window (``MERGE_WINDOW_S``) long enough for ranks a busy machine schedules a moment apart.
+Only a line that some ranks never print waits that long (``if rank == 0: print(...)``).
+Each rank's lines keep their order; a rank that prints the same text twice contributes to two
+separate lines. Per-rank lines written together are sorted by rank between the merged lines around
+them (``[0] loss 1.2``, ``[1] loss 1.3``, ... whatever order they arrived in).
 
 :class:`OrderedCollector` buffers instead and writes each rank's output in rank order when the
 run ends (ranks with identical output shown once): deterministic, for tests and docs.
@@ -23,14 +27,16 @@ from .errors import format_ranks, group_by_text
 from .run import Error, Event, Output, Result
 
 Write = Callable[[str, str], None]
+Key = tuple[str, str, int]  # (stream, line, how many times its ranks printed it before)
 
 #: How long a line waits for the other ranks to print it too.
-MERGE_WINDOW_S = 0.2
+MERGE_WINDOW_S = 1.0
 
 
 @dataclass
 class _Line:
     first_seen: float
+    position: int  # how many lines of its stream its first rank had printed before it
     ranks: set[int] = field(default_factory=set)
 
 
@@ -62,7 +68,8 @@ class LineMerger:
         self._clock = clock
         self._splitter = _Splitter()
         self._occurrences: dict[tuple[int, str, str], int] = defaultdict(int)
-        self._lines: dict[tuple[str, str, int], _Line] = {}  # insertion order = display order
+        self._printed: dict[tuple[int, str], int] = defaultdict(int)  # lines per (rank, stream)
+        self._lines: dict[Key, _Line] = {}  # insertion order = display order
 
     def feed_event(self, event: Event) -> None:
         if isinstance(event, Output):
@@ -74,18 +81,28 @@ class LineMerger:
     def _add(self, rank: int, stream: str, line: str) -> None:
         nth = self._occurrences[(rank, stream, line)]
         self._occurrences[(rank, stream, line)] += 1
-        entry = self._lines.setdefault((stream, line, nth), _Line(self._clock()))
+        position = self._printed[(rank, stream)]
+        self._printed[(rank, stream)] += 1
+        entry = self._lines.setdefault((stream, line, nth), _Line(self._clock(), position))
         entry.ranks.add(rank)
 
     def poll(self) -> None:
-        """Write every line that is complete or has waited long enough (in order)."""
+        """Write every line that is complete or has waited long enough, each after the lines
+        its ranks printed before it."""
         now = self._clock()
-        ready = []
+        ready, held = [], set()  # held: ranks with an earlier line still waiting
         for key, entry in self._lines.items():
-            if not (self._running <= entry.ranks or now - entry.first_seen >= self._window):
-                break
-            ready.append(key)
+            if entry.ranks & held or not (self._complete(key[0], entry)
+                                          or now - entry.first_seen >= self._window):
+                held |= entry.ranks
+            else:
+                ready.append(key)
         self._emit(ready)
+
+    def _complete(self, stream: str, entry: _Line) -> bool:
+        """Every running rank printed this line, or already printed another in its place."""
+        return all(rank in entry.ranks or self._printed[(rank, stream)] > entry.position
+                   for rank in self._running)
 
     def next_deadline(self) -> float | None:
         """Seconds until the oldest waiting line must be written (None: nothing waits)."""
@@ -103,17 +120,32 @@ class LineMerger:
             self._add(rank, stream, text)
         self.flush()
 
-    def _emit(self, keys: list[tuple[str, str, int]]) -> None:
+    def _emit(self, keys: list[Key]) -> None:
         chunks: list[tuple[str, str]] = []
-        for key in keys:
+        for key, ranks in _by_rank([(key, self._lines.pop(key).ranks) for key in keys]):
             stream, line, _ = key
-            text = f"[{format_ranks(self._lines.pop(key).ranks)}] {line}\n"
+            text = f"[{format_ranks(ranks)}] {line}\n"
             if chunks and chunks[-1][0] == stream:
                 chunks[-1] = (stream, chunks[-1][1] + text)
             else:
                 chunks.append((stream, text))
         for stream, text in chunks:
             self._write(stream, text)
+
+
+def _by_rank(lines: list[tuple[Key, set[int]]]) -> list[tuple[Key, set[int]]]:
+    """Lines of a single rank sorted by rank (each rank's own lines keep their order) between
+    the lines several ranks printed, which stay where they are."""
+    out: list[tuple[Key, set[int]]] = []
+    single: list[tuple[Key, set[int]]] = []
+    for item in lines:
+        if len(item[1]) == 1:
+            single.append(item)
+            continue
+        out += sorted(single, key=lambda i: min(i[1]))
+        out.append(item)
+        single = []
+    return out + sorted(single, key=lambda i: min(i[1]))
 
 
 class OrderedCollector:

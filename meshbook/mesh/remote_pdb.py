@@ -108,10 +108,13 @@ class PromptServer:
         self._send = send
         self._serving: int | None = None
         self._waiting: deque[InputRequest] = deque()
+        #: A rank asked for input: the run has been in a debugger session.
+        self.used = False
 
     def feed(self, event: Event) -> None:
         if isinstance(event, InputRequest):
             self._waiting.append(event)
+            self.used = True
         elif isinstance(event, DebugEnd) and event.rank == self._serving:
             self._serving = None
         while self._waiting:

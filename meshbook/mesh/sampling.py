@@ -18,6 +18,16 @@ samples, the fraction spent waiting, and the few places the rank spends most of 
 run the same request (:mod:`meshbook.mesh.stragglers`): the rank that waits least while the
 others wait is the one they wait for.
 
+The window slides with the samples, not with the clock: an idle rank takes none, so the last
+request's window stays as it was until the next request is sampled, and ``%mesh stragglers``
+right after a training loop still names the straggler. Two more figures ride along: the
+fraction of the *whole* request spent waiting (a cell's end splits each rank's time into
+computing and waiting), and how long the main thread has been inside the *same* collective
+call (``stuck_s``: the same frame object, held from one sample to the next, so a loop that
+waits in a new all_reduce each step never adds up). A cell explains a hang from the latter
+without waiting for any rank to finish. A ``.wait()`` on a work handle runs in the same frame
+step after step, so it never counts as stuck.
+
 A sample walks only the user's frames (it stops at meshbook's own machinery) and classifies
 each code object once, so it costs microseconds; at five samples a second that is far below
 1% of a core. Collectives issued from C++ (DDP's gradient all-reduce inside ``backward()``)
@@ -80,32 +90,51 @@ class MainThreadSampler:
         self.error: str | None = None
         self._samples: deque[Sample] = deque()
         self._next = 0.0
+        self._total = (None, 0, 0)  # (request, samples, waiting samples) over the whole request
+        self._stuck: tuple[FrameType, float, float] | None = None  # (collective frame, first, last)
 
     def tick(self, now: float) -> None:
-        """Take a sample if one is due and the main thread is busy; drop expired ones."""
+        """Take a sample if one is due and the main thread is busy; drop the samples older
+        than the window before the latest one (an idle rank keeps its last window)."""
         if self.enabled and self.error is None and now >= self._next:
             self._next = now + self.gap
             try:
                 self._sample(now)
             except Exception as exc:  # noqa: BLE001 - a bug here must not end the control thread
                 self.error = f"{type(exc).__name__}: {exc}"
-        while self._samples and self._samples[0].t < now - self.window:
+                self._stuck = None
+        latest = self._samples[-1].t if self._samples else now
+        while self._samples and self._samples[0].t < latest - self.window:
             self._samples.popleft()
 
     def _sample(self, now: float) -> None:
         request = self._request()
         frame = self._frame() if request is not None else None
-        found = classify(frame) if frame is not None else None
-        if request is not None and found is not None:
-            self._samples.append(Sample(now, request, *found))
+        found = _classify(frame) if frame is not None else None
+        if request is None or found is None:
+            self._stuck = None  # never keep a frame (and its locals) alive while idle
+            return
+        waiting, where, call = found
+        self._samples.append(Sample(now, request, waiting, where))
+        same, samples, waits = self._total
+        self._total = (request, samples + 1, waits + waiting) if same == request else (request, 1, int(waiting))
+        stuck = self._stuck
+        if call is None:
+            self._stuck = None
+        elif stuck is not None and stuck[0] is call:
+            self._stuck = (call, stuck[1], now)
+        else:
+            self._stuck = (call, now, now)
 
     def report(self) -> dict[str, Any]:
         """The window's samples of the latest request sampled, for a heartbeat:
-        ``{"request", "n", "wait", "top": [[where, waiting, fraction]], "window"}``."""
+        ``{"request", "n", "wait", "top": [[where, waiting, fraction]], "window",
+        "total_n", "total_wait", "stuck_s"}``: ``total_*`` cover the whole request,
+        ``stuck_s`` the current collective call (0 when not in one)."""
         samples = list(self._samples)
         if not samples:
             return {"request": None, "n": 0, "wait": 0.0, "top": [], "window": self.window,
-                    "error": self.error}
+                    "error": self.error, "total_n": 0, "total_wait": 0.0, "stuck_s": 0.0}
         request = samples[-1].request
         samples = [s for s in samples if s.request == request]
         n = len(samples)
@@ -113,8 +142,12 @@ class MainThreadSampler:
         top = [[where, waiting, round(count / n, 3)]
                for (where, waiting), count in places.most_common(TOP_PLACES)]
         waiting = sum(s.waiting for s in samples)
+        _, total, total_waits = self._total
+        stuck = self._stuck
         return {"request": request, "n": n, "wait": round(waiting / n, 3), "top": top,
-                "window": self.window, "error": self.error}
+                "window": self.window, "error": self.error, "total_n": total,
+                "total_wait": round(total_waits / total, 3) if total else 0.0,
+                "stuck_s": round(stuck[2] - stuck[1], 1) if stuck else 0.0}
 
 
 def classify(frame: FrameType) -> tuple[bool, str] | None:
@@ -122,7 +155,14 @@ def classify(frame: FrameType) -> tuple[bool, str] | None:
 
     ``None`` when the stack holds no frame outside meshbook's own machinery.
     """
-    collective: str | None = None
+    found = _classify(frame)
+    return None if found is None else found[:2]
+
+
+def _classify(frame: FrameType) -> tuple[bool, str, FrameType | None] | None:
+    """:func:`classify`, plus the frame of the collective call the user made (``None``
+    when not in a torch.distributed collective)."""
+    collective: FrameType | None = None
     user: FrameType | None = None
     innermost: FrameType | None = None
     f: FrameType | None = frame
@@ -132,18 +172,18 @@ def classify(frame: FrameType) -> tuple[bool, str] | None:
             break  # everything further out is the worker's request loop
         innermost = innermost or f
         if kind == _COLLECTIVE and f.f_code.co_name != "wrapper":
-            collective = f.f_code.co_name  # the outermost one: the call the user made
+            collective = f  # the outermost one: the call the user made
         elif kind == _USER and user is None:
             user = f
         f = f.f_back
     if innermost is None:
         return None
     place = _describe(user or innermost)
-    if collective is None and _blocks_in_wait(innermost):
-        collective = "wait"
-    if collective is None:
-        return False, place
-    return True, f"{collective} at {place}"
+    if collective is not None:
+        return True, f"{collective.f_code.co_name} at {place}", collective
+    if _blocks_in_wait(innermost):
+        return True, f"wait at {place}", None
+    return False, place, None
 
 
 def _kind(code: CodeType) -> int:

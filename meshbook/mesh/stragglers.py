@@ -6,10 +6,11 @@ Two signals, both cheap and both available while work is still running:
   few seconds a rank's main thread spent waiting in collectives (see
   :mod:`meshbook.mesh.sampling`). In a synchronous job everyone waits for the slowest rank, so
   the straggler is the rank that waits *least* while the others wait on it. A rank's score is
-  the median waiting fraction of the *other* ranks running the same request minus its own:
-  about 0 for a healthy rank, close to 1 for the rank everyone waits for, negative for one
-  that waits more than most. A score of at least ``STRAGGLER_SCORE`` flags it. A rank needs
-  ``MIN_SAMPLES`` samples in the window to be scored, and two ranks are needed to compare.
+  the median waiting fraction of the *other* ranks running the same request minus its own,
+  and never below 0: about 0 for a healthy rank (or one that waits more than most: nobody
+  waits on it), close to 1 for the rank everyone waits for. A score of at least
+  ``STRAGGLER_SCORE`` flags it. A rank needs ``MIN_SAMPLES`` samples in the window to be
+  scored, and two ranks are needed to compare.
 * **Durations** work per request: a rank whose duration exceeds the median of the others' by
   ``DURATION_FACTOR`` is slow, if it is also at least ``DURATION_MIN_EXCESS_S`` slower (a 3 ms
   cell next to 1 ms ones is not news).
@@ -59,7 +60,8 @@ class RankTime:
     samples: int
     wait: float
     places: tuple[Place, ...]
-    #: Median waiting fraction of the other ranks minus this rank's; ``None`` if not scored.
+    #: Median waiting fraction of the other ranks minus this rank's, at least 0; ``None`` if
+    #: not scored.
     score: float | None
     others_wait: float | None
     #: Why the rank stopped sampling, if it did (its time is then unknown).
@@ -158,7 +160,7 @@ def score_ranks(sampled: Mapping[int, Mapping[str, Any]]) -> tuple[RankTime, ...
         others_wait = statistics.median(others) if others else None
         score = None
         if rank in waits and others_wait is not None:
-            score = round(others_wait - waits[rank], 3)
+            score = round(max(0.0, others_wait - waits[rank]), 3)
         places = tuple(Place(str(where), bool(waiting), float(fraction))
                        for where, waiting, fraction in report.get("top", ()))
         out.append(RankTime(rank, request, int(report.get("n", 0)),
@@ -188,3 +190,10 @@ def straggler_report(sampled: Mapping[int, Mapping[str, Any]],
     window = max((float(s.get("window", 0.0)) for s in sampled.values()), default=0.0) or WINDOW_S
     slow = slow_by_duration(durations, factor) if durations else ()
     return StragglerReport(score_ranks(sampled), slow, window)
+
+
+def stuck_in_collectives(sampled: Mapping[int, Mapping[str, Any]], request: int) -> dict[int, float]:
+    """Seconds each rank running ``request`` has spent inside its current collective call
+    (ranks not in one are left out)."""
+    return {rank: float(s["stuck_s"]) for rank, s in sampled.items()
+            if s.get("request") == request and s.get("stuck_s")}

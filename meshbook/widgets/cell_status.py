@@ -6,7 +6,13 @@ Most cells end within a second and show nothing; a cell still running after
 ``SHOW_AFTER_S`` gets a :class:`CellStatus` widget: per rank its state (running / done /
 error / interrupted / dead), elapsed time, the cell line it is on now (from its heartbeat) and
 a straggler mark. When the cell ends the widget turns into a bar chart of the final per-rank
-durations, so the slow rank is obvious at a glance.
+durations, each split into computing and waiting in collectives (from the ranks' own
+sampling, :mod:`meshbook.mesh.sampling`): ranks that end in a collective all take the same
+time, and the straggler is the one that spent it computing while the others waited.
+
+A cell that opens a debugger (``breakpoint()``) shows no status once a prompt came: the
+widget would land inside the pdb transcript. If it was already showing, it ends with the
+ranks' states only, since their durations count the time the user spent at the prompt.
 
 A rank is marked as a straggler when the sampling detector flags it
 (:meth:`meshbook.Mesh.stragglers`) or when its time exceeds the median of the other ranks' by
@@ -14,7 +20,9 @@ A rank is marked as a straggler when the sampling detector flags it
 
 Where widgets do not render, the output falls back to the same HTML, and to a deterministic
 ``text/plain`` (the ranks' final states, no times: ``cell status: [0-2] done, [3] dead``).
-The display is updated when the cell ends, so a saved notebook keeps the final state.
+When the cell ends the display is replaced by that HTML and text alone
+(:meth:`~meshbook.widgets.panel.HTMLPanel.freeze`), so a saved notebook shows the final
+state anywhere, without the kernel that drew it.
 """
 
 from __future__ import annotations
@@ -22,11 +30,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from IPython.display import DisplayHandle, display
 from traitlets import Dict, List, Unicode
 
 from ..mesh import Mesh, Run
 from ..mesh.errors import format_ranks, group_by_text
+from ..mesh.run import InputRequest
 from ..mesh.stragglers import DURATION_FACTOR, slow_by_duration
 from . import html
 from .panel import HTMLPanel
@@ -49,9 +57,9 @@ class CellStatus(HTMLPanel):
         self._mesh: Mesh | None = mesh
         self._run: Run | None = run
         self._factor = factor
-        self._final = False
+        self._final = ""  # "durations" or "states" once the cell ended
         rows = rank_rows(mesh, run, factor)  # the model opens with its state complete
-        super().__init__(_render(rows, _overall(rows), final=False), ranks=rows,
+        super().__init__(_render(rows, _overall(rows), final=""), ranks=rows,
                          state=_overall(rows), **kwargs)
 
     def refresh(self) -> None:
@@ -62,9 +70,10 @@ class CellStatus(HTMLPanel):
         self.state = _overall(self.ranks)
         self._html.value = _render(self.ranks, self.state, self._final)
 
-    def finish(self) -> None:
-        """The cell ended: show the final durations and let go of the run and the mesh."""
-        self._final = True
+    def finish(self, durations: bool = True) -> None:
+        """The cell ended: show the final durations (or only the states, when they would
+        count time spent at a debugger prompt) and let go of the run and the mesh."""
+        self._final = "durations" if durations else "states"
         self.refresh()
         self._run = self._mesh = None
 
@@ -82,25 +91,34 @@ class CellStatusView:
         self.show_after = show_after
         #: The widget, once shown (``None`` for a cell that ended quickly).
         self.widget: CellStatus | None = None
-        self._handle: DisplayHandle | None = None
+        #: A rank of the run asked for debugger input.
+        self.debugged = False
+        self._seen = 0  # the run's events looked at so far
 
     def update(self, run: Run) -> None:
+        self._look_for_prompts(run)
         if self.widget is not None:
             self.widget.refresh()
-        elif time.monotonic() - run.submitted_at >= self.show_after and not run.done():
+        elif time.monotonic() - run.submitted_at >= self.show_after and not run.done() \
+                and not self.debugged:
             self.widget = CellStatus(self._mesh, run)
-            self._handle = display(self.widget, display_id=True)
+            self.widget.show()
 
     def close(self, run: Run) -> None:
         if self.widget is None:
             return  # a quick cell: nothing was shown, nothing stays
-        self.widget.finish()
-        if self._handle is not None:
-            self._handle.update(self.widget)  # a saved notebook keeps the final state
+        self._look_for_prompts(run)
+        self.widget.finish(durations=not self.debugged)
+        self.widget.close()  # leaves the final state as static HTML and text
+
+    def _look_for_prompts(self, run: Run) -> None:
+        events, self._seen = run.events_since(self._seen, 0)
+        self.debugged = self.debugged or any(isinstance(e, InputRequest) for e in events)
 
 
 def rank_rows(mesh: Mesh, run: Run, factor: float = DURATION_FACTOR) -> list[dict[str, Any]]:
-    """Per rank of ``run``: state, elapsed seconds, current cell line, straggler flag."""
+    """Per rank of ``run``: state, elapsed seconds, of which waiting in collectives (``None``
+    if not sampled), current cell line, straggler flag."""
     now = time.monotonic()
     failures = getattr(run.exception(), "failures", {})
     done = run.values()
@@ -113,6 +131,10 @@ def rank_rows(mesh: Mesh, run: Run, factor: float = DURATION_FACTOR) -> list[dic
     rows = []
     for rank in run.ranks:
         metrics = states[rank].metrics if rank in states else {}
+        sampling = metrics.get("sampling") or {}
+        waiting = None
+        if sampling.get("request") == run.id and sampling.get("total_n"):
+            waiting = round(elapsed[rank] * sampling["total_wait"], 2)
         if rank in failures:
             failure = failures[rank]
             state = "dead" if failure.died else \
@@ -125,7 +147,7 @@ def rank_rows(mesh: Mesh, run: Run, factor: float = DURATION_FACTOR) -> list[dic
             state = "running"
         line = metrics.get("line") if state == "running" and metrics.get("request") == run.id else None
         rows.append({"rank": rank, "state": state, "elapsed": round(elapsed[rank], 2),
-                     "line": line, "straggler": rank in flagged})
+                     "waiting": waiting, "line": line, "straggler": rank in flagged})
     return rows
 
 
@@ -134,12 +156,16 @@ def _overall(rows: list[dict[str, Any]]) -> str:
     return "running" if "running" in states else max(states, key=_SEVERITY.index)
 
 
-def _render(rows: list[dict[str, Any]], state: str, final: bool) -> str:
-    if final:
-        items = [(f"r{row['rank']}", row["elapsed"], html.state_colour(row["state"]),
-                  f"{row['elapsed']:.2f} s {row['state']}"
-                  + (f" {html.FLAG} straggler" if row["straggler"] else "")) for row in rows]
-        return html.panel(f"%%mesh {state}: per-rank durations", html.bars(items))
+def _render(rows: list[dict[str, Any]], state: str, final: str) -> str:
+    if final == "durations":
+        items = [(f"r{row['rank']}", _segments(row), _duration_text(row)) for row in rows]
+        legend = [f"each bar: computing, then waiting in collectives ({html.WAITING_NAME})"]
+        return html.panel(f"%%mesh {state}: per-rank durations", html.bars(items),
+                          legend if any(row["waiting"] is not None for row in rows) else [])
+    if final == "states":
+        return html.panel(f"%%mesh {state}: {_counts(rows)}", html.tiles(
+            [(f"r{row['rank']} {row['state']}", html.state_colour(row["state"]), "") for row in rows]),
+            ["durations not shown: the cell waited at debugger prompts"])
     tiles = [(f"r{row['rank']} {row['state']} {row['elapsed']:.1f} s"
               + (f" line {row['line']}" if row["line"] is not None else "")
               + (f" {html.FLAG}" if row["straggler"] else ""),
@@ -151,3 +177,19 @@ def _render(rows: list[dict[str, Any]], state: str, final: bool) -> str:
 def _counts(rows: list[dict[str, Any]]) -> str:
     groups = group_by_text({row["rank"]: row["state"] for row in rows})
     return ", ".join(f"{len(ranks)} {state}" for ranks, state in groups)
+
+
+def _segments(row: dict[str, Any]) -> list[tuple[float, str]]:
+    """A rank's bar: its time computing in its state's colour, then its time waiting."""
+    colour = html.state_colour(row["state"])
+    waiting = row["waiting"]
+    if waiting is None:
+        return [(row["elapsed"], colour)]
+    return [(row["elapsed"] - waiting, colour), (waiting, html.WAITING_COLOUR)]
+
+
+def _duration_text(row: dict[str, Any]) -> str:
+    text = f"{row['elapsed']:.2f} s {row['state']}"
+    if row["waiting"] is not None:
+        text += f" ({row['elapsed'] - row['waiting']:.2f} s computing, {row['waiting']:.2f} s waiting)"
+    return text + (f" {html.FLAG} straggler" if row["straggler"] else "")

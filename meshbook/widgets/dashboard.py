@@ -9,7 +9,8 @@ the straggler verdict (its score and where the slow rank spends its time).
 A daemon thread refreshes the panel every ``REFRESH_S`` seconds from what the heartbeats have
 already brought to the controller: it sends nothing to the ranks, never blocks the kernel and
 keeps updating while other cells run. The thread ends when the widget is closed or the mesh
-stops; the panel then keeps its last state.
+stops; the panel then becomes a static snapshot of its last state (HTML and text, no widget
+view), so a notebook saved afterwards shows it anywhere.
 
 ``rows``, ``stragglers`` and ``live`` are the model state. Where widgets do not render the
 output falls back to the same table as HTML and to a deterministic ``text/plain`` line. The
@@ -28,7 +29,7 @@ from ..mesh import Mesh, current
 from ..mesh.errors import format_ranks
 from ..mesh.memory import MemoryRow
 from ..mesh.stragglers import StragglerReport
-from ..mesh.table import format_bytes, format_percent
+from ..mesh.table import format_bytes
 from . import html
 from .panel import HTMLPanel
 
@@ -71,11 +72,12 @@ class Dashboard(HTMLPanel):
         self._html.value = self._render(report)
 
     def close(self) -> None:
-        """Stop updating (the thread ends) and remove the widget."""
+        """Stop updating (the thread ends) and leave a static snapshot of the panel."""
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(5)
-        self._html.close()
+            if not self.mesh.stopped:
+                self.refresh()  # the snapshot shows the ranks as they are now, and says closed
         super().close()
 
     def _loop(self) -> None:
@@ -84,6 +86,7 @@ class Dashboard(HTMLPanel):
                 self.refresh()
             if not self._stop.is_set():
                 self.refresh()  # the mesh stopped: show it once more, as it ended
+                self.close()
         except Exception as exc:  # say why the panel froze rather than freeze silently
             self._html.value += html.note(f"the dashboard stopped updating: "
                                           f"{type(exc).__name__}: {exc}")
@@ -98,14 +101,15 @@ class Dashboard(HTMLPanel):
         return {"rank": r.rank, "host": r.host, "pid": r.pid, "device": r.device,
                 "state": r.state, "cpu": r.cpu, "rss": r.rss, "cuda_allocated": r.cuda_allocated,
                 "cuda_reserved": r.cuda_reserved, "cuda_peak": r.cuda_peak, "pool": r.pool,
-                "pool_used": r.pool_used, "pool_limit": r.pool_limit, "near_limit": r.near_limit,
+                "pool_used": r.pool_used, "pool_limit": r.pool_limit, "pool_text": r.pool_text(),
+                "near_limit": r.near_limit,
                 "heartbeat_age": r.heartbeat_age, "dead": r.dead,
                 "straggler": r.rank in report.stragglers,
                 "score": sampled.score if sampled else None,
                 "wait": sampled.wait if sampled and sampled.samples else None}
 
     def _title(self) -> str:
-        state = "mesh stopped" if self.mesh.stopped else "live"
+        state = "mesh stopped" if self.mesh.stopped else "closed" if self._stop.is_set() else "live"
         return f"meshbook: {len(self.rows)} ranks ({self.mesh.topology.describe()}), {state}"
 
     def _render(self, report: StragglerReport) -> str:
@@ -130,16 +134,13 @@ class Dashboard(HTMLPanel):
                  text(format_bytes(row["rss"]))]
         if gpu:
             cells += [text(format_bytes(row[k])) for k in ("cuda_allocated", "cuda_reserved", "cuda_peak")]
-        pool = None
-        if row["pool_used"] is not None and row["pool_limit"]:
-            pool = f"{row['pool']} {format_percent(row['pool_used'] / row['pool_limit'])}"
         age = row["heartbeat_age"]
         points = [] if row["dead"] else self.mesh.history.memory(row["rank"])
         values = [p.used for p in points[::max(1, len(points) // SPARK_POINTS)]]
         flag = ""
         if row["score"] is not None:
             flag = (f"{html.FLAG} " if row["straggler"] else "") + f"{row['score']:.2f}"
-        cells += [text(pool), text(None if age is None else f"{age:.1f} s"),
+        cells += [text(row["pool_text"]), text(None if age is None else f"{age:.1f} s"),
                   html.sparkline(values), text(flag)]
         return cells
 

@@ -21,6 +21,8 @@ STATE_COLOURS = {
 DEAD_BG, STRAGGLER_BG, NEAR_LIMIT_BG = "#ffcdd2", "#fff59d", "#ffe0b2"
 #: Marks a straggler wherever a rank is shown.
 FLAG = "\u2691"
+#: The part of a duration bar spent waiting in collectives, and how a legend names it.
+WAITING_COLOUR, WAITING_NAME = "#bdbdbd", "grey"
 
 _FONT = "font-family:monospace;font-size:12px"
 
@@ -74,17 +76,18 @@ def sparkline(values: Sequence[float], width: int = 120, height: int = 18) -> st
             f'<polyline points="{points}" fill="none" stroke="#1565c0" stroke-width="1"/></svg>')
 
 
-def bars(items: Sequence[tuple[str, float, str, str]], width: int = 240) -> str:
-    """A horizontal bar chart: one ``(label, value, colour, text)`` per bar, scaled to the
-    largest value."""
-    top = max((value for _, value, _, _ in items), default=0.0) or 1.0
+def bars(items: Sequence[tuple[str, Sequence[tuple[float, str]], str]], width: int = 240) -> str:
+    """A horizontal stacked bar chart: one ``(label, [(value, colour), ...], text)`` per bar,
+    scaled so the longest bar is ``width`` pixels."""
+    top = max((sum(v for v, _ in segments) for _, segments, _ in items), default=0.0) or 1.0
     rows = []
-    for label, value, colour, text in items:
-        size = max(1, round(value / top * width))
+    for label, segments, text in items:
+        parts = "".join(f'<span style="display:inline-block;width:{max(1, round(value / top * width))}px;'
+                        f'height:10px;background:{colour}"></span>'
+                        for value, colour in segments if value > 0 or len(segments) == 1)
         rows.append(f'<div style="display:flex;align-items:center;gap:6px">'
                     f'<span style="width:3em;text-align:right">{esc(label)}</span>'
-                    f'<span style="display:inline-block;width:{size}px;height:10px;'
-                    f'background:{colour}"></span><span>{esc(text)}</span></div>')
+                    f'<span style="display:inline-flex">{parts}</span><span>{esc(text)}</span></div>')
     return "".join(rows)
 
 

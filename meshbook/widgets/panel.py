@@ -1,11 +1,29 @@
 """The base of meshbook's widgets: one live HTML panel, and fallbacks where widgets do not
-render (nbconvert, GitHub, nbval) — the same HTML, and a deterministic ``text/plain``."""
+render (nbconvert, GitHub, nbval) — the same HTML, and a deterministic ``text/plain``.
+
+A live widget view only renders while its kernel holds the widget's model: a notebook saved
+with one and reopened after a kernel restart (or on GitHub) shows "Error displaying widget:
+model not found", never the fallbacks. So a panel is displayed under a ``display_id`` and,
+once it stops changing (:meth:`HTMLPanel.freeze`), each of its displays is replaced by the
+static HTML and text alone: what a saved notebook stores is then readable anywhere.
+
+Frontends find the display to replace in two ways. JupyterLab routes an update to the output
+area of the request it answers, so an update sent from a later cell (``dashboard.close()``)
+must carry the header of the cell that showed the panel; nbclient (nbconvert, nbval) and the
+classic notebook only listen to the running cell, and look the display id up across cells.
+So an update from a later cell is sent under both headers; each frontend ignores the copy it
+cannot place.
+"""
 
 from __future__ import annotations
 
+import sys
+import uuid
 from typing import Any
 
 import ipywidgets as widgets
+from IPython import get_ipython
+from IPython.display import display
 
 
 class HTMLPanel(widgets.VBox):
@@ -17,6 +35,7 @@ class HTMLPanel(widgets.VBox):
 
     def __init__(self, value: str = "", **kwargs: Any) -> None:
         self._html = widgets.HTML(value)
+        self._shown: list[tuple[str, dict[str, Any]]] = []  # (display_id, parent header)
         super().__init__(children=[self._html], **kwargs)
 
     def text(self) -> str:
@@ -30,5 +49,46 @@ class HTMLPanel(widgets.VBox):
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle = dict(super()._repr_mimebundle_(**kwargs) or {})
-        bundle.update({"text/plain": self.text(), "text/html": self._html.value})
+        bundle.update(self.static_bundle())
         return bundle
+
+    def static_bundle(self) -> dict[str, str]:
+        """What the panel shows now, without the live view: HTML and text."""
+        return {"text/plain": self.text(), "text/html": self._html.value}
+
+    def _ipython_display_(self) -> None:
+        self.show()
+
+    def show(self) -> None:
+        """Display the live panel in the running cell (what ``display(panel)`` does)."""
+        display_id = uuid.uuid4().hex
+        kernel = _kernel()
+        if kernel is not None:
+            self._shown.append((display_id, kernel.get_parent()))
+        display(self._repr_mimebundle_(), raw=True, display_id=display_id)
+
+    def freeze(self) -> None:
+        """Replace every display of this panel with its static HTML and text: a saved
+        notebook keeps the panel as it is now, readable without a kernel."""
+        kernel = _kernel()
+        shown, self._shown = self._shown, []
+        if kernel is not None and shown:
+            sys.stdout.flush()  # what the cell printed before comes first
+            sys.stderr.flush()
+            running = kernel.get_parent()
+            for display_id, parent in shown:
+                content = {"data": self.static_bundle(), "metadata": {},
+                           "transient": {"display_id": display_id}}
+                for header in [parent] if parent == running else [parent, running]:
+                    kernel.session.send(kernel.iopub_socket, "update_display_data", content, parent=header)
+
+    def close(self) -> None:
+        """Leave a static snapshot where the panel was shown, then close the widget."""
+        self.freeze()
+        self._html.close()
+        super().close()
+
+
+def _kernel() -> Any:
+    """The running Jupyter kernel, or ``None`` (a terminal IPython, a script)."""
+    return getattr(get_ipython(), "kernel", None)
