@@ -53,6 +53,10 @@ class Lab:
                "JUPYTERLAB_SETTINGS_DIR": str(state / "settings"),
                "JUPYTERLAB_WORKSPACES_DIR": str(state / "workspaces"),
                "JUPYTER_RUNTIME_DIR": str(state / "runtime"), "PYTHONUNBUFFERED": "1"}
+        # No "Would you like to get notified about Jupyter news?" toast over the screenshots.
+        notification = state / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+        notification.parent.mkdir(parents=True, exist_ok=True)
+        notification.write_text('{"fetchNews": "false"}')
         self.log = open(state / "jupyterlab.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
