@@ -21,7 +21,7 @@ def meshbook_processes() -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if "meshbook.mesh.agent" in (proc.info["cmdline"] or []):
+            if launchers.AGENT_MODULE in (proc.info["cmdline"] or []):
                 found.append(proc)
         except psutil.Error:
             continue
@@ -56,7 +56,7 @@ def _expected_parent(proc: psutil.Process, parent: psutil.Process) -> int:
     """An agent started with ``--parent PID`` belongs to that controller; a rank (a fork of an
     agent, same command line) belongs to its agent."""
     cmdline = proc.cmdline()
-    if "meshbook.mesh.agent" in parent.cmdline() and parent.cmdline() == cmdline:
+    if launchers.AGENT_MODULE in parent.cmdline() and parent.cmdline() == cmdline:
         return parent.pid  # a rank under its agent
     if "--parent" in cmdline:
         return int(cmdline[cmdline.index("--parent") + 1])

@@ -21,6 +21,8 @@ from __future__ import annotations
 import ast
 import functools
 import linecache
+import os
+import sys
 import traceback
 from dataclasses import dataclass
 from types import CodeType, TracebackType
@@ -68,9 +70,16 @@ def register_source(filename: str, source: str, first_line: int = 1) -> None:
     linecache.cache[filename] = (len(text), None, lines, filename)
 
 
+#: meshbook's own package and its folder, found from this module's name so that moving a
+#: module inside the package changes nothing.
+PACKAGE = __name__.partition(".")[0]
+PACKAGE_DIR = os.path.dirname(os.path.abspath(sys.modules[PACKAGE].__file__ or "")) + os.sep
+
+
 def is_internal(filename: str) -> bool:
-    """Frames of meshbook's own rank machinery, hidden from users' tracebacks."""
-    return "/meshbook/mesh/" in filename.replace("\\", "/")
+    """Frames of meshbook's own machinery, hidden from users' tracebacks. ``filename`` may be
+    absolute or, as py-spy shortens it, relative to the folder the package sits in."""
+    return filename.startswith((PACKAGE_DIR, PACKAGE + os.sep))
 
 
 def frames_of(tb: TracebackType | None) -> tuple[Frame, ...]:

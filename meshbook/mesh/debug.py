@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from .cell import is_internal
 from .hangs import Diagnosis, diagnose
 from .recovery import Recovery, recover
 from .remote_pdb import post_mortem
@@ -96,7 +97,12 @@ def _main_thread(dump: str) -> str:
         return dump
     out = [lines[start]]
     for line in lines[start + 1:]:
-        if line.startswith("Thread ") or "meshbook/mesh/" in line:
+        if line.startswith("Thread ") or is_internal(_dumped_file(line)):
             break
         out.append(line)
     return "\n".join(out)
+
+
+def _dumped_file(line: str) -> str:
+    """The file of a py-spy frame line, ``    serve (meshbook/mesh/worker.py:180)``."""
+    return line.rpartition("(")[2].rpartition(":")[0]

@@ -22,6 +22,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+#: What a launcher runs, with ``python -m``, on each host (tests find agents and ranks by it).
+AGENT_MODULE = "meshbook.mesh.agent"
+
 
 @dataclass(frozen=True)
 class HostPlan:
@@ -51,11 +54,12 @@ class AgentProcess:
     """A host agent running as a child process of this controller."""
 
     def __init__(self) -> None:
-        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        package = sys.modules[__name__.partition(".")[0]]
+        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(package.__file__ or "")))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")
-        args = [sys.executable, "-m", "meshbook.mesh.agent"]
+        args = [sys.executable, "-m", AGENT_MODULE]
         if threading.current_thread() is threading.main_thread():
             # PR_SET_PDEATHSIG follows the forking *thread*: only the main thread lives as
             # long as the process. The stdin pipe covers every other case.
