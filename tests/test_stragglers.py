@@ -10,12 +10,12 @@ from pathlib import Path
 from workloads import slow_rank_loop
 
 import meshbook
-from meshbook.mesh.controller import RankState
-from meshbook.mesh.memory import memory_report
-from meshbook.mesh.metrics import MetricsHistory
-from meshbook.mesh.sampling import MainThreadSampler, classify
-from meshbook.mesh.stragglers import slow_by_duration, straggler_report
-from meshbook.mesh.table import format_bytes
+from meshbook.mesh.controller.controller import RankState
+from meshbook.mesh.controller.memory import memory_report
+from meshbook.mesh.controller.metrics import MetricsHistory
+from meshbook.mesh.controller.stragglers import slow_by_duration, straggler_report
+from meshbook.mesh.protocol.text import format_bytes
+from meshbook.mesh.rank.sampling import MainThreadSampler, classify
 
 
 def sampled(wait: float, n: int = 20, where: str = "cell line 8", request: int = 7) -> dict:

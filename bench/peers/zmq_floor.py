@@ -25,7 +25,7 @@ import threading
 import zmq
 
 from meshbook.mesh import wire
-from meshbook.mesh.proc import die_with_parent
+from meshbook.mesh.protocol.proc import die_with_parent
 
 DISPATCH = "bare pyzmq, same path"
 MESSAGE = [b"e" * 160]  # meshbook's one-frame envelope for a small request

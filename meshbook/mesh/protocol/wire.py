@@ -105,7 +105,9 @@ def _reduce_tensor(tensor: Any) -> Any:
              tensor.requires_grad, parameter))
 
 
-class _Pickler(cloudpickle.Pickler):
+class Pickler(cloudpickle.Pickler):
+    """cloudpickle that sends CPU tensors' storage as out-of-band buffers (zero-copy frames)."""
+
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
@@ -117,7 +119,7 @@ def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``obj``; large contiguous buffers are returned separately, uncopied."""
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    _Pickler(out, protocol=PROTOCOL, buffer_callback=buffers.append).dump(obj)
+    Pickler(out, protocol=PROTOCOL, buffer_callback=buffers.append).dump(obj)
     return out.getvalue(), buffers
 
 
@@ -185,7 +187,8 @@ class Wire:
     def __init__(self, key: bytes) -> None:
         if len(key) < 16:
             raise ValueError("the mesh key must be at least 16 bytes")
-        self._key = key
+        #: The mesh's secret: handed to the agents (on stdin) and the ranks (through the fork).
+        self.key = key
         # Keyed once: every message then copies it instead of hashing the key pads again.
         self._mac = hmac.new(key, digestmod=hashlib.sha256)
         self.dropped = 0  # messages rejected by unpack(), for tests and diagnostics
@@ -310,3 +313,21 @@ def _send_parts(sock: zmq.Socket, parts: list[Any], copy: bool) -> None:
     last = len(parts) - 1
     for i, part in enumerate(parts):
         sock.send(part, _MORE if i < last else 0, copy=copy)
+
+
+def describe_unpicklable(body: Any, exc: Exception) -> str:
+    """Name the value that cannot be pickled: which argument, and its type."""
+    items: list[tuple[str, Any]] = []
+    if isinstance(body, dict):
+        items += [(f"argument {i + 1}", v) for i, v in enumerate(body.get("args", ()))]
+        items += [(f"keyword argument {k!r}", v) for k, v in body.get("kwargs", {}).items()]
+        items += [(f"value {k!r}", v) for k, v in body.get("values", {}).items()]
+        if "fn" in body:
+            items.append(("the function", body["fn"]))
+    for label, value in items:
+        try:
+            dumps(value)
+        except Exception as inner:
+            return (f"{label} (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
+                    f"pickled: {inner}")
+    return f"the request cannot be pickled: {exc}"

@@ -19,20 +19,19 @@ every rank joins a new process group (a new generation in a new store), rebuilds
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from .errors import MeshError, format_ranks
+from ..protocol import messages as msg
+from ..protocol.errors import MeshError
+from ..protocol.text import format_ranks
+from ..rank.ops import abort_collectives, listening_ports, reinit, snapshot
 from .hangs import group_members
-from .stacks import snapshot
 
 if TYPE_CHECKING:
     from .controller import Controller
     from .run import Run
-    from .worker import Worker
 
 #: How long free ranks get to release stuck ones before their sockets are shut down.
 ABORT_AFTER_S = 0.2
@@ -72,66 +71,6 @@ class Recovery:
 
     def __repr__(self) -> str:
         return self.render()
-
-
-# -- rank side --------------------------------------------------------------------------------
-
-
-def reinit(worker: "Worker", generation: int) -> None:
-    """Leave the old process group and join generation ``generation``'s (exec thread)."""
-    worker.reinit(generation)
-
-
-def listening_ports(worker: "Worker", stuck_in: dict[int, int] | None = None,
-                    reasons: dict[int, str] | None = None) -> list[int]:
-    """TCP ports this rank listens on (its gloo/NCCL endpoints; control thread).
-
-    With ``reasons``, a rank about to have its collective aborted first learns why, so its
-    error says so even if a peer's shut-down connection fails the collective first.
-    """
-    import psutil
-
-    if reasons and worker.rank in reasons and worker.request == (stuck_in or {}).get(worker.rank):
-        worker.abort_reasons[worker.request] = reasons[worker.rank]
-    return sorted({c.laddr.port for c in psutil.Process().net_connections("tcp")
-                   if c.status == psutil.CONN_LISTEN})
-
-
-def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: list[int]) -> int:
-    """Shut down this rank's connections to other ranks' endpoints (control thread).
-
-    A collective blocked on such a connection fails at once ("Connection closed by peer");
-    the rank's other connections (the notebook's, the user's own) are left alone. Only done
-    while the rank is still stuck in the request ``stuck_in[rank]``: once it moved on it may
-    be building the new process group, whose connections must live.
-    """
-    import psutil
-
-    if worker.request != stuck_in.get(worker.rank):
-        return 0
-    own = set(listening_ports(worker))
-    peers = set(peer_ports)
-    closed = 0
-    for conn in psutil.Process().net_connections("tcp"):
-        if worker.request != stuck_in.get(worker.rank):
-            break  # freed meanwhile: it may be building the new group's connections now
-        if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.fd < 0:
-            continue
-        if conn.raddr.port in peers or conn.laddr.port in own:
-            try:
-                with socket.socket(fileno=os.dup(conn.fd)) as sock:
-                    # The main thread may have closed that fd and reused its number for a new
-                    # socket since the listing: only shut down the connection we listed.
-                    if sock.getsockname()[:2] == tuple(conn.laddr) and \
-                            sock.getpeername()[:2] == tuple(conn.raddr):
-                        sock.shutdown(socket.SHUT_RDWR)
-                        closed += 1
-            except OSError:
-                pass
-    return closed
-
-
-# -- controller side --------------------------------------------------------------------------
 
 
 def recover(controller: "Controller", restart: list[int], timeout: float) -> Recovery:
@@ -216,7 +155,7 @@ def free_after_interrupt(controller: "Controller", run: "Run") -> None:
     if run.wait(FREE_AFTER_S) or controller.stopped:
         return
     live = [r for r in run.pending if controller.ranks[r].state != "dead"]
-    asked = controller.call(snapshot, ranks=live, what="stacks", channel="c")
+    asked = controller.call(snapshot, ranks=live, what="stacks", channel=msg.CONTROL)
     asked.wait(STACKS_WAIT_S)
     reasons = {}
     for rank, snap in asked.values().items():
@@ -243,11 +182,11 @@ def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int,
     stuck_in = {r: controller.current_request(r) for r in ranks}
     live = [r for r, s in controller.ranks.items() if s.state != "dead"]
     asked = controller.call(listening_ports, stuck_in, {r: t for r, t in reasons.items() if t},
-                            ranks=live, what="listening ports", channel="c")
+                            ranks=live, what="listening ports", channel=msg.CONTROL)
     asked.wait(5)
     ports = sorted({p for value in asked.values().values() for p in value})
     controller.call(abort_collectives, stuck_in, ports, ranks=ranks, what="abort collectives",
-                    channel="c").wait(5)
+                    channel=msg.CONTROL).wait(5)
 
 
 def _ranks(ranks: list[int]) -> str:

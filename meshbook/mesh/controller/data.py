@@ -12,9 +12,10 @@ Models and tensors live on the ranks across cells. :class:`DataOps` (a base of
 
 How the data travels:
 
-* **push / scatter** pickle each value once in the notebook (:mod:`meshbook.mesh.bulk`): local
-  ranks map its buffers from shared memory, so eight ranks cost about what one costs; other
-  hosts get zero-copy frames that their agent forwards to each rank. Tensors land on the rank's
+* **push / scatter** pickle each value once in the notebook
+  (:mod:`meshbook.mesh.protocol.payload`): local ranks map its buffers from shared memory, so
+  eight ranks cost about what one costs; otherwise each rank gets the buffers as zero-copy
+  frames. Tensors land on the rank's
   device (CUDA tensors are copied there). Each rank stores all the pushed values or none of
   them; a rank that failed is named, with the ranks that did store them.
 * **pull / fetch** first ask every rank for the value's metadata (on the control thread: a
@@ -23,46 +24,36 @@ How the data travels:
   zero-copy frames; CUDA tensors arrive on the CPU; a DTensor arrives as the rank's local
   shard (``ref.full_tensor()`` assembles the global one).
 
-Metadata comes from :mod:`meshbook.mesh.namespaces`. The controller remembers the names each
-rank had at the last ``who()`` or push, so after a rank is restarted ``who()`` lists what it
+Metadata comes from :mod:`meshbook.mesh.protocol.namespaces`; what each rank runs is in
+:mod:`meshbook.mesh.rank.ops` (``who``, ``info``, ``store``, ``fetch``). The controller
+remembers the names each rank had at the last ``who()`` or push, so after a rank is restarted ``who()`` lists what it
 lost instead of silently showing less.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .bulk import Payload, pack
-from .errors import (
+from ..protocol.errors import (
     MeshError,
     MissingNameError,
     RemoteError,
     SelectionError,
     ShapeError,
     TooLargeError,
-    format_ranks,
-    group_by_text,
 )
+from ..protocol.limits import DEFAULT_MAX_BYTES
+from ..protocol.namespaces import SEEDED, Layout, Namespaces
+from ..protocol.payload import pack
+from ..protocol.text import format_bytes, format_ranks, group_by_text
+from ..protocol.topology import DimSelector
+from ..protocol.values import RankValues
+from ..rank import ops
 from .launchers import AgentProcess
-from .limits import DEFAULT_MAX_BYTES
-from .namespaces import (
-    SEEDED,
-    Layout,
-    Namespaces,
-    VarInfo,
-    describe,
-    inventory,
-    local_shard,
-)
-from .table import format_bytes
-from .topology import DimSelector
-from .values import RankValues
 
 if TYPE_CHECKING:
     import torch
@@ -72,59 +63,6 @@ if TYPE_CHECKING:
 
 Ranks = Sequence[int] | str | int | None
 Where = Mapping[str, DimSelector] | None
-
-# -- on the ranks (run through Mesh.call as fn(worker, ...)) -----------------------------------
-
-
-def _who(worker: Any) -> dict[str, VarInfo]:
-    return inventory(worker.namespace)
-
-
-def _info(worker: Any, name: str) -> VarInfo | None:
-    namespace = worker.namespace
-    return describe(name, namespace[name]) if name in namespace else None
-
-
-def _store(worker: Any, payload: Payload) -> None:
-    values = payload.load()
-    device = worker.namespace["device"]
-    if device.type != "cpu":
-        onto = functools.partial(_onto, device)
-        values = {name: _walk(value, onto) for name, value in values.items()}
-    worker.namespace.update(values)  # only once every value arrived: all of them or none
-
-
-def _fetch(worker: Any, name: str) -> Any:
-    return _walk(worker.namespace[name], local_shard)
-
-
-def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
-    """``leaf`` applied inside lists, tuples and dicts (a state_dict, a batch)."""
-    if type(value) in (list, tuple):
-        return type(value)(_walk(v, leaf) for v in value)
-    if isinstance(value, dict):
-        out = copy.copy(value)
-        for key, item in value.items():
-            out[key] = _walk(item, leaf)
-        return out
-    return leaf(value)
-
-
-def _onto(device: Any, value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        moved = value.detach().to(device)
-        if isinstance(value, torch.nn.Parameter):
-            return torch.nn.Parameter(moved, requires_grad=value.requires_grad)
-        return moved.requires_grad_(value.requires_grad)
-    if isinstance(value, torch.nn.Module):
-        return value.to(device)
-    return value
-
-
-# -- in the notebook ---------------------------------------------------------------------------
-
 
 class DataOps:
     """What :class:`~meshbook.Mesh` can do with the ranks' variables: who, ref, push, scatter, pull."""
@@ -136,10 +74,10 @@ class DataOps:
         the namespace as it is at that moment.
         """
         chosen = self.select(ranks, where)
-        found = dict(self.call(_who, ranks=chosen, control=True, what="who").result(echo=False))
+        found = dict(self.call(ops.who, ranks=chosen, control=True, what="who").result(echo=False))
         lost = {}
         for rank, infos in found.items():
-            state = self._controller.ranks[rank]
+            state = self.controller.ranks[rank]
             names = frozenset(infos)
             if state.lost_namespace:
                 lost[rank] = tuple(sorted(state.known_names - names))
@@ -151,7 +89,7 @@ class DataOps:
         """A :class:`RemoteRef` to ``name`` on the selected ranks (it must exist on all of them)."""
         chosen = self.select(ranks, where)
         _infos(self, name, chosen)
-        return RemoteRef(type(self)(self._controller, chosen), name)
+        return RemoteRef(type(self)(self.controller, chosen), name)
 
     def push(self: Mesh, values: Mapping[str, Any] | None = None, /, *, ranks: Ranks = None,
              where: Where = None, **named: Any) -> None:
@@ -208,7 +146,7 @@ class DataOps:
         total = sum(info.nbytes or 0 for info in infos.values())
         if total > max_bytes:
             raise TooLargeError(_too_large(name, infos, total, max_bytes))
-        return self.call(_fetch, name, ranks=chosen, what=f"pull({name!r})").result(echo=False)
+        return self.call(ops.fetch, name, ranks=chosen, what=f"pull({name!r})").result(echo=False)
 
 
 class RemoteRef:
@@ -227,7 +165,7 @@ class RemoteRef:
         return self.mesh.ranks
 
     def info(self, timeout: float | None = None) -> RankValues:
-        """Each rank's :class:`~meshbook.mesh.namespaces.VarInfo` for this name, read now."""
+        """Each rank's :class:`~meshbook.mesh.protocol.namespaces.VarInfo` for this name, read now."""
         return _infos(self.mesh, self.name, self.mesh.ranks, timeout)
 
     def fetch(self, ranks: Ranks = None, *, where: Where = None,
@@ -295,7 +233,7 @@ def _infos(mesh: Mesh, name: str, ranks: list[int], timeout: float | None = None
     """Every rank's metadata for ``name``; :class:`MissingNameError` naming the ranks without it."""
     if not isinstance(name, str):
         raise MeshError(f"variable names are strings, not {type(name).__name__}")
-    found = mesh.call(_info, name, ranks=ranks, control=True, what=f"info({name!r})")
+    found = mesh.call(ops.info, name, ranks=ranks, control=True, what=f"info({name!r})")
     infos = found.result(timeout=timeout, echo=False)
     missing = [r for r, info in infos.items() if info is None]
     if missing:
@@ -310,13 +248,13 @@ def _infos(mesh: Mesh, name: str, ranks: list[int], timeout: float | None = None
 
 def _deliver(mesh: Mesh, parts: list[tuple[list[int], dict[str, Any]]], what: str) -> None:
     """Store each part's values on its ranks; all-or-nothing per rank, and said when partial."""
-    controller = mesh._controller
+    controller = mesh.controller
     everyone = sorted({r for ranks, _ in parts for r in ranks})
     controller.check_usable(everyone)
     with contextlib.ExitStack() as stack:
         payloads = [stack.enter_context(pack(values, _on_this_machine(controller, ranks), what))
                     for ranks, values in parts]  # every value pickled before anything is sent
-        runs = [mesh.call(_store, payload, ranks=ranks, what=what)
+        runs = [mesh.call(ops.store, payload, ranks=ranks, what=what)
                 for (ranks, _), payload in zip(parts, payloads)]
         try:
             for run in runs:

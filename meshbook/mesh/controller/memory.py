@@ -2,7 +2,7 @@
 
 A rank runs out of one of two pools: its GPU (on CUDA), or the memory of its host, shared by
 the host's ranks and bounded by a container's cgroup limit when there is one. On the rank,
-:func:`memory_probe` measures that pool for every heartbeat (``used`` counts other processes
+:func:`~meshbook.mesh.rank.memory.memory_probe` measures that pool for every heartbeat (``used`` counts other processes
 too: they exhaust it just the same). On the controller, :func:`memory_report` turns the last
 heartbeats into a :class:`MemoryReport`, one :class:`MemoryRow` per rank: RSS, CPU, CUDA
 allocated / reserved / peak and how full the pool is, ``near_limit`` from ``NEAR_LIMIT`` full,
@@ -12,15 +12,12 @@ they describe a process that no longer exists.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import psutil
-
-from .table import format_bytes, format_percent, status_table
+from ..protocol.text import format_bytes, format_percent, status_table
 
 if TYPE_CHECKING:
     from .controller import RankState
@@ -29,31 +26,6 @@ if TYPE_CHECKING:
 NEAR_LIMIT = 0.9
 #: How a report names the CPU pools (a GPU pool is named by its device, ``cuda:0``).
 _POOL_NAMES = {"host": "host RAM", "container": "container RAM"}
-
-
-def memory_probe(cuda_device: int | None) -> Callable[[], dict[str, Any]]:
-    """A heartbeat field: ``{"pool", "limit", "used"}`` of the GPU ``cuda_device`` or the host."""
-    if cuda_device is not None:
-        import torch
-
-        def gpu() -> dict[str, Any]:
-            try:
-                free, total = torch.cuda.mem_get_info(cuda_device)
-            except RuntimeError as exc:  # a broken CUDA context must not end the control thread
-                return {"pool": f"cuda:{cuda_device}", "limit": None, "used": None, "error": str(exc)}
-            return {"pool": f"cuda:{cuda_device}", "limit": total, "used": total - free}
-
-        return gpu
-    cgroup = _cgroup_files()
-    limit = _read_int(cgroup[0]) if cgroup else None
-
-    def host() -> dict[str, Any]:
-        vm = psutil.virtual_memory()
-        if cgroup and limit is not None and limit < vm.total:
-            return {"pool": "container", "limit": limit, "used": _read_int(cgroup[1])}
-        return {"pool": "host", "limit": vm.total, "used": vm.total - vm.available}
-
-    return host
 
 
 @dataclass(frozen=True)
@@ -152,32 +124,3 @@ def memory_row(s: RankState, now: float) -> MemoryRow:
         pool_limit=pool.get("limit"), heartbeat_age=round(now - s.last_seen, 1))
 
 
-def _cgroup_files() -> tuple[str, str] | None:
-    """This process's cgroup memory limit and usage files (v2, else v1), if it has them."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            names, root = ("memory.max", "memory.current"), "/sys/fs/cgroup"
-        elif "memory" in controllers.split(","):
-            names, root = ("memory.limit_in_bytes", "memory.usage_in_bytes"), "/sys/fs/cgroup/memory"
-        else:
-            continue
-        # Inside a container the cgroup path is often not visible: its root is the cgroup.
-        for directory in (os.path.join(root, path.lstrip("/")), root):
-            if os.path.exists(os.path.join(directory, names[0])):
-                return os.path.join(directory, names[0]), os.path.join(directory, names[1])
-    return None
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # "max": no limit

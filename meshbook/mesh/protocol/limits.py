@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .table import format_bytes
+from .text import format_bytes
 
 #: The most a pull, or a result, moves unless told otherwise (a pull sums over its ranks).
 DEFAULT_MAX_BYTES = 2 ** 31

@@ -1,6 +1,8 @@
 """The host agent: imports torch once, forks this host's ranks and supervises them.
 
-Run as ``python -m meshbook.mesh.agent`` by a launcher, one per host. It reads one JSON line
+Run as ``python -m meshbook.mesh.agent`` by a launcher, one per host (this process imports
+the protocol and the rank's entry point, :mod:`meshbook.mesh.rank.worker`, to fork ranks; never
+the controller). It reads one JSON line
 of configuration on stdin (the mesh key never appears on a command line), then:
 
 * forks each rank from its clean, torch-imported state (no parallel op has run here, so the
@@ -32,9 +34,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..protocol import messages as msg
 from .oom import killed_by_oom, oom_kills
 
 
@@ -52,8 +57,8 @@ class Agent:
     def __init__(self, cfg: dict[str, Any]) -> None:
         import zmq
 
-        from . import wire
-        from .topology import Topology
+        from ..protocol import wire
+        from ..protocol.topology import Topology
 
         self.cfg = cfg
         self.host = cfg["host"]
@@ -70,6 +75,11 @@ class Agent:
         for sock, addr in ((self.cmd, cfg["cmd_addr"]), (self.events, cfg["events_addr"])):
             sock.connect(addr)
         self.procs: dict[int, RankProcess] = {}
+        #: Messages of a kind (or an operation) no handler takes, by kind; each is logged too.
+        self.unknown_kinds: Counter[str] = Counter()
+        self._ops: dict[str | None, Callable[[list[int], dict[str, Any], int], None]] = {
+            msg.AgentOp.SIGNAL: self._signal, msg.AgentOp.SPAWN: self._spawn,
+            msg.AgentOp.PYSPY: self._pyspy}
         self.dead: set[int] = set()
         self.cuda = _cuda_count()
         self.threads = max(1, (os.cpu_count() or 1) // max(1, len(self.my_ranks)))
@@ -77,8 +87,8 @@ class Agent:
     # -- ranks -------------------------------------------------------------------------------
 
     def spawn(self, rank: int, generation: int) -> None:
-        from .wire import rank_address
-        from .worker import RankConfig, run_rank
+        from ..protocol.wire import rank_address
+        from ..rank.worker import RankConfig, run_rank
 
         local_rank = self.my_ranks.index(rank)
         use_cuda = self.cfg["backend"] != "gloo" and self.cuda > 0
@@ -93,9 +103,9 @@ class Agent:
             topology=self.topology, backend=backend, device_type="cuda" if use_cuda else "cpu",
             store_host=self.cfg["store_host"], rundir=self.rundir, generation=generation,
             master_port=self.cfg["master_port"],
-            collective_timeout=self.cfg["collective_timeout"], key=self.wire._key,
-            agent_pid=os.getpid(), request_addr=rank_address(self.rundir, rank, generation, "x"),
-            control_addr=rank_address(self.rundir, rank, generation, "c"),
+            collective_timeout=self.cfg["collective_timeout"], key=self.wire.key,
+            agent_pid=os.getpid(), request_addr=rank_address(self.rundir, rank, generation, msg.MAIN),
+            control_addr=rank_address(self.rundir, rank, generation, msg.CONTROL),
             events_addr=self.cfg["events_addr"],
             pipes=pipes, crash_path=crash_path, threads=self.threads)
         oom = oom_kills()
@@ -112,7 +122,7 @@ class Agent:
 
     def reap(self) -> None:
         """Collect dead ranks and tell the controller how each died."""
-        from .proc import describe_status, exited_children
+        from ..protocol.proc import describe_status, exited_children
 
         for pid, status in exited_children():
             proc = next((p for p in self.procs.values() if p.pid == pid), None)
@@ -125,7 +135,7 @@ class Agent:
             crash = _read_and_remove(proc.crash_path)
             del self.procs[proc.rank]
             self.dead.add(proc.rank)
-            self.emit("exit", None, {"cause": cause, "pid": pid, "output": output, "crash": crash},
+            self.emit(msg.EXIT, None, {"cause": cause, "pid": pid, "output": output, "crash": crash},
                       rank=proc.rank)
 
     def kill(self, ranks: list[int], sig: int = signal.SIGKILL) -> None:
@@ -141,7 +151,7 @@ class Agent:
     def shutdown(self, controller_done: bool) -> None:
         """Kill every rank and whatever they started; remove the runtime directory when the
         controller no longer needs it (after a crash it may still read our log there)."""
-        from .proc import kill_descendants
+        from ..protocol.proc import kill_descendants
 
         kill_descendants(5.0)
         if controller_done or self.own_rundir:
@@ -150,31 +160,41 @@ class Agent:
     # -- messages ----------------------------------------------------------------------------
 
     def emit(self, kind: str, request: int | None, body: Any = None, **header: Any) -> None:
-        from . import wire
+        from ..protocol import wire
 
-        wire.send(self.events, self.wire.pack({"k": kind, "id": request, "host": self.host, **header}, body))
+        wire.send(self.events, self.wire.pack({msg.KIND: kind, msg.ID: request, msg.HOST: self.host, **header},
+                                              body))
 
-    def operate(self, message: Any) -> bool:
-        """An operation for the agent itself; returns False when the agent should stop."""
-        body = message.body()
-        op = body["op"]
-        ranks = [r for r in message.header["ranks"] if r in self.my_ranks]
-        if op == "stop":
-            return False
-        if op == "signal":
-            self.kill(ranks, body["sig"])
-        elif op == "spawn":
-            for rank in ranks:
-                self.spawn(rank, body["generation"])
-        elif op == "pyspy":
-            for rank in ranks:
-                self.emit("result", message.header["id"], _pyspy(self.procs.get(rank)), rank=rank)
-        return True
+    def operate(self, message: Any) -> None:
+        """An operation for the agent itself (the controller stops an agent by closing its stdin)."""
+        body = message.body() if message.kind == msg.OP else {"op": None}
+        handler = self._ops.get(body["op"])
+        if handler is None:
+            self._unknown(message.kind if message.kind != msg.OP else f"{msg.OP}:{body['op']}")
+            return
+        handler([r for r in message.header[msg.RANKS] if r in self.my_ranks], body, message.header[msg.ID])
+
+    def _unknown(self, kind: str) -> None:
+        """Count and log (to the agent's log) a message no handler takes; the agent keeps serving."""
+        self.unknown_kinds[kind] += 1
+        print(f"meshbook agent {self.host}: no handler for {kind!r} messages "
+              f"({self.unknown_kinds[kind]} so far)", file=sys.stderr, flush=True)
+
+    def _signal(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        self.kill(ranks, body["sig"])
+
+    def _spawn(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        for rank in ranks:
+            self.spawn(rank, body["generation"])
+
+    def _pyspy(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        for rank in ranks:
+            self.emit(msg.RESULT, request, _pyspy(self.procs.get(rank)), **{msg.RANK: rank})
 
     def serve(self) -> None:
         import zmq
 
-        from . import wire
+        from ..protocol import wire
 
         rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
@@ -188,9 +208,8 @@ class Agent:
         poller.register(rfd, zmq.POLLIN)
         for rank in self.my_ranks:
             self.spawn(rank, 0)
-        self.emit("agent", None, {"pid": os.getpid(), "hostname": socket.gethostname(),
+        self.emit(msg.AGENT, None, {"pid": os.getpid(), "hostname": socket.gethostname(),
                                   "pids": {r: p.pid for r, p in self.procs.items()}})
-        next_beat = 0.0
         while True:
             ready = dict(poller.poll(1000))
             if rfd in ready:
@@ -206,12 +225,7 @@ class Agent:
                         message = self.wire.unpack(wire.recv(self.cmd))
                     except wire.BadMessage:
                         continue
-                    if not self.operate(message):
-                        return
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + 1.0
-                self.emit("agent_hb", None, {"dead": sorted(self.dead)})
+                    self.operate(message)
 
 
 def _cuda_count() -> int:
@@ -272,7 +286,7 @@ def main() -> None:
     parser.add_argument("--log", default=None,
                         help="the file our stderr goes to: moved into the runtime directory")
     args = parser.parse_args()
-    from .proc import become_subreaper, die_with_parent
+    from ..protocol.proc import become_subreaper, die_with_parent
 
     signal.signal(signal.SIGTERM, _stop)  # until serve() handles it: clean up on the way out
     become_subreaper()
@@ -344,7 +358,3 @@ def _remove(path: str | None) -> None:
             os.unlink(path)
         except OSError:
             pass
-
-
-if __name__ == "__main__":
-    main()

@@ -15,7 +15,7 @@ stopped) and classifies each look, a *sample*:
 latest one sampled: evidence from an earlier cell never speaks for the current one), how many
 samples, the fraction spent waiting, and the few places the rank spends most of its time
 (``"cell line 5"``, ``"all_reduce at cell line 6"``). The controller compares the ranks that
-run the same request (:mod:`meshbook.mesh.stragglers`): the rank that waits least while the
+run the same request (:mod:`meshbook.mesh.controller.stragglers`): the rank that waits least while the
 others wait is the one they wait for.
 
 The window slides with the samples, not with the clock: an idle rank takes none, so the last
@@ -45,12 +45,11 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
-from .cell import CELL_PREFIX, is_internal
+from ..protocol.cell import CELL_PREFIX, is_internal
+from ..protocol.messages import WINDOW_S
 
 #: Minimum gap between samples, however often the control loop wakes (it wakes every 0.2 s).
 SAMPLE_GAP_S = 0.1
-#: How far back a report looks.
-WINDOW_S = 10.0
 #: How many of a rank's busiest places a report names.
 TOP_PLACES = 3
 

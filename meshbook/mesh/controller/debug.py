@@ -1,24 +1,27 @@
 """Live debugging on :class:`~meshbook.Mesh`: stacks, hang diagnosis, kill, restart, recover.
 
 A mixin, so these read as ``mesh.stacks()``, ``mesh.diagnose()``, ``mesh.restart([1])``; the
-work is done by :mod:`.stacks`, :mod:`.hangs`, :mod:`.recovery` and :mod:`.remote_pdb`.
+work is done by :mod:`.stacks`, :mod:`.hangs`, :mod:`.recovery` and, on the ranks,
+:mod:`meshbook.mesh.rank.ops`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from .cell import is_internal
+from ..protocol import messages as msg
+from ..protocol.cell import is_internal
+from ..protocol.reports import RankSnapshot
+from ..protocol.topology import DimSelector
+from ..rank import ops
 from .hangs import Diagnosis, diagnose
 from .recovery import Recovery, recover
-from .remote_pdb import post_mortem
 from .run import Run
-from .stacks import RankSnapshot, Stacks, snapshot
-from .topology import DimSelector
+from .stacks import Stacks
 
 if TYPE_CHECKING:
+    from ..protocol.topology import Topology
     from .controller import Controller
-    from .topology import Topology
 
 #: How long a rank's control thread gets to answer before py-spy dumps it from outside.
 STACKS_TIMEOUT_S = 1.0
@@ -26,7 +29,7 @@ STACKS_TIMEOUT_S = 1.0
 class DebugOps:
     """Debugging operations of a mesh view (mixed into :class:`~meshbook.Mesh`)."""
 
-    _controller: "Controller"
+    controller: "Controller"
     topology: "Topology"
 
     if TYPE_CHECKING:
@@ -36,19 +39,18 @@ class DebugOps:
     def snapshots(self, ranks: Sequence[int] | str | int | None = None,
                   timeout: float = STACKS_TIMEOUT_S) -> dict[int, RankSnapshot]:
         """Each selected rank's stack and pending collectives, taken while it is busy."""
-        ctl = self._controller
+        ctl = self.controller
         chosen = self.select(ranks)
         out = {r: RankSnapshot(r, False, dead=ctl.ranks[r].cause or "dead")
                for r in chosen if ctl.ranks[r].state == "dead"}
         live = [r for r in chosen if r not in out]
         if live:
-            asked = ctl.submit("call", {"fn": snapshot, "args": (), "kwargs": {}}, live,
-                               "stacks", channel="c")
+            asked = ctl.call(ops.snapshot, ranks=live, what="stacks", channel=msg.CONTROL)
             asked.wait(timeout)
             out.update(asked.values())
             silent = [r for r in live if r not in out]
             if silent:  # the control thread cannot run (GIL held in C): dump from outside
-                native = ctl.agent_op("pyspy", silent)
+                native = ctl.agent_op(msg.AgentOp.PYSPY, silent)
                 assert native is not None
                 native.wait(15)
                 for rank in silent:
@@ -66,26 +68,25 @@ class DebugOps:
 
     def kill(self, ranks: Sequence[int] | str | int) -> None:
         """SIGKILL ranks (their variables are lost); ``restart`` brings them back."""
-        self._controller.kill(self.select(ranks))
+        self.controller.kill(self.select(ranks))
 
     def restart(self, ranks: Sequence[int] | str | int, timeout: float = 120.0) -> Recovery:
         """Re-fork ``ranks`` under the same rank ids and re-create the process group on all
         ranks; every other rank keeps its variables. Frees ranks stuck waiting for them."""
-        return recover(self._controller, self.select(ranks), timeout)
+        return recover(self.controller, self.select(ranks), timeout)
 
     def recover(self, timeout: float = 120.0) -> Recovery:
         """Free every stuck rank, restarting as few as possible (usually none), and
-        re-create the process group on all ranks. See :mod:`meshbook.mesh.recovery`."""
-        dead = [r for r, s in self._controller.ranks.items() if s.state == "dead"]
-        return recover(self._controller, dead, timeout)
+        re-create the process group on all ranks. See :mod:`meshbook.mesh.controller.recovery`."""
+        dead = [r for r, s in self.controller.ranks.items() if s.state == "dead"]
+        return recover(self.controller, dead, timeout)
 
     def debug(self, rank: int) -> Run:
         """Post-mortem pdb on ``rank``'s last exception; prompts are answered by whoever
         renders the run (``result()`` asks on this process's stdin)."""
         (chosen,) = self.select([rank])
-        return self._controller.submit(
-            "call", {"fn": post_mortem, "args": (), "kwargs": {},
-                     "stdin": self._controller.stdin_probe()}, [chosen], f"post-mortem of rank {rank}")
+        return self.controller.call(ops.post_mortem, ranks=[chosen], what=f"post-mortem of rank {rank}",
+                                    stdin=self.controller.stdin_probe())
 
 
 def _main_thread(dump: str) -> str:
@@ -104,5 +105,5 @@ def _main_thread(dump: str) -> str:
 
 
 def _dumped_file(line: str) -> str:
-    """The file of a py-spy frame line, ``    serve (meshbook/mesh/worker.py:180)``."""
+    """The file of a py-spy frame line, ``    serve (meshbook/mesh/rank/worker.py:180)``."""
     return line.rpartition("(")[2].rpartition(":")[0]

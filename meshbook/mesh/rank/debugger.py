@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import pdb
 import sys
-from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from .run import DebugEnd, Event, InputRequest
+from ..protocol import messages as msg
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -35,7 +34,7 @@ class RemoteStdin:
         worker = self.worker
         worker.stdout.flush()
         worker.stderr.flush()
-        worker.emit("input", worker.current_request(), {"prompt": self.prompt})
+        worker.emit(msg.INPUT, worker.current_request(), {"prompt": self.prompt})
         try:
             line = worker.input_replies.get()
         except KeyboardInterrupt:
@@ -63,7 +62,7 @@ class RankPdb(pdb.Pdb):
 
     def _session_over(self) -> None:
         self.worker.stdout.flush()
-        self.worker.emit("debug_end", self.worker.current_request(), None)
+        self.worker.emit(msg.DEBUG_END, self.worker.current_request(), None)
 
 
 def breakpoint_hook(worker: "Worker") -> Any:
@@ -81,47 +80,3 @@ def breakpoint_hook(worker: "Worker") -> Any:
     return hook
 
 
-def post_mortem(worker: "Worker") -> str:
-    """``%mesh debug RANK``: pdb on the rank's last exception (runs on its main thread)."""
-    exc = worker.last_exception
-    if exc is None or exc.__traceback__ is None:
-        return f"rank {worker.rank} has no exception to debug"
-    if not worker.stdin_available:
-        return "post-mortem skipped: this frontend cannot answer a debugger prompt (no stdin)"
-    print(f"post-mortem of rank {worker.rank}: {type(exc).__name__}: {exc}")
-    debugger = RankPdb(worker)
-    debugger.reset()
-    debugger.interaction(None, exc.__traceback__)
-    worker.emit("debug_end", worker.current_request(), None)
-    return f"left the post-mortem of rank {worker.rank}"
-
-
-class PromptServer:
-    """Answers ranks' debugger prompts from the notebook, one rank's session at a time.
-
-    Fed every event of a run by whoever renders it; ``ask(prompt)`` reads a line from the
-    user (``input``), ``send(rank, text)`` delivers it to the rank.
-    """
-
-    def __init__(self, ask: Callable[[str], str], send: Callable[[int, str], None]) -> None:
-        self._ask = ask
-        self._send = send
-        self._serving: int | None = None
-        self._waiting: deque[InputRequest] = deque()
-        #: A rank asked for input: the run has been in a debugger session.
-        self.used = False
-
-    def feed(self, event: Event) -> None:
-        if isinstance(event, InputRequest):
-            self._waiting.append(event)
-            self.used = True
-        elif isinstance(event, DebugEnd) and event.rank == self._serving:
-            self._serving = None
-        while self._waiting:
-            request = next((r for r in self._waiting if r.rank == self._serving), None)
-            if request is None and self._serving is not None:
-                return  # the current rank's next prompt has not come yet
-            request = request or self._waiting[0]
-            self._waiting.remove(request)
-            self._serving = request.rank
-            self._send(request.rank, self._ask(request.prompt))

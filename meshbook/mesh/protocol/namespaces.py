@@ -33,8 +33,7 @@ from dataclasses import dataclass, replace
 from types import BuiltinFunctionType, FunctionType, ModuleType
 from typing import Any
 
-from .errors import format_ranks, group_by_text
-from .table import format_bytes, status_table
+from .text import format_bytes, format_ranks, group_by_text, status_table
 from .topology import Topology
 from .values import RankValues
 

@@ -173,6 +173,6 @@ def get_launcher(launcher: str | Launcher) -> Launcher:
     try:
         return LAUNCHERS[launcher]()  # type: ignore[no-any-return]
     except KeyError:
-        from .errors import MeshError
+        from ..protocol.errors import MeshError
 
         raise MeshError(f"unknown launcher {launcher!r}; available: {', '.join(LAUNCHERS)}") from None

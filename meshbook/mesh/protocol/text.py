@@ -1,4 +1,4 @@
-"""Plain-text tables and the units in them, for reports that must read well in a terminal.
+"""Plain text: rank ranges, tables and the units in them, for reports that read well anywhere.
 
 Every text report meshbook prints (``%mesh status``, ``%mesh memory``, ``%mesh stragglers``,
 the text fallbacks of the widgets) is built from these few helpers, so the columns, byte sizes
@@ -11,7 +11,7 @@ and percentages look the same everywhere::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -41,3 +41,31 @@ def format_bytes(n: float | None) -> str:
 def format_percent(fraction: float | None) -> str:
     """``0.934`` -> ``"93%"``; ``None`` -> ``"-"``."""
     return "-" if fraction is None else f"{fraction * 100:.0f}%"
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"``: compact, sorted, ranges of three or more collapsed."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = None
+    for r in ordered + [None]:  # type: ignore[operator]
+        if start is not None and r is not None and r == prev + 1:  # type: ignore[operator]
+            prev = r
+            continue
+        if start is not None:
+            if prev == start:
+                parts.append(str(start))
+            elif prev == start + 1:
+                parts.append(f"{start},{prev}")
+            else:
+                parts.append(f"{start}-{prev}")
+        start = prev = r
+    return ",".join(parts)
+
+
+def group_by_text(texts: dict[int, str]) -> list[tuple[list[int], str]]:
+    """Group ranks whose text is identical, groups ordered by their lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(texts):
+        groups.setdefault(texts[rank], []).append(rank)
+    return [(ranks, text) for text, ranks in groups.items()]

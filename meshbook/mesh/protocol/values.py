@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping
 
-from .errors import format_ranks, group_by_text
 from .limits import capped
+from .text import format_ranks, group_by_text
 from .topology import DimSelector, Topology
 
 

@@ -1,6 +1,6 @@
 """Hang diagnosis: which ranks wait in which collective, and who they wait for.
 
-From one :class:`~meshbook.mesh.stacks.RankSnapshot` per rank, :func:`diagnose` groups the
+From one :class:`~meshbook.mesh.controller.stacks.RankSnapshot` per rank, :func:`diagnose` groups the
 ranks waiting in the same collective (same process group, sequence number and operation),
 works out from the mesh's dimensions which ranks belong to that collective's group, and says in
 plain words what each missing member is doing instead::
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import format_ranks, group_by_text
-from .stacks import Collective, RankSnapshot, Stacks
-from .topology import Topology
+from ..protocol.reports import Collective, RankSnapshot
+from ..protocol.text import format_ranks, group_by_text
+from ..protocol.topology import Topology
+from .stacks import Stacks
 
 
 @dataclass

@@ -4,7 +4,7 @@ Two signals, both cheap and both available while work is still running:
 
 * **Sampling** works inside a training loop. Every heartbeat carries the fraction of the last
   few seconds a rank's main thread spent waiting in collectives (see
-  :mod:`meshbook.mesh.sampling`). In a synchronous job everyone waits for the slowest rank, so
+  :mod:`meshbook.mesh.rank.sampling`). In a synchronous job everyone waits for the slowest rank, so
   the straggler is the rank that waits *least* while the others wait on it. A rank's score is
   the median waiting fraction of the *other* ranks running the same request minus its own,
   and never below 0: about 0 for a healthy rank (or one that waits more than most: nobody
@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .sampling import WINDOW_S
-from .table import format_percent, status_table
+from ..protocol.messages import WINDOW_S
+from ..protocol.text import format_percent, status_table
 
 STRAGGLER_SCORE = 0.3
 MIN_SAMPLES = 5

@@ -7,8 +7,8 @@ receiver thread and are kept in order; any thread can wait for them:
   raises :class:`~meshbook.RemoteError` (the successful ranks' values ride along as
   ``partial``). While it waits it prints the ranks' output, merged across ranks, so a script
   sees what the ranks print as they print it.
-* :meth:`Run.events` yields :class:`Output`, :class:`Display`, :class:`Result` and
-  :class:`Error` events as they arrive: the notebook layer renders from it.
+* :meth:`Run.events` yields the events of :mod:`meshbook.mesh.protocol.events` (output,
+  displays, results, errors, debugger prompts) as they arrive: renderers read them.
 
 Output a rank writes after its run finished (a background thread it started) is handed to
 ``on_late_output``, so it can be attributed to the run that started it, not to whatever runs
@@ -17,15 +17,17 @@ next.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .errors import MeshTimeout, RankFailure, RemoteError, format_ranks
-from .topology import Topology
-from .values import RankValues
+from ..protocol import messages as msg
+from ..protocol.errors import MeshTimeout, RankFailure, RemoteError
+from ..protocol.events import Display, Error, Event, Output, Result
+from ..protocol.text import format_ranks
+from ..protocol.topology import Topology
+from ..protocol.values import RankValues
+from .render import EventRenderer, print_late, write_stream
 
 if TYPE_CHECKING:
     from .step import StepCheck
@@ -34,61 +36,16 @@ if TYPE_CHECKING:
 STEP_CHECK_WAIT_S = 30.0
 
 
-@dataclass(frozen=True)
-class Output:
-    rank: int
-    stream: str  # "stdout" or "stderr"
-    text: str
-
-
-@dataclass(frozen=True)
-class Display:
-    rank: int
-    data: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Result:
-    rank: int
-    value: Any
-    duration: float
-
-
-@dataclass(frozen=True)
-class Error:
-    rank: int
-    failure: RankFailure
-    duration: float
-
-
-@dataclass(frozen=True)
-class InputRequest:
-    """A rank's debugger asks for a line of input (``prompt`` reads ``(Pdb rank 2)``)."""
-
-    rank: int
-    prompt: str
-
-
-@dataclass(frozen=True)
-class DebugEnd:
-    """A rank's debugger session ended (continue or quit): the next rank may be served."""
-
-    rank: int
-
-
-Event = Union[Output, Display, Result, Error, InputRequest, DebugEnd]
-
-
 class Run:
     """Handle on one request to a set of ranks."""
 
     def __init__(self, request_id: int, ranks: list[int], topology: Topology, what: str,
                  interrupt: Callable[["Run"], None], send_input: Callable[[int, str], None],
-                 kind: str = "exec") -> None:
+                 kind: str = msg.EXEC) -> None:
         self.id = request_id
         self.ranks = list(ranks)
         self.what = what
-        self.kind = kind  # "exec", "apply", "call" (meshbook's own) or "op" (the agents')
+        self.kind = kind  # EXEC, APPLY, CALL (a rank operation) or OP (the agents'), see messages.py
         #: Set once an interrupt was sent for this run; with ``irregular`` (some rank failed or
         #: lost its process group), the ranks' collective positions are checked when it ends.
         self.interrupted = False
@@ -116,7 +73,8 @@ class Run:
 
     # -- fed by the controller's receiver thread ---------------------------------------------
 
-    def _add(self, event: Event) -> None:
+    def add_event(self, event: Event) -> None:
+        """An event for this run (the controller's receiver thread)."""
         with self._cond:
             late = not self._pending and isinstance(event, (Output, Display))
             if isinstance(event, (Result, Error)):
@@ -214,41 +172,30 @@ class Run:
         if echo and self.step_check is not None:
             report = self.step_report()
             if report:
-                _write("stderr", report + "\n")
+                write_stream("stderr", report + "\n")
 
     def _wait_and_echo(self, timeout: float | None, echo: bool) -> RankValues:
-        from .output import LineMerger
-        from .remote_pdb import PromptServer
-
         deadline = None if timeout is None else time.monotonic() + timeout
-        merger = LineMerger(self.ranks, _write) if echo else None
-        prompts = PromptServer(input, self.send_input) if echo else None
+        renderer = EventRenderer(self) if echo else None
         seen = self._echoed
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            wait = merger.next_deadline() if merger else None
+            wait = renderer.next_deadline() if renderer else None
             events, seen = self.events_since(seen, min(filter(None, (left, wait)), default=left))
-            if merger:
-                for event in events:
-                    if isinstance(event, (Display, InputRequest)):
-                        merger.flush()
-                    if isinstance(event, Display):
-                        _write("stdout", f"[{event.rank}] {event.data.get('text/plain', '')}\n")
-                    merger.feed_event(event)
-                    prompts.feed(event)  # type: ignore[union-attr]
-                merger.poll()
+            if renderer:
+                renderer.feed(events)
                 self._echoed = seen
             if self.done() and seen == len(self._events):
                 break
             if deadline is not None and time.monotonic() >= deadline:
-                if merger:
-                    merger.close()
+                if renderer:
+                    renderer.close()
                 raise MeshTimeout(
                     f"{self.what} still running on rank(s) {format_ranks(self.pending)} after "
                     f"{timeout:g} s; it keeps running: wait again, or interrupt it with "
                     f"run.interrupt()")
-        if merger:
-            merger.close()
+        if renderer:
+            renderer.close()
         return self._outcome()
 
     def _outcome(self) -> RankValues:
@@ -275,13 +222,3 @@ class Run:
         state = "done" if self.done() else f"running on {format_ranks(self.pending)}"
         return f"<Run {self.id} {self.what}: {state}>"
 
-
-def _write(stream: str, text: str) -> None:
-    target = sys.stderr if stream == "stderr" else sys.stdout
-    target.write(text)
-    target.flush()
-
-
-def print_late(event: Event) -> None:
-    if isinstance(event, Output):
-        _write(event.stream, "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines()))

@@ -10,133 +10,33 @@ wrong number, or hang. torch counts the collectives each group has issued on eac
 
 The check is a barrier in the ranks' request order, so nothing queued after it can run first:
 
-1. the controller sends every live rank two requests, :func:`positions` and :func:`hold`; each
+1. the controller sends every live rank two requests, ``positions`` and ``hold``
+   (:mod:`meshbook.mesh.rank.ops`); each
    rank reports its position in each group and then waits;
 2. the controller compares (:func:`compare`): in step, it releases the ranks with no verdict;
    out of step (or a group destroyed), it releases them with a new process-group generation,
-   which each rank joins inside :func:`hold` (the recovery ladder frees any rank whose old,
+   which each rank joins inside ``hold`` (the recovery ladder frees any rank whose old,
    unpaired collective keeps it from leaving), and the cell says what happened.
 
 What was built on the old groups (DDP/FSDP modules, DTensors, DeviceMeshes) cannot follow: the
-report names those variables (:func:`bound_objects`) so the user knows what to re-create.
+report names those variables (``bound_objects``, on the ranks) so the user knows what to re-create.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
 
-from .errors import MeshError, format_ranks, group_by_text
+from ..protocol import messages as msg
+from ..protocol.errors import MeshError
+from ..protocol.reports import Positions
+from ..protocol.text import format_ranks, group_by_text
+from ..rank.ops import hold, positions, release
 
 if TYPE_CHECKING:
     from .controller import Controller
     from .recovery import Recovery
-    from .worker import Worker
-
-
-@dataclass(frozen=True)
-class GroupPosition:
-    """How many collectives one rank has issued in one process group."""
-
-    ranks: tuple[int, ...]  # the group's members (global ranks)
-    issued: int
-    label: str  # "the default group", "group mesh_tp"
-
-
-@dataclass(frozen=True)
-class Positions:
-    """One rank's place in every process group it belongs to."""
-
-    rank: int
-    groups: dict[str, GroupPosition] = field(default_factory=dict)
-    initialized: bool = True  # False: the default group was destroyed
-
-
-# -- rank side ----------------------------------------------------------------------------
-
-
-def positions(worker: "Worker") -> Positions:
-    """This rank's position in each of its process groups (main thread, in request order)."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_initialized():
-        return Positions(worker.rank, initialized=False)
-    from torch.distributed import distributed_c10d as c10d
-
-    groups = {}
-    for pg in list(c10d._world.pg_map):
-        name = c10d._get_process_group_name(pg)
-        try:
-            issued = int(pg._get_sequence_number_for_group())
-        except Exception:  # a backend without sequence numbers: nothing to compare
-            continue
-        members = c10d._world.pg_group_ranks.get(pg, {})
-        desc = getattr(pg, "group_desc", "") or name
-        groups[name] = GroupPosition(tuple(sorted(members)), issued,
-                                     "the default group" if pg is c10d.GroupMember.WORLD else f"group {desc}")
-    return Positions(worker.rank, groups)
-
-
-def hold(worker: "Worker") -> list[str]:
-    """Wait for the controller's verdict; join a new generation if it says so.
-
-    Returns the variables bound to the old groups when the groups were re-created.
-    """
-    generation = worker.verdicts.get()
-    if generation is None:
-        return []
-    worker.reinit(generation)
-    return bound_objects(worker.namespace)
-
-
-def release(worker: "Worker", verdict: int | None) -> None:
-    """The controller's verdict for a rank waiting in :func:`hold` (control thread)."""
-    worker.verdicts.put(verdict)
-
-
-def bound_objects(namespace: Mapping[str, Any]) -> list[str]:
-    """Variables that hold on to process groups: they must be re-created after new groups.
-
-    ``device_mesh`` is meshbook's own and is rebuilt with the groups, so it is not listed.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return []
-    found = []
-    for name, value in namespace.items():
-        if name.startswith("_") or name == "device_mesh":
-            continue
-        kind = _bound_kind(torch, value)
-        if kind:
-            found.append(f"{name} ({kind})")
-    return sorted(found)
-
-
-def _bound_kind(torch: Any, value: Any) -> str:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DeviceMesh):
-        return "DeviceMesh"
-    if isinstance(value, torch.distributed.ProcessGroup):
-        return "process group"
-    if isinstance(value, DTensor):
-        return "DTensor"
-    if isinstance(value, torch.nn.parallel.DistributedDataParallel):
-        return "DDP module"
-    if isinstance(value, torch.nn.Module):
-        if type(value).__name__.startswith("FSDP"):
-            return "FSDP module"
-        if any(isinstance(p, DTensor) for p in value.parameters()):
-            return "module with DTensor parameters (FSDP2 / tensor parallel)"
-    if isinstance(value, torch.optim.Optimizer):
-        if any(isinstance(p, DTensor) for g in value.param_groups for p in g["params"]):
-            return "optimizer over DTensor parameters"
-    return ""
-
-
-# -- controller side ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -253,7 +153,7 @@ class StepCheck:
         ranks = [r for r in self.held.pending if ctl.ranks[r].state != "dead"]
         try:
             if ranks:
-                ctl.call(release, verdict, ranks=ranks, what="step verdict", channel="c")
+                ctl.call(release, verdict, ranks=ranks, what="step verdict", channel=msg.CONTROL)
         except MeshError:
             pass  # stopped meanwhile: nobody is left to hold
 

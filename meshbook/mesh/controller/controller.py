@@ -2,13 +2,15 @@
 
 One :class:`Controller` per started mesh. Its sockets live in a private (0700) runtime
 directory: a PUSH per rank and channel that sends requests straight to the rank (see
-:func:`~meshbook.mesh.wire.rank_address`), a ROUTER for what it asks of the host agents
+:func:`~meshbook.mesh.protocol.wire.rank_address`), a ROUTER for what it asks of the host agents
 (signals, re-forks), and a PULL on which ranks and agents send everything back. A receiver
-thread reads that PULL socket and feeds each message to the :class:`~meshbook.mesh.run.Run`
-it belongs to, tracks each rank's state and last heartbeat, and turns a rank's death into an
+thread reads that PULL socket and dispatches each message by kind through a handler table
+(:mod:`~meshbook.mesh.protocol.messages`; a kind without a handler is counted in
+``unknown_kinds`` and logged): it feeds events to the :class:`~meshbook.mesh.controller.run.Run`
+they belong to, tracks each rank's state and last heartbeat, and turns a rank's death into an
 error on every run that waited for it, within the agent's SIGCHLD latency.
 
-:class:`~meshbook.mesh.mesh.Mesh` is the user-facing view; this module is its engine.
+:class:`~meshbook.mesh.controller.mesh.Mesh` is the user-facing view; this module is its engine.
 """
 
 from __future__ import annotations
@@ -24,27 +26,29 @@ import tempfile
 import threading
 import time
 import weakref
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
 
-from . import wire
-from .errors import MeshError, MeshStoppedError, RankFailure, SendError, format_ranks
+from ..protocol import messages as msg
+from ..protocol import wire
+from ..protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
+from ..protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result
+from ..protocol.limits import DEFAULT_MAX_BYTES
+from ..protocol.text import format_ranks
+from ..protocol.topology import Topology
+from ..rank.ops import interrupt_request
 from .launchers import AgentHandle, HostPlan, Launcher
-from .limits import DEFAULT_MAX_BYTES
 from .metrics import MetricsHistory
 from .recovery import abort, free_after_interrupt
-from .run import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Run
+from .render import print_late
+from .run import Run
 from .step import StepCheck
-from .topology import Topology
-from .worker import interrupt_request
 
 #: How many finished runs still get their late output routed to them.
 LATE_OUTPUT_RUNS = 256
-#: Requests that run user code: those whose irregular end triggers a step check.
-USER_KINDS = ("exec", "apply")
 
 
 @dataclass
@@ -54,7 +58,7 @@ class RankState:
     pid: int | None = None
     hostname: str = ""
     device: str = ""
-    state: str = "starting"  # starting | idle | busy | dead
+    state: str = "starting"  # starting | idle | busy | failed (its group did not start) | dead
     cause: str = ""  # why it is dead
     generation: int = -1
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -101,7 +105,8 @@ class Controller:
         self.agents: list[AgentHandle] = []
         self._lock = threading.RLock()
         self._send_lock = threading.Lock()
-        self._ids = itertools.count(1)
+        #: Where request ids come from (one per request, ranks and agents alike).
+        self.request_ids = itertools.count(1)
         self._runs: dict[int, Run] = {}
         self._queues: dict[int, deque[int]] = {r: deque() for r in self.ranks}
         self._late: OrderedDict[int, Callable[[Event], None]] = OrderedDict()
@@ -115,6 +120,13 @@ class Controller:
         self.heartbeat_listeners: list[Callable[[int, dict[str, Any]], None]] = [self.history.record]
         #: Called with every new Run (the notebook layer attributes its output to a cell).
         self.run_listeners: list[Callable[[Run], None]] = []
+        #: Messages of a kind no handler takes, by kind (each is logged too).
+        self.unknown_kinds: Counter[str] = Counter()
+        self._handlers: dict[str, Callable[[wire.Message], None]] = {
+            msg.HEARTBEAT: self._on_heartbeat, msg.OUTPUT: self._on_output, msg.DISPLAY: self._on_display,
+            msg.INPUT: self._on_input, msg.DEBUG_END: self._on_debug_end, msg.RESULT: self._on_answer,
+            msg.ERROR: self._on_answer, msg.EXIT: self._on_exit, msg.HELLO: self._on_hello,
+            msg.READY: self._on_ready, msg.INIT_FAILED: self._on_init_failed, msg.AGENT: self._on_agent}
         #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
         #: replaces this with "does this cell allow stdin").
         self.stdin_probe: Callable[[], bool] = _terminal_stdin
@@ -123,6 +135,30 @@ class Controller:
         self._receiver = threading.Thread(target=self._receive, name="meshbook-receiver", daemon=True)
         self._receiver.start()
         _LIVE.add(self)
+
+    # -- listeners: the notebook layer's hooks -------------------------------------------------
+
+    def add_run_listener(self, listener: Callable[[Run], None]) -> None:
+        if listener not in self.run_listeners:
+            self.run_listeners.append(listener)
+
+    def remove_run_listener(self, listener: Callable[[Run], None]) -> None:
+        if listener in self.run_listeners:
+            self.run_listeners.remove(listener)
+
+    def add_heartbeat_listener(self, listener: Callable[[int, dict[str, Any]], None]) -> None:
+        self.heartbeat_listeners.append(listener)
+
+    def remove_heartbeat_listener(self, listener: Callable[[int, dict[str, Any]], None]) -> None:
+        if listener in self.heartbeat_listeners:
+            self.heartbeat_listeners.remove(listener)
+
+    def add_death_listener(self, listener: Callable[[int, str], None]) -> None:
+        self.death_listeners.append(listener)
+
+    def remove_death_listener(self, listener: Callable[[int, str], None]) -> None:
+        if listener in self.death_listeners:
+            self.death_listeners.remove(listener)
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -139,7 +175,7 @@ class Controller:
     def _agent_config(self, plan: HostPlan) -> dict[str, Any]:
         return {
             "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks, "dims": list(self.topology.dims),
-            "key": self.wire._key.hex(), "backend": self.backend,
+            "key": self.wire.key.hex(), "backend": self.backend,
             "store_host": self.launcher.store_host,
             "collective_timeout": self.collective_timeout, "rundir": self.rundir,
             "master_port": self.master_port,
@@ -181,43 +217,46 @@ class Controller:
 
     # -- sending -----------------------------------------------------------------------------
 
-    def submit(self, kind: str, body: Any, ranks: list[int], what: str, channel: str = "x") -> Run:
-        """Send one request to ``ranks`` (one message per host) and return its Run."""
+    def submit(self, kind: str, body: Any, ranks: list[int], what: str, channel: str = msg.MAIN) -> Run:
+        """Send one request to ``ranks`` (one message per rank) and return its Run."""
         self.check_usable(ranks)
         try:
             raw, buffers = wire.dumps(body)
         except Exception as exc:
-            raise SendError(f"{what}: cannot send {_describe_unpicklable(body, exc)}") from None
+            raise SendError(f"{what}: cannot send {wire.describe_unpicklable(body, exc)}") from None
         with self._lock:
-            request = next(self._ids)
+            request = next(self.request_ids)
             run = Run(request, ranks, self.topology, what, self.interrupt_run, self.send_input, kind)
             self._runs[request] = run
-            if channel == "x":
+            if channel == msg.MAIN:
                 for r in ranks:
                     self._queues[r].append(request)
                     self.ranks[r].state = "busy"
         for listener in self.run_listeners:
             listener(run)
-        frames = self.wire.pack({"k": kind, "id": request}, raw_body=raw, buffers=buffers)
+        frames = self.wire.pack({msg.KIND: kind, msg.ID: request}, raw_body=raw, buffers=buffers)
         self._send_to_ranks(frames, ranks, channel)
         return run
 
-    def call(self, fn: Callable[..., Any], *args: Any, ranks: list[int], what: str,
-             channel: str = "x") -> Run:
-        """Run one of meshbook's own rank operations, ``fn(worker, *args)``, on ``ranks``
-        (``channel="c"``: on their control threads, answered while they are busy)."""
-        return self.submit("call", {"fn": fn, "args": args, "kwargs": {}}, ranks, what, channel)
+    def call(self, fn: Callable[..., Any], *args: Any, ranks: list[int], what: str = "",
+             channel: str = msg.MAIN, stdin: bool = False, **kwargs: Any) -> Run:
+        """Run a rank operation, ``fn(worker, *args, **kwargs)``, on ``ranks`` (one of
+        :mod:`meshbook.mesh.rank.ops`, or an extension's). ``channel=CONTROL`` runs it on their
+        control threads, answered while they are busy; ``stdin`` says the notebook can answer a
+        debugger prompt it opens."""
+        body = {"fn": fn, "args": args, "kwargs": kwargs, "stdin": stdin}
+        return self.submit(msg.CALL, body, ranks, what or getattr(fn, "__name__", "call"), channel)
 
     def agent_op(self, op: str, ranks: list[int], **body: Any) -> Run | None:
         """Ask the agents owning ``ranks`` to do ``op`` (signal, spawn, pyspy, stop)."""
-        request = next(self._ids)
+        request = next(self.request_ids)
         run = None
-        if op == "pyspy":
+        if op == msg.AgentOp.PYSPY:
             run = Run(request, ranks, self.topology, f"native stacks of rank(s) {ranks}", self.interrupt_run,
-                      self.send_input, "op")
+                      self.send_input, msg.OP)
             with self._lock:
                 self._runs[request] = run
-        frames = self.wire.pack({"k": "op", "id": request, "ranks": ranks}, dict(body, op=op))
+        frames = self.wire.pack({msg.KIND: msg.OP, msg.ID: request, msg.RANKS: ranks}, dict(body, op=op))
         self._send_to_hosts(frames, ranks)
         return run
 
@@ -230,7 +269,7 @@ class Controller:
         """
         self._disconnect_rank(rank)
         socks = {}
-        for channel in ("x", "c"):
+        for channel in msg.CHANNELS:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             # Retry every 10 ms until the rank binds, never backing off: a backed-off retry
@@ -308,7 +347,7 @@ class Controller:
             for r in ranks:
                 state = self.ranks[r]
                 state.state, state.cause, state.lost_namespace = "starting", "", True
-        self.agent_op("spawn", ranks, generation=generation)
+        self.agent_op(msg.AgentOp.SPAWN, ranks, generation=generation)
 
     def current_request(self, rank: int) -> int | None:
         """The exec request ``rank`` is running now (the head of its queue)."""
@@ -322,7 +361,7 @@ class Controller:
 
     def send_input(self, rank: int, text: str) -> None:
         """A line typed in the notebook, for ``rank``'s debugger (its control thread)."""
-        self._send_to_ranks(self.wire.pack({"k": "input", "id": None}, text), [rank], "c")
+        self._send_to_ranks(self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, text), [rank], msg.CONTROL)
 
     def interrupt(self, ranks: list[int]) -> None:
         """SIGINT to ``ranks``, whatever they run (``%mesh interrupt``)."""
@@ -341,17 +380,17 @@ class Controller:
         run.interrupted = True
         ranks = [r for r in run.pending if self.ranks[r].state != "dead"]
         if ranks and not self.stopped:
-            self.call(interrupt_request, run.id, ranks=ranks, what="interrupt", channel="c")
+            self.call(interrupt_request, run.id, ranks=ranks, what="interrupt", channel=msg.CONTROL)
             self._free_after_interrupt(run)
 
     def _free_after_interrupt(self, run: Run) -> None:
-        if run.kind in USER_KINDS and not self.stopped:
+        if run.kind in msg.USER_KINDS and not self.stopped:
             threading.Thread(target=free_after_interrupt, args=(self, run), daemon=True).start()
 
     def signal(self, ranks: list[int], sig: int) -> None:
         live = [r for r in ranks if self.ranks[r].state != "dead"]
         if live and not self.stopped:
-            self.agent_op("signal", live, sig=int(sig))
+            self.agent_op(msg.AgentOp.SIGNAL, live, sig=int(sig))
 
     def check_usable(self, ranks: list[int]) -> None:
         if self.stopped:
@@ -393,76 +432,90 @@ class Controller:
                 self._check_agents()
 
     def _handle(self, message: wire.Message) -> None:
-        header = message.header
-        kind = header["k"]
-        rank = header.get("rank")
-        if kind == "hb":
-            state = self.ranks[rank]
-            state.metrics = message.body()
-            state.last_seen = time.monotonic()
-            for listener in self.heartbeat_listeners:
-                listener(rank, state.metrics)
+        handler = self._handlers.get(message.kind)
+        if handler is None:
+            self.unknown_kinds[message.kind] += 1
+            _log(f"no handler for {message.kind!r} messages (from rank {message.header.get(msg.RANK)}, "
+                 f"host {message.header.get(msg.HOST)}; {self.unknown_kinds[message.kind]} so far)")
             return
-        if kind in ("out", "display", "input", "debug_end"):
-            body = message.body()
-            event: Event
-            if kind == "out":
-                event = Output(rank, body["stream"], body["text"])
-            elif kind == "display":
-                event = Display(rank, body)
-            elif kind == "input":
-                event = InputRequest(rank, body["prompt"])
-            else:
-                event = DebugEnd(rank)
-            self._deliver(header["id"], event)
-            return
-        if kind in ("result", "error"):
-            body = message.body()
-            duration = header.get("t", 0.0)
-            event = Result(rank, body, duration) if kind == "result" else Error(rank, body, duration)
-            self._finish(header["id"], rank, event, lost_group=header.get("pg") is False)
-            return
-        if kind == "exit":
-            self._rank_died(rank, message.body())
-            return
+        handler(message)
+
+    def _on_heartbeat(self, message: wire.Message) -> None:
+        state = self.ranks[message.header[msg.RANK]]
+        state.metrics, state.last_seen = message.body(), time.monotonic()
+        for listener in self.heartbeat_listeners:
+            listener(state.rank, state.metrics)
+
+    def _on_output(self, message: wire.Message) -> None:
+        body = message.body()
+        self._deliver(message.header[msg.ID], Output(message.header[msg.RANK], body["stream"], body["text"]))
+
+    def _on_display(self, message: wire.Message) -> None:
+        self._deliver(message.header[msg.ID], Display(message.header[msg.RANK], message.body()))
+
+    def _on_input(self, message: wire.Message) -> None:
+        self._deliver(message.header[msg.ID], InputRequest(message.header[msg.RANK], message.body()["prompt"]))
+
+    def _on_debug_end(self, message: wire.Message) -> None:
+        self._deliver(message.header[msg.ID], DebugEnd(message.header[msg.RANK]))
+
+    def _on_answer(self, message: wire.Message) -> None:
+        """A rank's (or an agent's) result or error for a request."""
+        header, rank = message.header, message.header[msg.RANK]
+        duration = header.get(msg.DURATION, 0.0)
+        body = message.body()
+        event = Result(rank, body, duration) if message.kind == msg.RESULT else Error(rank, body, duration)
+        self._finish(header[msg.ID], rank, event, lost_group=header.get(msg.HAS_GROUP) is False)
+
+    def _on_exit(self, message: wire.Message) -> None:
+        self._rank_died(message.header[msg.RANK], message.body())
+
+    def _on_hello(self, message: wire.Message) -> None:
+        body = message.body()
         with self._lock:
-            body = message.body()
-            if kind == "hello":
-                self.ranks[rank].pid = body["pid"]
-                self.ranks[rank].hostname = body["host"]
-            elif kind == "ready":
-                state = self.ranks[rank]
-                state.device, state.pid = body["device"], body["pid"]
-                state.generation = header["generation"]
-                if not self._queues[rank]:
-                    state.state = "idle"
-                self._generation_changed.notify_all()
-            elif kind == "init_failed":
-                state = self.ranks[rank]
-                state.generation, state.state = header["generation"], "failed"
-                state.cause = f"torch.distributed did not initialise: {body.headline}"
-                self._generation_changed.notify_all()
-            elif kind == "agent":
-                for r, pid in body["pids"].items():
-                    self.ranks[int(r)].pid = pid
+            state = self.ranks[message.header[msg.RANK]]
+            state.pid, state.hostname = body["pid"], body["host"]
+
+    def _on_ready(self, message: wire.Message) -> None:
+        body, rank = message.body(), message.header[msg.RANK]
+        with self._lock:
+            state = self.ranks[rank]
+            state.device, state.pid = body["device"], body["pid"]
+            state.generation = message.header[msg.GENERATION]
+            if not self._queues[rank]:
+                state.state = "idle"
+            self._generation_changed.notify_all()
+
+    def _on_init_failed(self, message: wire.Message) -> None:
+        failure = message.body()
+        with self._lock:
+            state = self.ranks[message.header[msg.RANK]]
+            state.generation, state.state = message.header[msg.GENERATION], "failed"
+            state.cause = f"torch.distributed did not initialise: {failure.headline}"
+            self._generation_changed.notify_all()
+
+    def _on_agent(self, message: wire.Message) -> None:
+        with self._lock:
+            for r, pid in message.body()["pids"].items():
+                self.ranks[int(r)].pid = pid
 
     def _deliver(self, request: int | None, event: Event) -> None:
         run = self._runs.get(request) if request is not None else None
         if run is not None:
-            run._add(event)
+            run.add_event(event)
             return
         late = self._late.get(request) if request is not None else None
-        (late or _print_stray)(event)
+        (late or print_late)(event)
 
     def _finish(self, request: int, rank: int, event: Event, lost_group: bool = False) -> None:
         run = self._runs.get(request)
         if run is None:
             return
         run.irregular = run.irregular or lost_group or isinstance(event, Error)
-        if run.pending == [rank] and run.kind in USER_KINDS and (run.irregular or run.interrupted):
+        if run.pending == [rank] and run.kind in msg.USER_KINDS and (run.irregular or run.interrupted):
             # Before the run is seen done: whoever renders it waits for this check too.
             run.step_check = self.check_step(run)
-        run._add(event)
+        run.add_event(event)
         with self._lock:
             queue = self._queues[rank]
             if queue and queue[0] == request:
@@ -526,7 +579,7 @@ class Controller:
 
     def check_step(self, run: Run) -> "StepCheck | None":
         """Check that every rank is at the same collective in each group after ``run``
-        stopped irregularly (see :mod:`meshbook.mesh.step`)."""
+        stopped irregularly (see :mod:`meshbook.mesh.controller.step`)."""
         if self.stopped or any(s.state == "dead" for s in self.ranks.values()):
             return None  # a dead rank's restart re-creates every group anyway
         check = StepCheck(self, "the interrupt" if run.interrupted else "the failed cell", run.forced_resync)
@@ -580,7 +633,7 @@ class Controller:
             for r in run.pending:
                 failure = RankFailure(r, "MeshStopped", f"the mesh was stopped ({self.stop_reason})",
                                       died="stopped")
-                run._add(Error(r, failure, 0.0))
+                run.add_event(Error(r, failure, 0.0))
         for state in self.ranks.values():
             if state.state != "dead":
                 state.state, state.cause = "dead", "mesh stopped"
@@ -590,6 +643,12 @@ class Controller:
         self.ctx.term()
         shutil.rmtree(self.rundir, ignore_errors=True)
         _LIVE.discard(self)
+
+
+def live_controllers() -> list[Controller]:
+    """This process's controllers that are running or were not stopped long ago (weakly
+    held): the test suite checks with it that nothing a test started is left running."""
+    return list(_LIVE)
 
 
 def _terminal_stdin() -> bool:
@@ -610,30 +669,6 @@ def _runtime_base() -> str:
     if base and os.path.isdir(base) and os.access(base, os.W_OK) and len(base) < 60:
         return base
     return tempfile.gettempdir()
-
-
-def _describe_unpicklable(body: Any, exc: Exception) -> str:
-    """Name the value that cannot be pickled: which argument, and its type."""
-    items: list[tuple[str, Any]] = []
-    if isinstance(body, dict):
-        items += [(f"argument {i + 1}", v) for i, v in enumerate(body.get("args", ()))]
-        items += [(f"keyword argument {k!r}", v) for k, v in body.get("kwargs", {}).items()]
-        items += [(f"value {k!r}", v) for k, v in body.get("values", {}).items()]
-        if "fn" in body:
-            items.append(("the function", body["fn"]))
-    for label, value in items:
-        try:
-            wire.dumps(value)
-        except Exception as inner:
-            return (f"{label} (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
-                    f"pickled: {inner}")
-    return f"the request cannot be pickled: {exc}"
-
-
-def _print_stray(event: Event) -> None:
-    from .run import print_late
-
-    print_late(event)
 
 
 def _log(text: str) -> None:

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from .cell import cell_filename, compile_cell
+from ..protocol import messages as msg
+from ..protocol.cell import cell_filename, compile_cell
+from ..protocol.errors import MeshError
+from ..protocol.limits import DEFAULT_MAX_BYTES
+from ..protocol.topology import DimSelector, Topology, resolve
 from .controller import Controller, RankState
 from .data import DataOps
 from .debug import DebugOps
-from .errors import MeshError
 from .launchers import Launcher, get_launcher
-from .limits import DEFAULT_MAX_BYTES
 from .memory import MemoryReport, memory_report
 from .metrics import MetricsHistory
 from .run import Run
 from .stragglers import DURATION_FACTOR, StragglerReport, straggler_report, stuck_in_collectives
-from .topology import DimSelector, Topology, resolve
 
 
 def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
@@ -54,13 +55,24 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
     mesh = Mesh(controller, list(range(topology.world_size)))
     global _current
     _current = mesh
-    for listener in list(start_listeners):
+    for listener in list(_start_listeners):
         listener(mesh)
     return mesh
 
 
 #: Called with every newly started mesh (the kernel layer hooks in here).
-start_listeners: list[Callable[["Mesh"], None]] = []
+_start_listeners: list[Callable[["Mesh"], None]] = []
+
+
+def add_start_listener(listener: Callable[["Mesh"], None]) -> None:
+    """Call ``listener(mesh)`` with every mesh started from now on (the kernel bridge)."""
+    if listener not in _start_listeners:
+        _start_listeners.append(listener)
+
+
+def remove_start_listener(listener: Callable[["Mesh"], None]) -> None:
+    if listener in _start_listeners:
+        _start_listeners.remove(listener)
 _current: "Mesh | None" = None
 
 
@@ -76,7 +88,7 @@ class Mesh(DebugOps, DataOps):
     """A set of ranks of a running mesh; run code on them and collect per-rank results."""
 
     def __init__(self, controller: Controller, ranks: list[int]) -> None:
-        self._controller = controller
+        self.controller = controller
         self._ranks = ranks
 
     # -- shape -------------------------------------------------------------------------------
@@ -87,7 +99,7 @@ class Mesh(DebugOps, DataOps):
 
     @property
     def topology(self) -> Topology:
-        return self._controller.topology
+        return self.controller.topology
 
     @property
     def dims(self) -> dict[str, int]:
@@ -99,7 +111,7 @@ class Mesh(DebugOps, DataOps):
 
     @property
     def stopped(self) -> bool:
-        return self._controller.stopped
+        return self.controller.stopped
 
     def select(self, ranks: Sequence[int] | str | int | None = None,
                where: Mapping[str, DimSelector] | None = None) -> list[int]:
@@ -108,7 +120,7 @@ class Mesh(DebugOps, DataOps):
 
     def slice(self, **where: DimSelector) -> "Mesh":
         """A view over the ranks matching ``where``, e.g. ``mesh.slice(dp=0)``."""
-        return Mesh(self._controller, self.select(where=where))
+        return Mesh(self.controller, self.select(where=where))
 
     # -- running code ------------------------------------------------------------------------
 
@@ -130,9 +142,9 @@ class Mesh(DebugOps, DataOps):
         cell_name = name if name is not None else "run"
         compile_cell(code, cell_filename(cell_name), first_line)
         body = {"code": code, "first_line": first_line, "name": cell_name,
-                "stdin": self._controller.stdin_probe(),
-                "max_bytes": self._controller.max_result_bytes if max_bytes is None else max_bytes}
-        return self._controller.submit("exec", body, chosen, _describe_code(code))
+                "stdin": self.controller.stdin_probe(),
+                "max_bytes": self.controller.max_result_bytes if max_bytes is None else max_bytes}
+        return self.controller.submit(msg.EXEC, body, chosen, _describe_code(code))
 
     def apply(self, fn: Callable[..., Any], *args: Any,
               ranks: Sequence[int] | str | int | None = None,
@@ -146,9 +158,9 @@ class Mesh(DebugOps, DataOps):
         if not callable(fn):
             raise MeshError(f"apply() needs a function, got a {type(fn).__name__}")
         chosen = self.select(ranks, where)
-        body = {"fn": fn, "args": args, "kwargs": kwargs, "stdin": self._controller.stdin_probe(),
-                "max_bytes": self._controller.max_result_bytes}
-        return self._controller.submit("apply", body, chosen, f"apply({_name_of(fn)})")
+        body = {"fn": fn, "args": args, "kwargs": kwargs, "stdin": self.controller.stdin_probe(),
+                "max_bytes": self.controller.max_result_bytes}
+        return self.controller.submit(msg.APPLY, body, chosen, f"apply({_name_of(fn)})")
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: Sequence[int] | None = None,
              control: bool = False, what: str = "", **kwargs: Any) -> Run:
@@ -157,10 +169,8 @@ class Mesh(DebugOps, DataOps):
         ``control=True`` runs it on the rank's control thread, so it answers even while the
         rank is busy (stacks, metrics). For extensions of meshbook, not for user code.
         """
-        chosen = self.select(ranks)
-        body = {"fn": fn, "args": args, "kwargs": kwargs}
-        return self._controller.submit("call", body, chosen, what or _name_of(fn),
-                                       channel="c" if control else "x")
+        return self.controller.call(fn, *args, ranks=self.select(ranks), what=what or _name_of(fn),
+                                    channel=msg.CONTROL if control else msg.MAIN, **kwargs)
 
     # -- observing ---------------------------------------------------------------------------
 
@@ -186,21 +196,21 @@ class Mesh(DebugOps, DataOps):
     @property
     def history(self) -> MetricsHistory:
         """The last few minutes of each rank's memory (the dashboard's sparklines)."""
-        return self._controller.history
+        return self.controller.history
 
     # -- managing ----------------------------------------------------------------------------
 
     def status(self) -> list[RankState]:
         """Each rank's state: pid, host, device, idle/busy/dead, last heartbeat."""
-        return [self._controller.ranks[r] for r in self._ranks]
+        return [self.controller.ranks[r] for r in self._ranks]
 
     def interrupt(self, ranks: Sequence[int] | str | int | None = None) -> None:
         """SIGINT to the selected ranks: running user code raises ``KeyboardInterrupt``."""
-        self._controller.interrupt(self.select(ranks))
+        self.controller.interrupt(self.select(ranks))
 
     def stop(self) -> None:
         """Stop the whole mesh (every rank and agent), not only this view's ranks."""
-        self._controller.stop()
+        self.controller.stop()
 
     def __enter__(self) -> "Mesh":
         return self

@@ -12,7 +12,7 @@ them (``[0] loss 1.2``, ``[1] loss 1.3``, ... whatever order they arrived in).
 :class:`OrderedCollector` buffers instead and writes each rank's output in rank order when the
 run ends (ranks with identical output shown once): deterministic, for tests and docs.
 
-Both take events from :class:`~meshbook.mesh.run.Run` and write through a
+Both take events from :class:`~meshbook.mesh.controller.run.Run` and write through a
 ``write(stream, text)`` callable, so scripts and the notebook share one implementation.
 """
 
@@ -23,8 +23,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .errors import format_ranks, group_by_text
-from .run import Error, Event, Output, Result
+from ..protocol.events import Error, Event, Output, Result
+from ..protocol.text import format_ranks, group_by_text
 
 Write = Callable[[str, str], None]
 Key = tuple[str, str, int]  # (stream, line, how many times its ranks printed it before)

@@ -1,8 +1,8 @@
 """Bulk values for push and scatter: serialized once, their big buffers shared, not copied per rank.
 
 A value pushed to the ranks is pickled exactly once, by :func:`pack`, with its large buffers
-(tensor and array payloads, bf16 and non-contiguous tensors included, see
-:mod:`meshbook.mesh.wire`) lifted out of the pickle. Those buffers then reach the ranks one of
+(tensor and array payloads, bf16 and non-contiguous tensors included, see :mod:`.wire`)
+lifted out of the pickle. Those buffers then reach the ranks one of
 two ways:
 
 * **shared memory**, when every target rank runs on this machine under an agent this process
@@ -19,7 +19,7 @@ The message naming the shared file is signed like every other message; the file 
 a random token the message carries too, so a rank never maps a file that is not this push's.
 
 >>> with pack({"x": tensor}, shared=True) as payload:       # in the notebook process
-...     mesh.call(store, payload).result()                   # on a rank: payload.load()
+...     mesh.call(ops.store, payload).result()               # on a rank: payload.load()
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import wire
-from .controller import _describe_unpicklable
 from .errors import SendError
 
 #: Below this many buffer bytes a shared-memory file costs more than frames on the wire.
@@ -79,7 +78,7 @@ def pack(values: Mapping[str, Any], shared: bool, what: str = "push") -> Iterato
     try:
         body, buffers = wire.dumps(dict(values))
     except Exception as exc:  # noqa: BLE001 - whatever pickling raises, name the value
-        raise SendError(f"{what}: {_describe_unpicklable({'values': values}, exc)}; nothing was "
+        raise SendError(f"{what}: {wire.describe_unpicklable({'values': values}, exc)}; nothing was "
                         f"sent to any rank") from None
     views = [b.raw() for b in buffers]
     if not shared or sum(v.nbytes for v in views) < SHARE_MIN:

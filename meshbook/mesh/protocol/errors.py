@@ -9,7 +9,9 @@ list, so eight ranks failing the same way read like one failure.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
+
+from .text import format_ranks, group_by_text
 
 
 class MeshError(Exception):
@@ -122,34 +124,6 @@ class RankFailure:
         if self.detail:
             parts.append(self.detail)
         return "\n".join(parts)
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"``: compact, sorted, ranges of three or more collapsed."""
-    ordered = sorted(set(ranks))
-    parts: list[str] = []
-    start = prev = None
-    for r in ordered + [None]:  # type: ignore[operator]
-        if start is not None and r is not None and r == prev + 1:  # type: ignore[operator]
-            prev = r
-            continue
-        if start is not None:
-            if prev == start:
-                parts.append(str(start))
-            elif prev == start + 1:
-                parts.append(f"{start},{prev}")
-            else:
-                parts.append(f"{start}-{prev}")
-        start = prev = r
-    return ",".join(parts)
-
-
-def group_by_text(texts: dict[int, str]) -> list[tuple[list[int], str]]:
-    """Group ranks whose text is identical, groups ordered by their lowest rank."""
-    groups: dict[str, list[int]] = {}
-    for rank in sorted(texts):
-        groups.setdefault(texts[rank], []).append(rank)
-    return [(ranks, text) for text, ranks in groups.items()]
 
 
 @dataclass(eq=False)

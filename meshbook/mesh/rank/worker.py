@@ -1,18 +1,20 @@
 """The rank process: a persistent namespace that runs what the controller sends.
 
-A rank is forked by its host agent (see :mod:`meshbook.mesh.agent`) and runs three threads:
+A rank is forked by its host agent (see :mod:`meshbook.mesh.agent.host`) and runs three threads:
 
 * the **main thread** takes requests from the controller in order and runs them: cell code
-  (``exec``, the value of a last expression is the result), notebook functions (``apply``) and
-  meshbook's own operations (``call``). It is the only thread that runs user code, and the one
-  SIGINT interrupts;
-* the **control thread** answers control calls (stacks, metrics) while the main thread is busy
+  (``EXEC``, the value of a last expression is the result), notebook functions (``APPLY``) and
+  meshbook's own operations (``CALL``, :mod:`.ops`). It is the only thread that runs user
+  code, and the one SIGINT interrupts;
+* the **control thread** answers control calls (stacks, ports) while the main thread is busy
   (torch.distributed releases the GIL while it waits), sends heartbeats, flushes partial output
   lines, and exits the rank if its agent is gone;
-* the **fd pump** forwards C-level output (see :mod:`meshbook.mesh.streams`).
+* the **fd pump** forwards C-level output (see :mod:`meshbook.mesh.rank.streams`).
 
 Every reply and every output line leaves through one PUSH socket straight to the controller,
-shared under a lock, so a rank's output always precedes the result it belongs to.
+shared under a lock, so a rank's output always precedes the result it belongs to. Each thread
+dispatches the kinds of :mod:`meshbook.mesh.protocol.messages` through a handler table; a kind
+it has no handler for is counted in ``unknown_kinds`` and logged.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from types import FunctionType
 from typing import Any, Callable
@@ -31,22 +34,17 @@ from typing import Any, Callable
 import psutil
 import zmq
 
-from . import proc, torchrun, wire
-from .cell import (
-    cell_filename,
-    compile_cell,
-    current_cell_line,
-    failure_from,
-    register_source,
-)
-from .errors import RankFailure, SendError
-from .limits import KeptOnRank
+from ..protocol import messages as msg
+from ..protocol import proc, wire
+from ..protocol.cell import cell_filename, compile_cell, current_cell_line, failure_from, register_source
+from ..protocol.errors import RankFailure, SendError
+from ..protocol.limits import KeptOnRank
+from ..protocol.topology import Topology
+from . import torchrun
 from .memory import memory_probe
 from .sampling import MainThreadSampler
 from .streams import FdPump, RankStream, install_thread_tagging
-from .topology import Topology
 
-HEARTBEAT_S = 0.5
 TICK_S = 0.2
 
 
@@ -96,7 +94,7 @@ class Worker:
         self.result_limit: int | None = None
         #: Lines typed in the notebook for this rank's debugger, delivered by the control thread.
         self.input_replies: queue.Queue[str] = queue.Queue()
-        #: Verdicts of step checks (see :mod:`meshbook.mesh.step`), delivered by the control thread.
+        #: Verdicts of step checks (see :mod:`meshbook.mesh.controller.step`), delivered by the control thread.
         self.verdicts: queue.Queue[int | None] = queue.Queue()
         #: Requests interrupted before they started: dropped when their turn comes.
         self.cancelled: set[int] = set()
@@ -106,6 +104,12 @@ class Worker:
         self.last_outcome = ""
         #: Why meshbook aborted a request's collective (request -> reason), for its error.
         self.abort_reasons: dict[int, str] = {}
+        #: Messages of a kind no handler takes, by kind (each is logged too).
+        self.unknown_kinds: Counter[str] = Counter()
+        self._main_handlers: dict[str, Callable[[dict[str, Any], int], Any]] = {
+            msg.EXEC: self._exec, msg.APPLY: self._apply, msg.CALL: self._call}
+        self._control_handlers: dict[str, Callable[[wire.Message], None]] = {
+            msg.CALL: self._control_call, msg.INPUT: self._control_input}
         self._noted_in: int | None = None
         self._noted: set[str] = set()
         self.generation = cfg.generation
@@ -128,12 +132,12 @@ class Worker:
 
     def emit(self, kind: str, request: int | None, body: Any = None, wait: bool = False,
              **header: Any) -> None:
-        frames = self.wire.pack({"k": kind, "id": request, "rank": self.rank, **header}, body)
+        frames = self.wire.pack({msg.KIND: kind, msg.ID: request, msg.RANK: self.rank, **header}, body)
         with self._out_lock:
             wire.send(self._out, frames, wait=wait)
 
     def _output(self, request: int | None, stream: str, text: str) -> None:
-        self.emit("out", request if request is not None else self.last_request,
+        self.emit(msg.OUTPUT, request if request is not None else self.last_request,
                   {"stream": stream, "text": text})
 
     def current_request(self) -> int | None:
@@ -151,13 +155,13 @@ class Worker:
         signal.signal(signal.SIGINT, self._on_sigint)
         sys.argv = ["mesh-rank"]  # the agent's own arguments would confuse a script's argparse
         self.init_group, self.destroy_group = torchrun.install(self)
-        from .remote_pdb import breakpoint_hook
+        from .debugger import breakpoint_hook
         sys.breakpointhook = breakpoint_hook(self)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         self._requests = self._listen(cfg.request_addr)
         self._control_requests = self._listen(cfg.control_addr)  # handed to the control thread
         threading.Thread(target=self._control_loop, name="meshbook-control", daemon=True).start()
-        self.emit("hello", None, {"pid": os.getpid(), "host": socket.gethostname()})
+        self.emit(msg.HELLO, None, {"pid": os.getpid(), "host": socket.gethostname()})
         self.reinit(cfg.generation)
 
     def reinit(self, generation: int) -> None:
@@ -165,10 +169,10 @@ class Worker:
         try:
             self.init_distributed(generation)
         except BaseException as exc:
-            self.emit("init_failed", None, failure_from(self.rank, exc), generation=generation)
+            self.emit(msg.INIT_FAILED, None, failure_from(self.rank, exc), **{msg.GENERATION: generation})
             raise
-        self.emit("ready", None, {"device": str(self.namespace["device"]), "pid": os.getpid()},
-                  generation=generation)
+        self.emit(msg.READY, None, {"device": str(self.namespace["device"]), "pid": os.getpid()},
+                  **{msg.GENERATION: generation})
 
     def init_distributed(self, generation: int) -> None:
         """(Re)create the process group and the namespace's ``device_mesh``."""
@@ -221,17 +225,22 @@ class Worker:
             self.handle(message)
 
     def handle(self, message: wire.Message) -> None:
-        request = message.header["id"]
+        request = message.header[msg.ID]
+        handler = self._main_handlers.get(message.kind)
+        if handler is None:
+            self.note_unknown(message.kind, "main")
         self.request = request
         self.started_at = time.monotonic()
         try:
             if request in self.cancelled:
                 self.cancelled.discard(request)
                 raise KeyboardInterrupt("interrupted before it started: nothing ran")
+            if handler is None:
+                raise ValueError(f"this rank has no handler for requests of kind {message.kind!r}")
             body = message.body()
             self.stdin_available = bool(body.get("stdin"))
             self.result_limit = body.get("max_bytes")
-            value = self._dispatch(message.kind, body, request)
+            value = handler(body, request)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
             self.last_exception = exc
             failure = failure_from(self.rank, exc)
@@ -242,29 +251,36 @@ class Worker:
         else:
             self._finish(request, value=value)
 
-    def _dispatch(self, kind: str, body: dict[str, Any], request: int) -> Any:
-        if kind == "exec":
-            filename = cell_filename(body.get("name", request))
-            source, first = body["code"], body.get("first_line", 1)
-            cell = compile_cell(source, filename, first)
-            register_source(filename, source, first)
-            ns = self.namespace
-            with self._user_code():
-                exec(cell.body, ns)
-                value = eval(cell.last_expr, ns) if cell.last_expr is not None else None
-            if value is not None:
-                ns["_"] = value
-            return value
-        if kind == "apply":
-            fn = body["fn"]
-            if isinstance(fn, FunctionType) and _travelled_by_value(fn):
-                fn = self._rebind(fn)
-            with self._user_code():
-                return fn(*body["args"], **body["kwargs"])
-        if kind == "call":
-            with self._user_code():
-                return body["fn"](self, *body["args"], **body["kwargs"])
-        raise ValueError(f"unknown request kind {kind!r}")
+    def _exec(self, body: dict[str, Any], request: int) -> Any:
+        filename = cell_filename(body.get("name", request))
+        source, first = body["code"], body.get("first_line", 1)
+        cell = compile_cell(source, filename, first)
+        register_source(filename, source, first)
+        ns = self.namespace
+        with self._user_code():
+            exec(cell.body, ns)
+            value = eval(cell.last_expr, ns) if cell.last_expr is not None else None
+        if value is not None:
+            ns["_"] = value
+        return value
+
+    def _apply(self, body: dict[str, Any], request: int) -> Any:
+        fn = body["fn"]
+        if isinstance(fn, FunctionType) and _travelled_by_value(fn):
+            fn = self._rebind(fn)
+        with self._user_code():
+            return fn(*body["args"], **body["kwargs"])
+
+    def _call(self, body: dict[str, Any], request: int) -> Any:
+        with self._user_code():
+            return body["fn"](self, *body["args"], **body["kwargs"])
+
+    def note_unknown(self, kind: str, channel: str) -> None:
+        """Count and log a message no handler takes (a controller of another version?)."""
+        self.unknown_kinds[kind] += 1
+        sys.__stderr__.write(f"meshbook: rank {self.rank} has no handler for {kind!r} messages on its "
+                             f"{channel} channel ({self.unknown_kinds[kind]} so far)\n")
+        sys.__stderr__.flush()
 
     def _rebind(self, fn: FunctionType) -> FunctionType:
         """A notebook function sees the rank's namespace first, then what it carried along."""
@@ -286,7 +302,7 @@ class Worker:
         self.last_request, self.request = request, None
         self.last_outcome = describe_outcome(failure)
         # False tells the controller this rank lost its process group: a step check follows.
-        header = {"t": duration, "pg": _has_process_group()}
+        header = {msg.DURATION: duration, msg.HAS_GROUP: _has_process_group()}
         if failure is None:
             try:
                 frames = self._pack_result(request, value, header)
@@ -300,7 +316,7 @@ class Worker:
                 with self._out_lock:
                     wire.send(self._out, frames, wait=True)
                 return
-        self.emit("error", request, failure, **header)
+        self.emit(msg.ERROR, request, failure, **header)
 
     def note_once(self, key: str, text: str) -> None:
         """Print ``text`` to the cell once per request (a loop calling init_process_group...)."""
@@ -313,7 +329,7 @@ class Worker:
     def _pack_result(self, request: int, value: Any, fields: dict[str, Any]) -> list[Any]:
         """The result's message; a result over the request's limit stays here as ``_`` and a
         :class:`KeptOnRank` travels instead."""
-        header = {"k": "result", "id": request, "rank": self.rank, **fields}
+        header = {msg.KIND: msg.RESULT, msg.ID: request, msg.RANK: self.rank, **fields}
         frames = self.wire.pack(header, value)
         nbytes = wire.size(frames)
         if self.result_limit is None or nbytes <= self.result_limit:
@@ -331,7 +347,7 @@ class Worker:
         """``display()`` on a rank: each object's rich representations go to the notebook."""
         for obj in objs:
             self.stdout.flush()
-            self.emit("display", self.current_request(), mimebundle(obj))
+            self.emit(msg.DISPLAY, self.current_request(), mimebundle(obj))
 
     # -- the control thread ----------------------------------------------------------------
 
@@ -352,21 +368,32 @@ class Worker:
             now = time.monotonic()
             self.sampler.tick(now)
             if now >= next_beat:
-                next_beat = now + HEARTBEAT_S
-                self.emit("hb", None, self.metrics())
+                next_beat = now + msg.HEARTBEAT_S
+                self.emit(msg.HEARTBEAT, None, self.metrics())
 
     def _control(self, message: wire.Message) -> None:
-        request = message.header["id"]
-        if message.kind == "input":  # a line for this rank's debugger, typed in the notebook
-            self.input_replies.put(message.body())
+        handler = self._control_handlers.get(message.kind)
+        if handler is not None:
+            handler(message)
             return
+        self.note_unknown(message.kind, "control")
+        if message.header[msg.ID] is not None:  # someone waits for an answer: say why none comes
+            failure = RankFailure(self.rank, "ValueError", f"no handler for {message.kind!r} messages")
+            self.emit(msg.ERROR, message.header[msg.ID], failure)
+
+    def _control_input(self, message: wire.Message) -> None:
+        """A line for this rank's debugger, typed in the notebook."""
+        self.input_replies.put(message.body())
+
+    def _control_call(self, message: wire.Message) -> None:
+        request = message.header[msg.ID]
         try:
             body = message.body()
             value = body["fn"](self, *body["args"], **body["kwargs"])
         except Exception as exc:
-            self.emit("error", request, failure_from(self.rank, exc))
+            self.emit(msg.ERROR, request, failure_from(self.rank, exc))
         else:
-            self.emit("result", request, value)
+            self.emit(msg.RESULT, request, value)
 
     def main_frame(self) -> Any:
         return sys._current_frames().get(threading.main_thread().ident)  # type: ignore[arg-type]
@@ -392,16 +419,6 @@ class Worker:
         for name, extra in self.heartbeat_extras.items():
             out[name] = extra()
         return out
-
-
-def interrupt_request(worker: Worker, request: int) -> None:
-    """Interrupt ``request`` only (control thread): ``KeyboardInterrupt`` if the rank runs it
-    now, dropped unstarted if it still waits in the rank's queue, nothing otherwise."""
-    if worker.request == request:
-        worker.interrupt_target = request
-        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler on the main thread
-    elif worker.last_request is None or request > worker.last_request:
-        worker.cancelled.add(request)
 
 
 def describe_outcome(failure: RankFailure | None) -> str:
