@@ -162,6 +162,12 @@ def test_memory_of_real_ranks(mesh4: meshbook.Mesh) -> None:
     assert [r.rank for r in mesh4.slice(dp=1).memory().rows] == [2, 3]
 
 
+def test_memory_right_after_start_measures_every_rank(mesh2: meshbook.Mesh) -> None:
+    """Before the first heartbeat arrived, the report asks the ranks instead of showing '-'."""
+    rows = mesh2.memory().rows
+    assert all(r.rss and r.rss > 50 << 20 and r.pool_fraction for r in rows), str(mesh2.memory())
+
+
 def test_sampling_flags_the_slow_rank_inside_a_loop(mesh4: meshbook.Mesh, tmp_path: Path) -> None:
     stop = tmp_path / "stop"
     started = time.monotonic()

@@ -441,10 +441,14 @@ class Controller:
         handler(message)
 
     def _on_heartbeat(self, message: wire.Message) -> None:
-        state = self.ranks[message.header[msg.RANK]]
-        state.metrics, state.last_seen = message.body(), time.monotonic()
+        self.record_metrics(message.header[msg.RANK], message.body())
+
+    def record_metrics(self, rank: int, metrics: dict[str, Any]) -> None:
+        """``rank``'s latest metrics (a heartbeat, or the answer when asked for one)."""
+        state = self.ranks[rank]
+        state.metrics, state.last_seen = metrics, time.monotonic()
         for listener in self.heartbeat_listeners:
-            listener(state.rank, state.metrics)
+            listener(rank, metrics)
 
     def _on_output(self, message: wire.Message) -> None:
         body = message.body()

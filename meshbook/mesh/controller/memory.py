@@ -6,7 +6,8 @@ the host's ranks and bounded by a container's cgroup limit when there is one. On
 too: they exhaust it just the same). On the controller, :func:`memory_report` turns the last
 heartbeats into a :class:`MemoryReport`, one :class:`MemoryRow` per rank: RSS, CPU, CUDA
 allocated / reserved / peak and how full the pool is, ``near_limit`` from ``NEAR_LIMIT`` full,
-so a rank about to be OOM-killed shows before it is. A dead rank's last numbers are not shown:
+so a rank about to be OOM-killed shows before it is. A rank that has sent no heartbeat yet
+(right after ``start()``) is asked for one by :meth:`~meshbook.Mesh.memory`. A dead rank's last numbers are not shown:
 they describe a process that no longer exists.
 """
 

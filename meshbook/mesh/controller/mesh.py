@@ -23,6 +23,7 @@ from ..protocol.cell import cell_filename, compile_cell
 from ..protocol.errors import MeshError
 from ..protocol.limits import DEFAULT_MAX_BYTES
 from ..protocol.topology import DimSelector, Topology, resolve
+from ..rank import ops
 from .controller import Controller, RankState
 from .data import DataOps
 from .debug import DebugOps
@@ -31,6 +32,9 @@ from .memory import MemoryReport, memory_report
 from .metrics import MetricsHistory
 from .run import Run
 from .stragglers import DURATION_FACTOR, StragglerReport, straggler_report, stuck_in_collectives
+
+#: How long a memory report waits for ranks that have sent no heartbeat yet.
+MEASURE_TIMEOUT_S = 2.0
 
 
 def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
@@ -175,7 +179,17 @@ class Mesh(DebugOps, DataOps):
     # -- observing ---------------------------------------------------------------------------
 
     def memory(self) -> MemoryReport:
-        """Each rank's RSS, CPU, CUDA allocated/reserved/peak and how full its memory pool is."""
+        """Each rank's RSS, CPU, CUDA allocated/reserved/peak and how full its memory pool is.
+
+        From the last heartbeats; ranks that have sent none yet (right after ``start()``) are
+        asked on their control threads, so the report never shows a live rank as unmeasured.
+        """
+        unmeasured = [s.rank for s in self.status() if not s.metrics and s.state != "dead"]
+        if unmeasured:
+            asked = self.controller.call(ops.heartbeat, ranks=unmeasured, what="memory", channel=msg.CONTROL)
+            asked.wait(MEASURE_TIMEOUT_S)
+            for rank, metrics in asked.values().items():
+                self.controller.record_metrics(rank, metrics)
         return memory_report(self.status())
 
     def stragglers(self, run: Run | None = None, factor: float = DURATION_FACTOR) -> StragglerReport:

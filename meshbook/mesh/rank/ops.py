@@ -64,6 +64,12 @@ def interrupt_request(worker: "Worker", request: int) -> None:
 # -- where the rank is (control thread: answered while the rank is busy) ------------------------
 
 
+def heartbeat(worker: "Worker") -> dict[str, Any]:
+    """What this rank's next heartbeat will say, now (control thread): for reports asked for
+    before its first heartbeat arrived."""
+    return worker.metrics()
+
+
 def snapshot(worker: "Worker") -> RankSnapshot:
     busy = worker.request is not None
     frames = stack_frames(worker.main_frame()) if busy else ()
