@@ -24,7 +24,7 @@ import threading
 
 import zmq
 
-from meshbook.mesh import wire
+from meshbook.mesh.protocol import wire
 from meshbook.mesh.protocol.proc import die_with_parent
 
 DISPATCH = "bare pyzmq, same path"
