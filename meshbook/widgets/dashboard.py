@@ -85,7 +85,7 @@ class Dashboard(HTMLPanel):
                 self.close()
         except Exception as exc:  # say why the panel froze rather than freeze silently
             self.html_view.value += html.note(f"the dashboard stopped updating: "
-                                          f"{type(exc).__name__}: {exc}")
+                                              f"{type(exc).__name__}: {exc}")
             raise
         finally:
             self.live = False
