@@ -12,8 +12,8 @@ from typing import Iterator
 import psutil
 import pytest
 
-from meshbook.mesh import controller as controller_module
-from meshbook.mesh import launchers
+from meshbook.mesh.controller import launchers
+from meshbook.mesh.controller.controller import live_controllers
 
 
 def meshbook_processes() -> list[psutil.Process]:
@@ -21,7 +21,7 @@ def meshbook_processes() -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if "meshbook.mesh.agent" in (proc.info["cmdline"] or []):
+            if launchers.AGENT_MODULE in (proc.info["cmdline"] or []):
                 found.append(proc)
         except psutil.Error:
             continue
@@ -56,7 +56,7 @@ def _expected_parent(proc: psutil.Process, parent: psutil.Process) -> int:
     """An agent started with ``--parent PID`` belongs to that controller; a rank (a fork of an
     agent, same command line) belongs to its agent."""
     cmdline = proc.cmdline()
-    if "meshbook.mesh.agent" in parent.cmdline() and parent.cmdline() == cmdline:
+    if launchers.AGENT_MODULE in parent.cmdline() and parent.cmdline() == cmdline:
         return parent.pid  # a rank under its agent
     if "--parent" in cmdline:
         return int(cmdline[cmdline.index("--parent") + 1])
@@ -65,9 +65,9 @@ def _expected_parent(proc: psutil.Process, parent: psutil.Process) -> int:
 
 @pytest.fixture(autouse=True)
 def no_orphans() -> Iterator[None]:
-    meshes_before = {id(c) for c in controller_module._LIVE if not c.stopped}
+    meshes_before = {id(c) for c in live_controllers() if not c.stopped}
     yield
-    leaked = [c for c in list(controller_module._LIVE) if not c.stopped and id(c) not in meshes_before]
+    leaked = [c for c in live_controllers() if not c.stopped and id(c) not in meshes_before]
     for ctl in leaked:
         ctl.stop("leaked by a test")
     assert not leaked, "the test left a mesh running; stop it (mesh.stop() or `with`)"
@@ -76,7 +76,7 @@ def no_orphans() -> Iterator[None]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    for ctl in list(controller_module._LIVE):
+    for ctl in live_controllers():
         ctl.stop("test session over")
     launchers.discard_standby()
     mine = {p.pid for p in psutil.Process().children(recursive=True)}

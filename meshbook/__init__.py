@@ -9,33 +9,9 @@ Python API (usable anywhere)::
 In Jupyter: ``%load_ext meshbook``, then ``%mesh start -n 4`` and ``%%mesh`` cells.
 """
 
-from .mesh import (
-    CellSyntaxError,
-    Display,
-    Error,
-    Mesh,
-    MeshError,
-    MeshStoppedError,
-    MeshTimeout,
-    MissingNameError,
-    Namespaces,
-    Output,
-    RankFailure,
-    RankValues,
-    RemoteError,
-    RemoteRef,
-    Result,
-    Run,
-    SelectionError,
-    SendError,
-    ShapeError,
-    TooLargeError,
-    Topology,
-    VarInfo,
-    current,
-    prewarm,
-    start,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -46,6 +22,46 @@ __all__ = [
     "SendError", "CellSyntaxError",
     "RemoteRef", "Namespaces", "VarInfo", "MissingNameError", "TooLargeError", "ShapeError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported from :mod:`meshbook.mesh` on first use: a host agent or a
+    rank imports this package too, and must not load the controller with it."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import mesh
+
+    return getattr(mesh, name)
+
+
+if TYPE_CHECKING:
+    from .mesh import (
+        CellSyntaxError,
+        Display,
+        Error,
+        Mesh,
+        MeshError,
+        MeshStoppedError,
+        MeshTimeout,
+        MissingNameError,
+        Namespaces,
+        Output,
+        RankFailure,
+        RankValues,
+        RemoteError,
+        RemoteRef,
+        Result,
+        Run,
+        SelectionError,
+        SendError,
+        ShapeError,
+        TooLargeError,
+        Topology,
+        VarInfo,
+        current,
+        prewarm,
+        start,
+    )
 
 
 def load_ipython_extension(ipython):  # type: ignore[no-untyped-def]

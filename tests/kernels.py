@@ -142,7 +142,7 @@ class Kernel:
         return ast.literal_eval(reply.stream().strip())
 
     def mesh_pids(self) -> list[int]:
-        return self.value("[meshbook.current()._controller.agents[0].proc.pid]"
+        return self.value("[meshbook.current().controller.agents[0].proc.pid]"
                           " + [s.pid for s in meshbook.current().status()]")
 
     def close(self) -> None:

@@ -49,7 +49,7 @@ def test_whatever_the_ranks_started_and_the_mesh_files_go_with_the_kernel(how: s
         kids = k.value("sorted(p for v in meshbook.current().pull('kids').values() for p in v)")
         assert len(kids) == 6 and wait_gone(kids, 0.5) == kids, "the sleeps are running"
         pids = k.mesh_pids()
-        files = k.value("[meshbook.current()._controller.rundir, *meshbook.current()._controller.agents[0].logs]")
+        files = k.value("[meshbook.current().controller.rundir, *meshbook.current().controller.agents[0].logs]")
         assert os.path.isdir(files[0]) and os.path.isfile(files[1]), files
         started = time.monotonic()
         if how == "stop":
@@ -68,16 +68,16 @@ def test_whatever_the_ranks_started_and_the_mesh_files_go_with_the_kernel(how: s
 def test_an_agent_that_dies_under_a_live_controller_is_explained_from_its_log() -> None:
     """The agent's log moved into the runtime directory; the controller still reads it."""
     mesh = meshbook.start(2)
-    agent = mesh._controller.agents[0]
+    agent = mesh.controller.agents[0]
     try:
-        assert agent.logs[0].startswith(mesh._controller.rundir) and not os.path.exists(agent.logs[1])
+        assert agent.logs[0].startswith(mesh.controller.rundir) and not os.path.exists(agent.logs[1])
         with open(f"/proc/{agent.proc.pid}/fd/2", "a") as log:
             log.write("the agent's last words\n")
         os.kill(agent.proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while not mesh.stopped and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert "killed by SIGKILL; its log ends with:\nthe agent's last words" in mesh._controller.stop_reason
+        assert "killed by SIGKILL; its log ends with:\nthe agent's last words" in mesh.controller.stop_reason
     finally:
         mesh.stop()
-    assert not os.path.exists(mesh._controller.rundir)
+    assert not os.path.exists(mesh.controller.rundir)

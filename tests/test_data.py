@@ -20,8 +20,8 @@ from meshbook import (
     ShapeError,
     TooLargeError,
 )
-from meshbook.mesh.bulk import SHARE_MIN, pack
-from meshbook.mesh.namespaces import Layout, Namespaces, VarInfo
+from meshbook.mesh.protocol.namespaces import Layout, Namespaces, VarInfo
+from meshbook.mesh.protocol.payload import SHARE_MIN, pack
 
 DTENSOR_SETUP = """
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor

@@ -177,7 +177,7 @@ def test_a_cell_waiting_on_stuck_ranks_after_explaining_does_not_spin(mesh: mesh
 
 def test_a_request_sent_while_a_rank_is_re_forked_reaches_the_new_process(mesh: meshbook.Mesh,
                                                                           monkeypatch) -> None:
-    controller = mesh._controller
+    controller = mesh.controller
     old_pid = mesh.run("import os\nos.getpid()", ranks=[3]).result()[3]
     mesh.kill([3])
     respawn, early = controller.respawn, []

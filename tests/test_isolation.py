@@ -68,7 +68,7 @@ def attempts(user: str, targets: list[tuple[str, object]]) -> dict[str, str]:
 
 
 def mesh_processes(mesh: meshbook.Mesh) -> list[psutil.Process]:
-    agent = psutil.Process(mesh._controller.agents[0].proc.pid)
+    agent = psutil.Process(mesh.controller.agents[0].proc.pid)
     return [agent, *agent.children(recursive=True)]
 
 
@@ -85,7 +85,7 @@ def other_addresses() -> list[str]:
 
 def test_another_user_reaches_no_socket_file_or_store_of_a_mesh(stranger: str) -> None:
     with meshbook.start(4) as mesh:
-        rundir = mesh._controller.rundir
+        rundir = mesh.controller.rundir
         entries = [os.path.join(rundir, name) for name in os.listdir(rundir)]
         assert any(os.path.basename(e).startswith("store-") for e in entries), "the store lives in the rundir"
         targets = [("unix" if stat.S_ISSOCK(os.stat(e).st_mode) else "file", e) for e in entries]
@@ -121,4 +121,4 @@ def test_a_re_forked_rank_0_joins_the_new_generations_store(mesh2: meshbook.Mesh
     mesh2.restart([0])
     code = "x = torch.ones(1)\ndist.all_reduce(x)\nx.item()"
     assert dict(mesh2.run(code).result(timeout=60)) == {0: 2.0, 1: 2.0}
-    assert os.path.exists(os.path.join(mesh2._controller.rundir, "store-g1"))
+    assert os.path.exists(os.path.join(mesh2.controller.rundir, "store-g1"))

@@ -103,9 +103,9 @@ def test_interpreter_exit_without_stop_cleans_up(tmp_path) -> None:
 
 
 def test_forged_and_garbled_messages_are_dropped(mesh2: meshbook.Mesh) -> None:
-    controller = mesh2._controller
+    controller = mesh2.controller
     run = mesh2.run("import time\ntime.sleep(1)\n'real'", ranks=[0])
-    forger = meshbook.mesh.wire.Wire(b"not the mesh key, an attacker's")
+    forger = meshbook.mesh.protocol.wire.Wire(b"not the mesh key, an attacker's")
     ctx = zmq.Context.instance()
     push = ctx.socket(zmq.PUSH)
     push.connect(f"ipc://{controller.rundir}/ev")
@@ -128,7 +128,7 @@ def test_forged_and_garbled_messages_are_dropped(mesh2: meshbook.Mesh) -> None:
 
 def test_a_captured_request_sent_again_does_not_run_again(mesh2: meshbook.Mesh) -> None:
     """The frames the controller sent for a cell, pushed to the rank's socket twice more."""
-    controller = mesh2._controller
+    controller = mesh2.controller
     sent: list[list] = []
     pack = controller.wire.pack
     controller.wire.pack = lambda *a, **k: sent.append(pack(*a, **k)) or sent[-1]  # records, then sends
@@ -137,7 +137,7 @@ def test_a_captured_request_sent_again_does_not_run_again(mesh2: meshbook.Mesh) 
     finally:
         del controller.wire.pack
     push = zmq.Context.instance().socket(zmq.PUSH)
-    push.connect(meshbook.mesh.wire.rank_address(controller.rundir, 0, 0, "x"))
+    push.connect(meshbook.mesh.protocol.wire.rank_address(controller.rundir, 0, 0, "x"))
     for _ in range(2):
         push.send_multipart([bytes(memoryview(f)) for f in sent[-1]])
     push.close(linger=1000)

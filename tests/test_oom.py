@@ -17,7 +17,7 @@ import pytest
 
 import meshbook
 from meshbook import RemoteError
-from meshbook.mesh.oom import in_kernel_log, oom_kills
+from meshbook.mesh.agent.oom import in_kernel_log, oom_kills
 
 
 def lay_out(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[str, str]:
@@ -72,7 +72,7 @@ def test_the_kernel_log_names_the_pid_after_it_started(tmp_path: Path) -> None:
 @pytest.fixture
 def small_cgroup() -> Iterator[str]:
     """A 256 MiB memory cgroup (v1) under ours, removed afterwards."""
-    from meshbook.mesh.oom import CGROUP_ROOT, MEMBERSHIP, memory_cgroups
+    from meshbook.mesh.agent.oom import CGROUP_ROOT, MEMBERSHIP, memory_cgroups
 
     v1, _ = memory_cgroups(MEMBERSHIP)
     parent = os.path.join(CGROUP_ROOT, "memory") + (v1 or "")

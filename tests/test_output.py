@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from meshbook.mesh.output import LineMerger, OrderedCollector
-from meshbook.mesh.run import Output, Result
+from meshbook.mesh.controller.output import LineMerger, OrderedCollector
+from meshbook.mesh.protocol.events import Output, Result
 
 
 class Clock:

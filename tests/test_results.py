@@ -9,7 +9,7 @@ import torch
 from kernels import Kernel
 
 import meshbook
-from meshbook.mesh.limits import REPR_CHARS, KeptOnRank
+from meshbook.mesh.protocol.limits import REPR_CHARS, KeptOnRank
 
 MiB = 1 << 20
 

@@ -114,13 +114,13 @@ def test_first_line_shifts_reported_lines(mesh4: meshbook.Mesh) -> None:
 
 
 def test_syntax_error_is_caught_before_anything_is_sent(mesh4: meshbook.Mesh) -> None:
-    before = mesh4._controller._ids
+    before = mesh4.controller.request_ids
     peek = next(before)
     with pytest.raises(meshbook.CellSyntaxError) as info:
         mesh4.run("x = (")
     assert isinstance(info.value, MeshError) and info.value.lineno == 1
     assert "was never closed" in str(info.value)
-    assert next(mesh4._controller._ids) == peek + 1  # no request id was used in between
+    assert next(mesh4.controller.request_ids) == peek + 1  # no request id was used in between
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -182,7 +182,7 @@ def test_late_output_of_a_background_thread_stays_with_its_run(mesh4: meshbook.M
             arrived.set()
         run.on_late_output = on_late
 
-    mesh4._controller.run_listeners.append(attach)
+    mesh4.controller.add_run_listener(attach)
     try:
         code = ("import threading, time\n"
                 "def later():\n    time.sleep(0.5)\n    print('from the background')\n"
@@ -192,7 +192,7 @@ def test_late_output_of_a_background_thread_stays_with_its_run(mesh4: meshbook.M
         second = mesh4.run("import time\ntime.sleep(1.0)\nprint('second cell')", ranks=[0])
         second.result(echo=False)
     finally:
-        mesh4._controller.run_listeners.remove(attach)
+        mesh4.controller.remove_run_listener(attach)
     assert arrived.wait(10)
     assert late == [(first.id, "from the background\n")]
     assert [e.text for e in second.events() if isinstance(e, Output)] == ["second cell\n"]

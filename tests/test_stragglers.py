@@ -10,12 +10,12 @@ from pathlib import Path
 from workloads import slow_rank_loop
 
 import meshbook
-from meshbook.mesh.controller import RankState
-from meshbook.mesh.memory import memory_report
-from meshbook.mesh.metrics import MetricsHistory
-from meshbook.mesh.sampling import MainThreadSampler, classify
-from meshbook.mesh.stragglers import slow_by_duration, straggler_report
-from meshbook.mesh.table import format_bytes
+from meshbook.mesh.controller.controller import RankState
+from meshbook.mesh.controller.memory import memory_report
+from meshbook.mesh.controller.metrics import MetricsHistory
+from meshbook.mesh.controller.stragglers import slow_by_duration, straggler_report
+from meshbook.mesh.protocol.text import format_bytes
+from meshbook.mesh.rank.sampling import MainThreadSampler, classify
 
 
 def sampled(wait: float, n: int = 20, where: str = "cell line 8", request: int = 7) -> dict:
@@ -160,6 +160,12 @@ def test_memory_of_real_ranks(mesh4: meshbook.Mesh) -> None:
     assert all(r.rss > 50 << 20 and r.pool in ("host", "container") and r.pool_fraction for r in rows)
     assert len(mesh4.history.memory(0)) >= 1
     assert [r.rank for r in mesh4.slice(dp=1).memory().rows] == [2, 3]
+
+
+def test_memory_right_after_start_measures_every_rank(mesh2: meshbook.Mesh) -> None:
+    """Before the first heartbeat arrived, the report asks the ranks instead of showing '-'."""
+    rows = mesh2.memory().rows
+    assert all(r.rss and r.rss > 50 << 20 and r.pool_fraction for r in rows), str(mesh2.memory())
 
 
 def test_sampling_flags_the_slow_rank_inside_a_loop(mesh4: meshbook.Mesh, tmp_path: Path) -> None:

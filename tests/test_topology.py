@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from meshbook import RankValues, SelectionError, Topology
-from meshbook.mesh.errors import format_ranks
-from meshbook.mesh.topology import parse_dims, parse_index_list, parse_where, resolve
+from meshbook.mesh.protocol.text import format_ranks
+from meshbook.mesh.protocol.topology import parse_dims, parse_index_list, parse_where, resolve
 
 
 def test_coords_are_row_major_like_device_mesh() -> None:

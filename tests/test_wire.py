@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshbook.mesh.wire import BadMessage, ReplayedMessage, Wire, _Pickler, dumps
+from meshbook.mesh.protocol.wire import BadMessage, Pickler, ReplayedMessage, Wire, dumps
 
 KEY = b"k" * 32
 
@@ -62,7 +62,7 @@ def test_received_tensor_is_writable() -> None:
 
 def test_in_band_pickle_never_aliases_bytes() -> None:
     out = io.BytesIO()
-    _Pickler(out, protocol=5).dump(torch.arange(4.0))  # no buffer_callback: buffers in-band
+    Pickler(out, protocol=5).dump(torch.arange(4.0))  # no buffer_callback: buffers in-band
     again = pickle.loads(out.getvalue())
     again.add_(1)
     assert torch.equal(again, torch.arange(4.0) + 1)

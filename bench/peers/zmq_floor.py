@@ -24,8 +24,8 @@ import threading
 
 import zmq
 
-from meshbook.mesh import wire
-from meshbook.mesh.proc import die_with_parent
+from meshbook.mesh.protocol import wire
+from meshbook.mesh.protocol.proc import die_with_parent
 
 DISPATCH = "bare pyzmq, same path"
 MESSAGE = [b"e" * 160]  # meshbook's one-frame envelope for a small request

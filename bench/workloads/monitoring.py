@@ -2,7 +2,7 @@
 the ranks' straggler sampling paused.
 
 Every rank always sends heartbeats and samples where its main thread is (five times a second,
-see :mod:`meshbook.mesh.sampling`); the dashboard adds a thread in the controller that redraws
+see :mod:`meshbook.mesh.rank.sampling`); the dashboard adds a thread in the controller that redraws
 twice a second. One 4-rank mesh runs :func:`bench.ddp_loop.train` in three settings, taken in
 turn (closed, open, sampling paused, closed, ...) so load that comes and goes hits all alike:
 
@@ -28,8 +28,8 @@ from functools import partial
 from typing import Any
 
 import meshbook
-from meshbook.mesh.sampling import SAMPLE_GAP_S, classify
-from meshbook.mesh.worker import TICK_S
+from meshbook.mesh.rank.sampling import SAMPLE_GAP_S, classify
+from meshbook.mesh.rank.worker import TICK_S
 from meshbook.widgets import Dashboard
 from meshbook.widgets.dashboard import REFRESH_S
 

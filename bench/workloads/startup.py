@@ -21,7 +21,8 @@ import sys
 import time
 from functools import partial
 
-from meshbook.mesh import launchers, prewarm
+from meshbook.mesh import prewarm
+from meshbook.mesh.controller import launchers
 
 from ..harness import Context, Outcome
 from ..peers import PEERS, running

@@ -14,9 +14,17 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from ..mesh import Display, Mesh, Output, Run
-from ..mesh import mesh as mesh_module
-from ..mesh.run import Event, print_late
+from ..mesh import (
+    Display,
+    Event,
+    Mesh,
+    Output,
+    Run,
+    add_start_listener,
+    current,
+    print_late,
+    remove_start_listener,
+)
 
 
 class KernelBridge:
@@ -27,9 +35,8 @@ class KernelBridge:
         self.kernel = getattr(shell, "kernel", None)  # None in a terminal IPython
 
     def hook(self, mesh: Mesh) -> None:
-        controller = mesh._controller
-        if self.attach not in controller.run_listeners:
-            controller.run_listeners.append(self.attach)
+        controller = mesh.controller
+        controller.add_run_listener(self.attach)
         if self.kernel is not None:
             # Ranks may open a debugger prompt only if this cell's frontend can answer it.
             controller.stdin_probe = lambda: cell_allows_stdin(self.kernel)
@@ -67,9 +74,9 @@ def install(shell: Any) -> KernelBridge:
     global _bridge
     if _bridge is None or _bridge.shell is not shell:
         _bridge = KernelBridge(shell)
-        mesh_module.start_listeners.append(_bridge.hook)
+        add_start_listener(_bridge.hook)
     try:
-        _bridge.hook(mesh_module.current())
+        _bridge.hook(current())
     except Exception:
         pass  # no mesh yet
     return _bridge
@@ -77,6 +84,6 @@ def install(shell: Any) -> KernelBridge:
 
 def uninstall() -> None:
     global _bridge
-    if _bridge is not None and _bridge.hook in mesh_module.start_listeners:
-        mesh_module.start_listeners.remove(_bridge.hook)
+    if _bridge is not None:
+        remove_start_listener(_bridge.hook)
     _bridge = None

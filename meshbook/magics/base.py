@@ -6,9 +6,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-import meshbook
-
-from ..mesh import Mesh, MeshError
+from ..mesh import Mesh, MeshError, current
 
 Command = Callable[[Any, str], Any]
 
@@ -25,7 +23,7 @@ def command(fn: Command) -> Command:
 
 def running_mesh() -> Mesh | None:
     try:
-        return meshbook.current()
+        return current()
     except MeshError:
         return None
 

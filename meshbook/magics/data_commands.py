@@ -17,11 +17,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..mesh.data import DEFAULT_MAX_BYTES
-from ..mesh.errors import format_ranks
-from ..mesh.table import format_bytes
-from ..mesh.topology import parse_where
-from ..mesh.values import RankValues
+from ..mesh import DEFAULT_MAX_BYTES, RankValues, format_bytes, format_ranks, parse_where
 from .base import command, require_mesh
 
 _RANKS_HELP = "ranks: 0,2 or 0-3 (default: all)"

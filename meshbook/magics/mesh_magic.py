@@ -15,14 +15,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-import meshbook
-
-from ..mesh import CellSyntaxError, MeshError, RemoteError
-from ..mesh.topology import parse_dims, parse_where
+from ..mesh import CellSyntaxError, MeshError, RemoteError, parse_dims, parse_where, start, status_table
 from .base import command, describe, require_mesh, running_mesh
 from .data_commands import DataCommands, parse_size
 from .debug_commands import DebugCommands
-from .render import RenderOptions, show_run, status_table
+from .render import RenderOptions, show_run
 from .widget_commands import WidgetCommands
 
 
@@ -143,7 +140,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
                 raise UsageError(f"a mesh is already running ({running!r}); %mesh stop it first, "
                                  f"or use %mesh start --force to replace it")
             running.stop()
-        mesh = meshbook.start(**options)
+        mesh = start(**options)
         self._start_args = options
         print(f"started {describe(mesh)}")
 
@@ -174,7 +171,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
         mesh = running_mesh()
         if mesh is not None:
             mesh.stop()
-        mesh = meshbook.start(**self._start_args)
+        mesh = start(**self._start_args)
         print(f"restarted {describe(mesh)}")
 
     @magic_arguments(name="mesh status")

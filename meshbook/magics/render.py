@@ -1,9 +1,11 @@
 """Render a run into the current cell: streamed output, displays, prompts, interrupts.
 
-:func:`show_run` runs on the kernel's main thread while the cell executes. It writes the
-ranks' output through the cell's own ``sys.stdout``/``sys.stderr`` (so Jupyter attributes it
-to this cell), merged across ranks or buffered in rank order, publishes ranks' ``display()``
-calls as display data, and answers ranks' debugger prompts through the kernel's stdin.
+:func:`show_run` runs on the kernel's main thread while the cell executes. The runtime's one
+event renderer (:class:`~meshbook.mesh.controller.render.EventRenderer`, which ``Run.result()``
+uses too) writes the ranks' output through the cell's own ``sys.stdout``/``sys.stderr`` (so
+Jupyter attributes it to this cell), merged across ranks or buffered in rank order, and answers
+ranks' debugger prompts through the kernel's stdin; here ranks' ``display()`` calls are
+published as display data, and the cell adds its status view, hang hints and interrupts.
 
 Interrupts escalate. A kernel interrupt (the stop button) arrives here as
 ``KeyboardInterrupt``: the first is forwarded to the running ranks as SIGINT; ranks that do not
@@ -20,17 +22,21 @@ printed, so a hang never goes unexplained, even while no rank has finished.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..mesh import Display, Mesh, MeshTimeout, RankValues, RemoteError, Run
-from ..mesh.errors import format_ranks
-from ..mesh.output import LineMerger, OrderedCollector
-from ..mesh.remote_pdb import PromptServer
-from ..mesh.run import InputRequest
-from ..mesh.table import status_table  # noqa: F401  - re-exported for the commands
+from ..mesh import (
+    Display,
+    EventRenderer,
+    Mesh,
+    MeshTimeout,
+    RankValues,
+    RemoteError,
+    Run,
+    format_ranks,
+    write_stream,
+)
 
 #: How long ranks get to stop after a forwarded interrupt before we show where they block
 #: (ranks blocked in a collective that a stopped rank will never join are freed before that).
@@ -60,12 +66,6 @@ class RenderOptions:
     stuck_hint: float = STUCK_HINT_S
 
 
-def write_stream(stream: str, text: str) -> None:
-    target = sys.stderr if stream == "stderr" else sys.stdout
-    target.write(text)
-    target.flush()
-
-
 def publish_display(event: Display) -> None:
     from IPython.display import publish_display_data
 
@@ -82,8 +82,8 @@ class _CellRun:
     def __init__(self, run: Run, options: RenderOptions, mesh: Mesh | None,
                  view: CellView | None) -> None:
         self.run, self.options, self.mesh, self.view = run, options, mesh, view
-        self.writer = (OrderedCollector if options.ordered else LineMerger)(run.ranks, write_stream)
-        self.prompts = PromptServer(input, run.send_input)
+        # The cell's own sys.stdout/sys.stderr, so Jupyter attributes the output to this cell.
+        self.renderer = EventRenderer(run, write_stream, publish_display, ordered=options.ordered)
         self.index = 0
         self.started = time.monotonic()
         self.interrupted_at: float | None = None
@@ -107,7 +107,7 @@ class _CellRun:
                         self._recover()
             self._pump(0)
         finally:
-            self.writer.close()
+            self.renderer.close()
             if self.view:
                 self.view.close(self.run)
         report = "\n".join(filter(None, [self.recovery_report, self.run.step_report()]))
@@ -121,7 +121,7 @@ class _CellRun:
 
     def _next_wake(self) -> float | None:
         now = time.monotonic()
-        waits = [self.writer.next_deadline(), 0.25 if self.view else None,
+        waits = [self.renderer.next_deadline(), 0.25 if self.view else None,
                  _left(self.options.timeout, self.started, now)]
         if not self.interrupt_explained:  # once explained, a deadline is past: never spin on it
             waits.append(_left(self.options.grace, self.interrupted_at, now))
@@ -132,14 +132,7 @@ class _CellRun:
 
     def _pump(self, timeout: float | None) -> None:
         events, self.index = self.run.events_since(self.index, timeout)
-        for event in events:
-            if isinstance(event, (Display, InputRequest)):
-                self.writer.flush()  # what the rank printed before comes first
-            if isinstance(event, Display):
-                publish_display(event)
-            self.writer.feed_event(event)
-            self.prompts.feed(event)
-        self.writer.poll()
+        self.renderer.feed(events)
         if self.view:
             self.view.update(self.run)
         if self.first_done_at is None and len(self.run.pending) < len(self.run.ranks):
@@ -170,7 +163,7 @@ class _CellRun:
     def _check_stuck(self) -> None:
         """Explain ranks waiting in a collective call the other ranks have not joined."""
         if self.explained or self.mesh is None or self.interrupted_at is not None \
-                or self.prompts.used:  # ranks wait on purpose while one is in the debugger
+                or self.renderer.prompts.used:  # ranks wait on purpose while one is in the debugger
             return
         waiting = self.mesh.stuck(self.run)
         elsewhere = [r for r in self.run.ranks if r not in waiting]
@@ -180,7 +173,7 @@ class _CellRun:
                           f"are elsewhere.")
 
     def _explain(self, headline: str) -> None:
-        self.writer.flush()
+        self.renderer.flush()
         _note(headline + "\n" + self._diagnosis())
 
     def _diagnosis(self) -> str:
@@ -194,7 +187,7 @@ class _CellRun:
     def _recover(self) -> None:
         if self.mesh is None:
             raise KeyboardInterrupt
-        self.writer.flush()
+        self.renderer.flush()
         _note(f"freeing rank(s) {format_ranks(self.run.pending)} ...")
         self.recovery_report = self.mesh.recover().render()
 

@@ -19,8 +19,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..kernel import cell_allows_stdin
-from ..mesh import Mesh, Run
-from ..mesh.stragglers import DURATION_FACTOR
+from ..mesh import DURATION_FACTOR, Mesh, Run
 from ..widgets import CellStatusView, Dashboard
 from ..widgets.dashboard import REFRESH_S
 from .base import command, require_mesh

@@ -7,7 +7,7 @@ Most cells end within a second and show nothing; a cell still running after
 error / interrupted / dead), elapsed time, the cell line it is on now (from its heartbeat) and
 a straggler mark. When the cell ends the widget turns into a bar chart of the final per-rank
 durations, each split into computing and waiting in collectives (from the ranks' own
-sampling, :mod:`meshbook.mesh.sampling`): ranks that end in a collective all take the same
+sampling, :mod:`meshbook.mesh.rank.sampling`): ranks that end in a collective all take the same
 time, and the straggler is the one that spent it computing while the others waited.
 
 A cell that opens a debugger (``breakpoint()``) shows no status once a prompt came: the
@@ -32,10 +32,7 @@ from typing import Any
 
 from traitlets import Dict, List, Unicode
 
-from ..mesh import Mesh, Run
-from ..mesh.errors import format_ranks, group_by_text
-from ..mesh.run import InputRequest
-from ..mesh.stragglers import DURATION_FACTOR, slow_by_duration
+from ..mesh import DURATION_FACTOR, InputRequest, Mesh, Run, format_ranks, group_by_text, slow_by_duration
 from . import html
 from .panel import HTMLPanel
 
@@ -68,7 +65,7 @@ class CellStatus(HTMLPanel):
             return  # finished: the final state stays
         self.ranks = rank_rows(self._mesh, self._run, self._factor)
         self.state = _overall(self.ranks)
-        self._html.value = _render(self.ranks, self.state, self._final)
+        self.html_view.value = _render(self.ranks, self.state, self._final)
 
     def finish(self, durations: bool = True) -> None:
         """The cell ended: show the final durations (or only the states, when they would

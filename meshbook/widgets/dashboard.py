@@ -25,11 +25,7 @@ from typing import Any
 
 from traitlets import Bool, Dict, Int, List
 
-from ..mesh import Mesh, current
-from ..mesh.errors import format_ranks
-from ..mesh.memory import MemoryRow
-from ..mesh.stragglers import StragglerReport
-from ..mesh.table import format_bytes
+from ..mesh import MemoryRow, Mesh, StragglerReport, current, format_bytes, format_ranks
 from . import html
 from .panel import HTMLPanel
 
@@ -69,7 +65,7 @@ class Dashboard(HTMLPanel):
         report = self.mesh.stragglers()
         self.rows = [self._row(r, report) for r in memory.rows]
         self.stragglers = report.stragglers
-        self._html.value = self._render(report)
+        self.html_view.value = self._render(report)
 
     def close(self) -> None:
         """Stop updating (the thread ends) and leave a static snapshot of the panel."""
@@ -88,8 +84,8 @@ class Dashboard(HTMLPanel):
                 self.refresh()  # the mesh stopped: show it once more, as it ended
                 self.close()
         except Exception as exc:  # say why the panel froze rather than freeze silently
-            self._html.value += html.note(f"the dashboard stopped updating: "
-                                          f"{type(exc).__name__}: {exc}")
+            self.html_view.value += html.note(f"the dashboard stopped updating: "
+                                              f"{type(exc).__name__}: {exc}")
             raise
         finally:
             self.live = False

@@ -29,14 +29,14 @@ from IPython.display import display
 class HTMLPanel(widgets.VBox):
     """A widget showing one HTML panel.
 
-    Subclasses set ``self._html.value`` and define :meth:`text`: a deterministic
+    Subclasses set ``self.html_view.value`` and define :meth:`text`: a deterministic
     ``text/plain`` (no times, no changing numbers) for nbconvert, GitHub and nbval.
     """
 
     def __init__(self, value: str = "", **kwargs: Any) -> None:
-        self._html = widgets.HTML(value)
+        self.html_view = widgets.HTML(value)
         self._shown: list[tuple[str, dict[str, Any]]] = []  # (display_id, parent header)
-        super().__init__(children=[self._html], **kwargs)
+        super().__init__(children=[self.html_view], **kwargs)
 
     def text(self) -> str:
         raise NotImplementedError
@@ -45,7 +45,7 @@ class HTMLPanel(widgets.VBox):
         return self.text()
 
     def _repr_html_(self) -> str:
-        return str(self._html.value)
+        return str(self.html_view.value)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle = dict(super()._repr_mimebundle_(**kwargs) or {})
@@ -54,7 +54,7 @@ class HTMLPanel(widgets.VBox):
 
     def static_bundle(self) -> dict[str, str]:
         """What the panel shows now, without the live view: HTML and text."""
-        return {"text/plain": self.text(), "text/html": self._html.value}
+        return {"text/plain": self.text(), "text/html": self.html_view.value}
 
     def _ipython_display_(self) -> None:
         self.show()
@@ -85,7 +85,7 @@ class HTMLPanel(widgets.VBox):
     def close(self) -> None:
         """Leave a static snapshot where the panel was shown, then close the widget."""
         self.freeze()
-        self._html.close()
+        self.html_view.close()
         super().close()
 
 

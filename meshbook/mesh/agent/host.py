@@ -1,0 +1,360 @@
+"""The host agent: imports torch once, forks this host's ranks and supervises them.
+
+Run as ``python -m meshbook.mesh.agent`` by a launcher, one per host (this process imports
+the protocol and the rank's entry point, :mod:`meshbook.mesh.rank.worker`, to fork ranks; never
+the controller). It reads one JSON line
+of configuration on stdin (the mesh key never appears on a command line), then:
+
+* forks each rank from its clean, torch-imported state (no parallel op has run here, so the
+  children's OpenMP pools are safe) in well under a second for 8 ranks;
+* does what the controller asks of the host (signal, re-fork, native stacks); requests for
+  the ranks do not pass through it: on the controller's own host the controller sends them to
+  each rank's socket directly (see DESIGN.md, "Wire"), which saves a process hop per request;
+* reports a rank's death (exit code, signal, OOM kill, its crash dump and last output) as
+  soon as SIGCHLD arrives, and re-forks a rank under the same rank id on request;
+* never outlives the controller: stdin is a pipe from the controller, and EOF on it (the
+  controller died, however it died) kills every rank and ends the agent. ``PR_SET_PDEATHSIG``
+  (SIGTERM, which the agent catches to clean up) backs this up where the launcher allows it,
+  and ranks die with the agent the same way;
+* leaves nothing behind: it is a child subreaper, so whatever a rank starts stays in its tree
+  however it detaches (``setsid``, a double fork), and on its way out it kills every
+  descendant. Its log lives in the mesh's runtime directory, which it removes when the
+  controller is gone (a SIGKILLed kernel cannot remove it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..protocol import messages as msg
+from .oom import killed_by_oom, oom_kills
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    pid: int
+    pipes: dict[str, int]  # stream -> read end, drained after death for the last words
+    crash_path: str
+    oom_kills: int | None  # the cgroup's OOM-kill count when the rank started
+    started: float  # time.monotonic() at the fork
+
+
+class Agent:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        import zmq
+
+        from ..protocol import wire
+        from ..protocol.topology import Topology
+
+        self.cfg = cfg
+        self.host = cfg["host"]
+        self.my_ranks: list[int] = cfg["ranks"]
+        self.topology = Topology(tuple((k, v) for k, v in cfg["dims"]))
+        self.wire = wire.Wire(bytes.fromhex(cfg["key"]))
+        self.rundir = cfg.get("rundir") or tempfile.mkdtemp(prefix="meshbook-agent-")
+        self.own_rundir = "rundir" not in cfg
+        self.ctx = zmq.Context()
+        self.cmd = self.ctx.socket(zmq.DEALER)
+        self.cmd.setsockopt(zmq.IDENTITY, f"agent:{self.host}".encode())
+        self.events = self.ctx.socket(zmq.PUSH)
+        self.events.setsockopt(zmq.LINGER, 2000)
+        for sock, addr in ((self.cmd, cfg["cmd_addr"]), (self.events, cfg["events_addr"])):
+            sock.connect(addr)
+        self.procs: dict[int, RankProcess] = {}
+        #: Messages of a kind (or an operation) no handler takes, by kind; each is logged too.
+        self.unknown_kinds: Counter[str] = Counter()
+        self._ops: dict[str | None, Callable[[list[int], dict[str, Any], int], None]] = {
+            msg.AgentOp.SIGNAL: self._signal, msg.AgentOp.SPAWN: self._spawn,
+            msg.AgentOp.PYSPY: self._pyspy}
+        self.dead: set[int] = set()
+        self.cuda = _cuda_count()
+        self.threads = max(1, (os.cpu_count() or 1) // max(1, len(self.my_ranks)))
+
+    # -- ranks -------------------------------------------------------------------------------
+
+    def spawn(self, rank: int, generation: int) -> None:
+        from ..protocol.wire import rank_address
+        from ..rank.worker import RankConfig, run_rank
+
+        local_rank = self.my_ranks.index(rank)
+        use_cuda = self.cfg["backend"] != "gloo" and self.cuda > 0
+        backend = self.cfg["backend"]
+        if backend == "auto":
+            backend = "cuda:nccl,cpu:gloo" if use_cuda else "gloo"
+        pipes = {name: os.pipe() for name in ("stdout", "stderr")}
+        crash_path = os.path.join(self.rundir, f"crash-{rank}")
+        cfg = RankConfig(
+            rank=rank, local_rank=local_rank, local_world_size=len(self.my_ranks),
+            group_rank=self.host, group_world_size=self.cfg.get("hosts", 1),
+            topology=self.topology, backend=backend, device_type="cuda" if use_cuda else "cpu",
+            store_host=self.cfg["store_host"], rundir=self.rundir, generation=generation,
+            master_port=self.cfg["master_port"],
+            collective_timeout=self.cfg["collective_timeout"], key=self.wire.key,
+            agent_pid=os.getpid(), request_addr=rank_address(self.rundir, rank, generation, msg.MAIN),
+            control_addr=rank_address(self.rundir, rank, generation, msg.CONTROL),
+            events_addr=self.cfg["events_addr"],
+            pipes=pipes, crash_path=crash_path, threads=self.threads)
+        oom = oom_kills()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            run_rank(cfg)  # never returns
+        for _, write in pipes.values():
+            os.close(write)
+        self.procs[rank] = RankProcess(rank, pid, {n: r for n, (r, _) in pipes.items()}, crash_path, oom,
+                                       time.monotonic())
+        self.dead.discard(rank)
+
+    def reap(self) -> None:
+        """Collect dead ranks and tell the controller how each died."""
+        from ..protocol.proc import describe_status, exited_children
+
+        for pid, status in exited_children():
+            proc = next((p for p in self.procs.values() if p.pid == pid), None)
+            if proc is None:
+                continue
+            cause = describe_status(status)
+            if cause == "SIGKILL" and killed_by_oom(pid, proc.oom_kills, proc.started):
+                cause = "SIGKILL (killed by the OOM killer)"
+            output = {name: _drain(fd) for name, fd in proc.pipes.items()}
+            crash = _read_and_remove(proc.crash_path)
+            del self.procs[proc.rank]
+            self.dead.add(proc.rank)
+            self.emit(msg.EXIT, None, {"cause": cause, "pid": pid, "output": output, "crash": crash},
+                      rank=proc.rank)
+
+    def kill(self, ranks: list[int], sig: int = signal.SIGKILL) -> None:
+        for rank in ranks:
+            proc = self.procs.get(rank)
+            if proc is not None:
+                try:
+                    # The rank leads its own session: take its children (os.system...) too.
+                    os.killpg(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def shutdown(self, controller_done: bool) -> None:
+        """Kill every rank and whatever they started; remove the runtime directory when the
+        controller no longer needs it (after a crash it may still read our log there)."""
+        from ..protocol.proc import kill_descendants
+
+        kill_descendants(5.0)
+        if controller_done or self.own_rundir:
+            shutil.rmtree(self.rundir, ignore_errors=True)
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def emit(self, kind: str, request: int | None, body: Any = None, **header: Any) -> None:
+        from ..protocol import wire
+
+        wire.send(self.events, self.wire.pack({msg.KIND: kind, msg.ID: request, msg.HOST: self.host, **header},
+                                              body))
+
+    def operate(self, message: Any) -> None:
+        """An operation for the agent itself (the controller stops an agent by closing its stdin)."""
+        body = message.body() if message.kind == msg.OP else {"op": None}
+        handler = self._ops.get(body["op"])
+        if handler is None:
+            self._unknown(message.kind if message.kind != msg.OP else f"{msg.OP}:{body['op']}")
+            return
+        handler([r for r in message.header[msg.RANKS] if r in self.my_ranks], body, message.header[msg.ID])
+
+    def _unknown(self, kind: str) -> None:
+        """Count and log (to the agent's log) a message no handler takes; the agent keeps serving."""
+        self.unknown_kinds[kind] += 1
+        print(f"meshbook agent {self.host}: no handler for {kind!r} messages "
+              f"({self.unknown_kinds[kind]} so far)", file=sys.stderr, flush=True)
+
+    def _signal(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        self.kill(ranks, body["sig"])
+
+    def _spawn(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        for rank in ranks:
+            self.spawn(rank, body["generation"])
+
+    def _pyspy(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        for rank in ranks:
+            self.emit(msg.RESULT, request, _pyspy(self.procs.get(rank)), **{msg.RANK: rank})
+
+    def serve(self) -> None:
+        import zmq
+
+        from ..protocol import wire
+
+        rfd, wfd = os.pipe()
+        os.set_blocking(wfd, False)
+        signal.set_wakeup_fd(wfd)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: None)  # handled below, through the wakeup fd
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        poller = zmq.Poller()
+        poller.register(self.cmd, zmq.POLLIN)
+        poller.register(sys.stdin.fileno(), zmq.POLLIN)
+        poller.register(rfd, zmq.POLLIN)
+        for rank in self.my_ranks:
+            self.spawn(rank, 0)
+        self.emit(msg.AGENT, None, {"pid": os.getpid(), "hostname": socket.gethostname(),
+                                  "pids": {r: p.pid for r, p in self.procs.items()}})
+        while True:
+            ready = dict(poller.poll(1000))
+            if rfd in ready:
+                signals = os.read(rfd, 4096)
+                if signal.SIGTERM in signals:
+                    return
+                self.reap()
+            if sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
+                return  # EOF: the controller is gone
+            if self.cmd in ready:
+                while self.cmd.poll(0):
+                    try:
+                        message = self.wire.unpack(wire.recv(self.cmd))
+                    except wire.BadMessage:
+                        continue
+                    self.operate(message)
+
+
+def _cuda_count() -> int:
+    # NVML's count does not initialise CUDA, so the ranks can still be forked safely.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _drain(fd: int) -> str:
+    chunks = []
+    os.set_blocking(fd, False)
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except (BlockingIOError, OSError):
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(fd)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def _read_and_remove(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+        os.unlink(path)
+        return text
+    except OSError:
+        return ""
+
+
+def _pyspy(proc: RankProcess | None) -> str:
+    """A native+Python stack of a rank whose own control thread cannot answer."""
+    if proc is None:
+        return "the rank is not running"
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(exe):
+        return "py-spy is not installed (pip install py-spy) so no native stack could be taken"
+    try:
+        done = subprocess.run([exe, "dump", "--pid", str(proc.pid)], capture_output=True,
+                              text=True, timeout=10)
+        return done.stdout or done.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"py-spy failed: {exc}"
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m meshbook.mesh.agent",
+                                     description="meshbook host agent (started by a launcher)")
+    parser.add_argument("--parent", type=int, default=None,
+                        help="pid of the controller; die with it (PR_SET_PDEATHSIG)")
+    parser.add_argument("--log", default=None,
+                        help="the file our stderr goes to: moved into the runtime directory")
+    args = parser.parse_args()
+    from ..protocol.proc import become_subreaper, die_with_parent
+
+    signal.signal(signal.SIGTERM, _stop)  # until serve() handles it: clean up on the way out
+    become_subreaper()
+    if args.parent is not None:
+        die_with_parent(args.parent, signal.SIGTERM)
+    try:
+        _run(args.log)
+    finally:
+        os._exit(0)
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _run(log: str | None) -> None:
+    """Wait for the configuration, then serve; clean up however that ends."""
+    try:
+        import torch  # noqa: F401  - once, here, so every fork starts with it imported
+        import torch.distributed  # noqa: F401
+        import torch.distributed.device_mesh  # noqa: F401
+
+        cfg = _read_config()
+    except BaseException:
+        _remove(log)  # a standby agent whose controller went away, or died
+        raise
+    if cfg is None:
+        _remove(log)
+        return
+    agent = Agent(cfg)
+    if log is not None and "log" in cfg:
+        _move_log(log, cfg["log"])
+    done = False
+    try:
+        agent.serve()
+        done = True  # the controller is gone or stops: nobody reads the runtime directory
+    except SystemExit:
+        done = True
+    finally:
+        agent.shutdown(done)
+
+
+def _read_config() -> dict[str, Any] | None:
+    """The configuration line from stdin, or None at EOF (the controller went away first)."""
+    stdin = sys.stdin.fileno()
+    line = b""
+    while not line.endswith(b"\n"):
+        select.select([stdin], [], [])
+        chunk = os.read(stdin, 65536)
+        if not chunk:
+            return None
+        line += chunk
+    return json.loads(line)  # type: ignore[no-any-return]
+
+
+def _move_log(old: str, new: str) -> None:
+    """Point our stderr at ``new``, carrying over what ``old`` holds, and remove ``old``."""
+    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with open(old, "rb") as f:
+        os.write(fd, f.read())
+    os.dup2(fd, 2)
+    os.close(fd)
+    _remove(old)
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -1,0 +1,693 @@
+"""The controller: the notebook's end of the wire, and the book-keeping of every rank.
+
+One :class:`Controller` per started mesh. Its sockets live in a private (0700) runtime
+directory: a PUSH per rank and channel that sends requests straight to the rank (see
+:func:`~meshbook.mesh.protocol.wire.rank_address`), a ROUTER for what it asks of the host agents
+(signals, re-forks), and a PULL on which ranks and agents send everything back. A receiver
+thread reads that PULL socket and dispatches each message by kind through a handler table
+(:mod:`~meshbook.mesh.protocol.messages`; a kind without a handler is counted in
+``unknown_kinds`` and logged): it feeds events to the :class:`~meshbook.mesh.controller.run.Run`
+they belong to, tracks each rank's state and last heartbeat, and turns a rank's death into an
+error on every run that waited for it, within the agent's SIGCHLD latency.
+
+:class:`~meshbook.mesh.controller.mesh.Mesh` is the user-facing view; this module is its engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+import weakref
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from ..protocol import messages as msg
+from ..protocol import wire
+from ..protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
+from ..protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result
+from ..protocol.limits import DEFAULT_MAX_BYTES
+from ..protocol.text import format_ranks
+from ..protocol.topology import Topology
+from ..rank.ops import interrupt_request
+from .launchers import AgentHandle, HostPlan, Launcher
+from .metrics import MetricsHistory
+from .recovery import abort, free_after_interrupt
+from .render import print_late
+from .run import Run
+from .step import StepCheck
+
+#: How many finished runs still get their late output routed to them.
+LATE_OUTPUT_RUNS = 256
+
+
+@dataclass
+class RankState:
+    rank: int
+    host: int
+    pid: int | None = None
+    hostname: str = ""
+    device: str = ""
+    state: str = "starting"  # starting | idle | busy | failed (its group did not start) | dead
+    cause: str = ""  # why it is dead
+    generation: int = -1
+    metrics: dict[str, Any] = field(default_factory=dict)
+    last_seen: float = 0.0
+    #: Set when the rank was restarted and its variables are gone.
+    lost_namespace: bool = False
+    #: The variables the rank had at the last who() or push: what a restart loses.
+    known_names: frozenset[str] = frozenset()
+
+
+class Controller:
+    def __init__(self, topology: Topology, launcher: Launcher, backend: str = "auto",
+                 collective_timeout: float = 300.0) -> None:
+        self.topology = topology
+        self.backend = backend
+        self.collective_timeout = collective_timeout
+        #: The most a result may weigh before it stays on its rank (``start(max_result_bytes=)``).
+        self.max_result_bytes = DEFAULT_MAX_BYTES
+        self.launcher = launcher
+        self.wire = wire.Wire(secrets.token_bytes(32))
+        self.rundir = tempfile.mkdtemp(prefix="mb-", dir=_runtime_base())  # mode 0700
+        self.master_port = free_port()  # what a pasted torchrun script reads as MASTER_PORT
+        self.ctx = zmq.Context()
+        self.cmd = self.ctx.socket(zmq.ROUTER)
+        self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.cmd.setsockopt(zmq.SNDHWM, 0)
+        self.cmd.bind(f"ipc://{self.rundir}/cmd")
+        self.events = self.ctx.socket(zmq.PULL)
+        self.events.setsockopt(zmq.RCVHWM, 0)
+        self.events.bind(f"ipc://{self.rundir}/ev")
+        self._wake_send = self.ctx.socket(zmq.PAIR)
+        self._wake_recv = self.ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(f"inproc://wake-{id(self)}")
+        self._wake_send.connect(f"inproc://wake-{id(self)}")
+        self.plans: list[HostPlan] = launcher.plan(topology.world_size)
+        self.host_of = {r: p.host for p in self.plans for r in p.ranks}
+        self.ranks = {r: RankState(r, self.host_of[r]) for r in range(topology.world_size)}
+        self._down: dict[int, dict[str, zmq.Socket]] = {}
+        for r in self.ranks:
+            self._connect_rank(r, 0)
+        self.generation = 0
+        self.stopped = False
+        self.stop_reason = ""
+        self.agents: list[AgentHandle] = []
+        self._lock = threading.RLock()
+        self._send_lock = threading.Lock()
+        #: Where request ids come from (one per request, ranks and agents alike).
+        self.request_ids = itertools.count(1)
+        self._runs: dict[int, Run] = {}
+        self._queues: dict[int, deque[int]] = {r: deque() for r in self.ranks}
+        self._late: OrderedDict[int, Callable[[Event], None]] = OrderedDict()
+        self._generation_changed = threading.Condition(self._lock)
+        #: Held by whatever re-creates the process groups (recovery, a step check's resync).
+        self.recovery_lock = threading.Lock()
+        self._step_checks: list[StepCheck] = []
+        #: The last minutes of each rank's memory (for sparklines), kept from the start.
+        self.history = MetricsHistory()
+        #: Called on the receiver thread with (rank, metrics) for every heartbeat.
+        self.heartbeat_listeners: list[Callable[[int, dict[str, Any]], None]] = [self.history.record]
+        #: Called with every new Run (the notebook layer attributes its output to a cell).
+        self.run_listeners: list[Callable[[Run], None]] = []
+        #: Messages of a kind no handler takes, by kind (each is logged too).
+        self.unknown_kinds: Counter[str] = Counter()
+        self._handlers: dict[str, Callable[[wire.Message], None]] = {
+            msg.HEARTBEAT: self._on_heartbeat, msg.OUTPUT: self._on_output, msg.DISPLAY: self._on_display,
+            msg.INPUT: self._on_input, msg.DEBUG_END: self._on_debug_end, msg.RESULT: self._on_answer,
+            msg.ERROR: self._on_answer, msg.EXIT: self._on_exit, msg.HELLO: self._on_hello,
+            msg.READY: self._on_ready, msg.INIT_FAILED: self._on_init_failed, msg.AGENT: self._on_agent}
+        #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
+        #: replaces this with "does this cell allow stdin").
+        self.stdin_probe: Callable[[], bool] = _terminal_stdin
+        #: Called with (rank, cause) when a rank dies.
+        self.death_listeners: list[Callable[[int, str], None]] = []
+        self._receiver = threading.Thread(target=self._receive, name="meshbook-receiver", daemon=True)
+        self._receiver.start()
+        _LIVE.add(self)
+
+    # -- listeners: the notebook layer's hooks -------------------------------------------------
+
+    def add_run_listener(self, listener: Callable[[Run], None]) -> None:
+        if listener not in self.run_listeners:
+            self.run_listeners.append(listener)
+
+    def remove_run_listener(self, listener: Callable[[Run], None]) -> None:
+        if listener in self.run_listeners:
+            self.run_listeners.remove(listener)
+
+    def add_heartbeat_listener(self, listener: Callable[[int, dict[str, Any]], None]) -> None:
+        self.heartbeat_listeners.append(listener)
+
+    def remove_heartbeat_listener(self, listener: Callable[[int, dict[str, Any]], None]) -> None:
+        if listener in self.heartbeat_listeners:
+            self.heartbeat_listeners.remove(listener)
+
+    def add_death_listener(self, listener: Callable[[int, str], None]) -> None:
+        self.death_listeners.append(listener)
+
+    def remove_death_listener(self, listener: Callable[[int, str], None]) -> None:
+        if listener in self.death_listeners:
+            self.death_listeners.remove(listener)
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def launch(self, timeout: float) -> None:
+        """Start the agents and wait until every rank has torch.distributed ready."""
+        configs = {p.host: self._agent_config(p) for p in self.plans}
+        try:
+            self.agents = self.launcher.launch(self.plans, configs)
+            self.wait_generation(0, list(self.ranks), timeout, "start")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _agent_config(self, plan: HostPlan) -> dict[str, Any]:
+        return {
+            "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks, "dims": list(self.topology.dims),
+            "key": self.wire.key.hex(), "backend": self.backend,
+            "store_host": self.launcher.store_host,
+            "collective_timeout": self.collective_timeout, "rundir": self.rundir,
+            "master_port": self.master_port,
+            "cmd_addr": f"ipc://{self.rundir}/cmd", "events_addr": f"ipc://{self.rundir}/ev",
+        }
+
+    def wait_generation(self, generation: int, ranks: list[int], timeout: float, what: str) -> None:
+        """Wait for ``ranks`` to report ready in ``generation``; a clear error otherwise."""
+        deadline = time.monotonic() + timeout
+        with self._generation_changed:
+            while True:
+                states = [self.ranks[r] for r in ranks]
+                failed = [s for s in states if s.state == "dead" or
+                          (s.generation == generation and s.state == "failed")]
+                if failed or self.stopped:
+                    raise MeshError(self._startup_failure(failed, what))
+                if all(s.generation == generation and s.state != "starting" for s in states):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waiting = [s.rank for s in states if s.generation != generation]
+                    raise MeshError(
+                        f"{what} timed out after {timeout:g} s: rank(s) {waiting} never became ready. "
+                        f"{self._agent_report()}Pass a larger timeout= if the machine is slow.")
+                self._generation_changed.wait(min(left, 0.25))
+                self._check_agents()
+
+    def _startup_failure(self, failed: list[RankState], what: str) -> str:
+        lines = [f"{what} failed:"]
+        for s in failed:
+            lines.append(f"  rank {s.rank}: {s.cause}")
+        if self.stopped:
+            lines.append(f"  {self.stop_reason}")
+        return "\n".join(lines)
+
+    def _agent_report(self) -> str:
+        return "".join(f"(host agent {i}: {a.exit_reason()}) " for i, a in enumerate(self.agents)
+                       if not a.alive())
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def submit(self, kind: str, body: Any, ranks: list[int], what: str, channel: str = msg.MAIN) -> Run:
+        """Send one request to ``ranks`` (one message per rank) and return its Run."""
+        self.check_usable(ranks)
+        try:
+            raw, buffers = wire.dumps(body)
+        except Exception as exc:
+            raise SendError(f"{what}: cannot send {wire.describe_unpicklable(body, exc)}") from None
+        with self._lock:
+            request = next(self.request_ids)
+            run = Run(request, ranks, self.topology, what, self.interrupt_run, self.send_input, kind)
+            self._runs[request] = run
+            if channel == msg.MAIN:
+                for r in ranks:
+                    self._queues[r].append(request)
+                    self.ranks[r].state = "busy"
+        for listener in self.run_listeners:
+            listener(run)
+        frames = self.wire.pack({msg.KIND: kind, msg.ID: request}, raw_body=raw, buffers=buffers)
+        self._send_to_ranks(frames, ranks, channel)
+        return run
+
+    def call(self, fn: Callable[..., Any], *args: Any, ranks: list[int], what: str = "",
+             channel: str = msg.MAIN, stdin: bool = False, **kwargs: Any) -> Run:
+        """Run a rank operation, ``fn(worker, *args, **kwargs)``, on ``ranks`` (one of
+        :mod:`meshbook.mesh.rank.ops`, or an extension's). ``channel=CONTROL`` runs it on their
+        control threads, answered while they are busy; ``stdin`` says the notebook can answer a
+        debugger prompt it opens."""
+        body = {"fn": fn, "args": args, "kwargs": kwargs, "stdin": stdin}
+        return self.submit(msg.CALL, body, ranks, what or getattr(fn, "__name__", "call"), channel)
+
+    def agent_op(self, op: str, ranks: list[int], **body: Any) -> Run | None:
+        """Ask the agents owning ``ranks`` to do ``op`` (signal, spawn, pyspy, stop)."""
+        request = next(self.request_ids)
+        run = None
+        if op == msg.AgentOp.PYSPY:
+            run = Run(request, ranks, self.topology, f"native stacks of rank(s) {ranks}", self.interrupt_run,
+                      self.send_input, msg.OP)
+            with self._lock:
+                self._runs[request] = run
+        frames = self.wire.pack({msg.KIND: msg.OP, msg.ID: request, msg.RANKS: ranks}, dict(body, op=op))
+        self._send_to_hosts(frames, ranks)
+        return run
+
+    def _connect_rank(self, rank: int, generation: int) -> None:
+        """Point ``rank``'s sockets at its process forked in ``generation`` (caller holds the
+        send lock).
+
+        ZeroMQ queues what is sent before the rank has bound its sockets, so a request never
+        waits for, or races with, the rank's start-up.
+        """
+        self._disconnect_rank(rank)
+        socks = {}
+        for channel in msg.CHANNELS:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            # Retry every 10 ms until the rank binds, never backing off: a backed-off retry
+            # would hold the first request for up to the back-off after the rank is ready.
+            sock.setsockopt(zmq.RECONNECT_IVL, 10)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
+            sock.connect(wire.rank_address(self.rundir, rank, generation, channel))
+            socks[channel] = sock
+        self._down[rank] = socks
+
+    def _disconnect_rank(self, rank: int) -> None:
+        """Drop a rank's sockets with whatever they still held for it (the runs that waited on
+        it have failed), so nothing retries connecting to a dead process."""
+        for sock in self._down.pop(rank, {}).values():
+            sock.close(linger=0)
+
+    def _send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str) -> None:
+        """One message per rank, straight to its socket: on one host, relaying through the
+        agent would cost a process hop and a copy per request, and buy nothing."""
+        with self._send_lock:
+            # A rank that died since the caller checked has no sockets: its death failed the run.
+            live = [r for r in ranks if r in self._down]
+            trackers = wire.fan_out([self._down[r][channel] for r in live], frames)
+        for rank, tracker in zip(live, trackers):
+            # Big buffers: return once every rank has them, so the caller may change its
+            # tensors; a rank that died meanwhile never will (its run fails on its death).
+            while not tracker.done and self.ranks[rank].state != "dead" and not self.stopped:
+                try:
+                    tracker.wait(0.1)
+                except zmq.NotDone:
+                    pass
+
+    def _send_to_hosts(self, frames: list[Any], ranks: list[int]) -> None:
+        hosts = sorted({self.host_of[r] for r in ranks})
+        with self._send_lock:
+            for host in hosts:
+                for attempt in range(200):
+                    try:
+                        wire.send(self.cmd, frames, prefix=[f"agent:{host}".encode()], wait=True)
+                        break
+                    except zmq.ZMQError as exc:
+                        # EHOSTUNREACH: the agent's connection is not up yet (start-up only).
+                        if exc.errno != zmq.EHOSTUNREACH or attempt == 199:
+                            raise MeshError(f"cannot reach the host agent {host}: {exc}") from None
+                        time.sleep(0.01)
+
+    def kill(self, ranks: list[int], timeout: float = 10.0) -> None:
+        """SIGKILL ``ranks`` and wait until their agent reported them dead."""
+        live = [r for r in ranks if self.ranks[r].state != "dead"]
+        if not live:
+            return
+        self.signal(live, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        with self._generation_changed:
+            while any(self.ranks[r].state != "dead" for r in live):
+                if time.monotonic() > deadline or self.stopped:
+                    raise MeshError(f"rank(s) {live} did not die within {timeout:g} s of SIGKILL")
+                self._generation_changed.wait(0.05)
+
+    def new_generation(self) -> int:
+        """A new process-group generation (its ranks meet in a new store)."""
+        with self._lock:
+            self.generation += 1
+            return self.generation
+
+    def respawn(self, ranks: list[int], generation: int) -> None:
+        """Re-fork dead ``ranks`` under their rank ids; they join ``generation``."""
+        if not ranks:
+            return
+        # Sockets first: a request sent once the rank is no longer "dead" goes to the new process.
+        with self._send_lock:
+            for r in ranks:
+                self._connect_rank(r, generation)
+        with self._lock:
+            for r in ranks:
+                state = self.ranks[r]
+                state.state, state.cause, state.lost_namespace = "starting", "", True
+        self.agent_op(msg.AgentOp.SPAWN, ranks, generation=generation)
+
+    def current_request(self, rank: int) -> int | None:
+        """The exec request ``rank`` is running now (the head of its queue)."""
+        queue = self._queues[rank]
+        return queue[0] if queue else None
+
+    def busy_with_other(self, rank: int, request: int) -> bool:
+        """Is ``rank`` still running something queued before ``request``?"""
+        queue = self._queues[rank]
+        return bool(queue) and queue[0] != request and self.ranks[rank].state != "dead"
+
+    def send_input(self, rank: int, text: str) -> None:
+        """A line typed in the notebook, for ``rank``'s debugger (its control thread)."""
+        self._send_to_ranks(self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, text), [rank], msg.CONTROL)
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to ``ranks``, whatever they run (``%mesh interrupt``)."""
+        with self._lock:
+            hit = [run for run in self._runs.values() if set(run.pending) & set(ranks)]
+        for run in hit:
+            run.interrupted = True
+        self.signal(ranks, signal.SIGINT)
+        for run in hit:
+            self._free_after_interrupt(run)
+
+    def interrupt_run(self, run: Run) -> None:
+        """Interrupt ``run`` and nothing else: ranks running it get ``KeyboardInterrupt``,
+        ranks where it still waits in the queue drop it before it starts. Other runs (a
+        background ``mesh.run``) are not touched."""
+        run.interrupted = True
+        ranks = [r for r in run.pending if self.ranks[r].state != "dead"]
+        if ranks and not self.stopped:
+            self.call(interrupt_request, run.id, ranks=ranks, what="interrupt", channel=msg.CONTROL)
+            self._free_after_interrupt(run)
+
+    def _free_after_interrupt(self, run: Run) -> None:
+        if run.kind in msg.USER_KINDS and not self.stopped:
+            threading.Thread(target=free_after_interrupt, args=(self, run), daemon=True).start()
+
+    def signal(self, ranks: list[int], sig: int) -> None:
+        live = [r for r in ranks if self.ranks[r].state != "dead"]
+        if live and not self.stopped:
+            self.agent_op(msg.AgentOp.SIGNAL, live, sig=int(sig))
+
+    def check_usable(self, ranks: list[int]) -> None:
+        if self.stopped:
+            raise MeshStoppedError(f"the mesh is stopped ({self.stop_reason}); start a new one "
+                                   f"with meshbook.start(...)")
+        dead = [self.ranks[r] for r in ranks if self.ranks[r].state == "dead"]
+        if dead:
+            causes = "; ".join(f"rank {s.rank}: {s.cause}" for s in dead)
+            raise MeshError(f"the mesh is degraded ({causes}). Restart the dead rank(s) with "
+                            f"mesh.restart({[s.rank for s in dead]}) (or %mesh restart "
+                            f"{','.join(str(s.rank) for s in dead)}), or select live ranks only")
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.events, zmq.POLLIN)
+        poller.register(self._wake_recv, zmq.POLLIN)
+        next_check = 0.0
+        while not self.stopped:
+            ready = dict(poller.poll(250))
+            if self._wake_recv in ready:
+                break
+            if self.events in ready:
+                while True:
+                    try:
+                        frames = wire.recv(self.events, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(self.wire.unpack(frames))
+                    except wire.BadMessage:
+                        continue
+                    except Exception as exc:  # never let one bad message end the receiver
+                        _log(f"receiver: {type(exc).__name__}: {exc}")
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.25
+                self._check_agents()
+
+    def _handle(self, message: wire.Message) -> None:
+        handler = self._handlers.get(message.kind)
+        if handler is None:
+            self.unknown_kinds[message.kind] += 1
+            _log(f"no handler for {message.kind!r} messages (from rank {message.header.get(msg.RANK)}, "
+                 f"host {message.header.get(msg.HOST)}; {self.unknown_kinds[message.kind]} so far)")
+            return
+        handler(message)
+
+    def _on_heartbeat(self, message: wire.Message) -> None:
+        self.record_metrics(message.header[msg.RANK], message.body())
+
+    def record_metrics(self, rank: int, metrics: dict[str, Any]) -> None:
+        """``rank``'s latest metrics (a heartbeat, or the answer when asked for one)."""
+        state = self.ranks[rank]
+        state.metrics, state.last_seen = metrics, time.monotonic()
+        for listener in self.heartbeat_listeners:
+            listener(rank, metrics)
+
+    def _on_output(self, message: wire.Message) -> None:
+        body = message.body()
+        self._deliver(message.header[msg.ID], Output(message.header[msg.RANK], body["stream"], body["text"]))
+
+    def _on_display(self, message: wire.Message) -> None:
+        self._deliver(message.header[msg.ID], Display(message.header[msg.RANK], message.body()))
+
+    def _on_input(self, message: wire.Message) -> None:
+        self._deliver(message.header[msg.ID], InputRequest(message.header[msg.RANK], message.body()["prompt"]))
+
+    def _on_debug_end(self, message: wire.Message) -> None:
+        self._deliver(message.header[msg.ID], DebugEnd(message.header[msg.RANK]))
+
+    def _on_answer(self, message: wire.Message) -> None:
+        """A rank's (or an agent's) result or error for a request."""
+        header, rank = message.header, message.header[msg.RANK]
+        duration = header.get(msg.DURATION, 0.0)
+        body = message.body()
+        event = Result(rank, body, duration) if message.kind == msg.RESULT else Error(rank, body, duration)
+        self._finish(header[msg.ID], rank, event, lost_group=header.get(msg.HAS_GROUP) is False)
+
+    def _on_exit(self, message: wire.Message) -> None:
+        self._rank_died(message.header[msg.RANK], message.body())
+
+    def _on_hello(self, message: wire.Message) -> None:
+        body = message.body()
+        with self._lock:
+            state = self.ranks[message.header[msg.RANK]]
+            state.pid, state.hostname = body["pid"], body["host"]
+
+    def _on_ready(self, message: wire.Message) -> None:
+        body, rank = message.body(), message.header[msg.RANK]
+        with self._lock:
+            state = self.ranks[rank]
+            state.device, state.pid = body["device"], body["pid"]
+            state.generation = message.header[msg.GENERATION]
+            if not self._queues[rank]:
+                state.state = "idle"
+            self._generation_changed.notify_all()
+
+    def _on_init_failed(self, message: wire.Message) -> None:
+        failure = message.body()
+        with self._lock:
+            state = self.ranks[message.header[msg.RANK]]
+            state.generation, state.state = message.header[msg.GENERATION], "failed"
+            state.cause = f"torch.distributed did not initialise: {failure.headline}"
+            self._generation_changed.notify_all()
+
+    def _on_agent(self, message: wire.Message) -> None:
+        with self._lock:
+            for r, pid in message.body()["pids"].items():
+                self.ranks[int(r)].pid = pid
+
+    def _deliver(self, request: int | None, event: Event) -> None:
+        run = self._runs.get(request) if request is not None else None
+        if run is not None:
+            run.add_event(event)
+            return
+        late = self._late.get(request) if request is not None else None
+        (late or print_late)(event)
+
+    def _finish(self, request: int, rank: int, event: Event, lost_group: bool = False) -> None:
+        run = self._runs.get(request)
+        if run is None:
+            return
+        run.irregular = run.irregular or lost_group or isinstance(event, Error)
+        if run.pending == [rank] and run.kind in msg.USER_KINDS and (run.irregular or run.interrupted):
+            # Before the run is seen done: whoever renders it waits for this check too.
+            run.step_check = self.check_step(run)
+        run.add_event(event)
+        with self._lock:
+            queue = self._queues[rank]
+            if queue and queue[0] == request:
+                queue.popleft()
+                state = self.ranks[rank]
+                if state.state == "busy" and not queue:
+                    state.state = "idle"
+            if run.done():
+                self._retire(run)
+
+    def _retire(self, run: Run) -> None:
+        del self._runs[run.id]
+        self._late[run.id] = run.on_late_output
+        while len(self._late) > LATE_OUTPUT_RUNS:
+            self._late.popitem(last=False)
+
+    def _rank_died(self, rank: int, body: dict[str, Any]) -> None:
+        cause = body["cause"]
+        detail = "\n".join(filter(None, [body.get("crash", "").strip()]))
+        with self._lock:
+            state = self.ranks[rank]
+            state.state, state.cause, state.pid = "dead", cause, None
+            queue = self._queues[rank]
+            current = queue[0] if queue else None
+            waiting = [run for run in self._runs.values() if rank in run.pending]
+            queue.clear()
+            self._generation_changed.notify_all()
+        with self._send_lock:
+            self._disconnect_rank(rank)
+        for stream, text in body.get("output", {}).items():
+            if text:
+                self._deliver(current, Output(rank, stream, text))
+        failure = RankFailure(rank, "RankDied", f"rank {rank} died: {cause}", died=cause, detail=detail)
+        stranded = sorted({r for run in waiting for r in run.pending if r != rank})
+        note = (f"rank {rank} died ({cause}). %mesh restart {rank} (mesh.restart([{rank}])) brings it "
+                f"back and re-creates the process group; the other ranks keep their variables.")
+        if stranded and not self.stopped:
+            note += (f" Rank(s) {format_ranks(stranded)} ran beside it: meshbook freed them from "
+                     f"anything waiting on it.")
+            reason = f"meshbook aborted what this rank ran: rank {rank} died ({cause})"
+            threading.Thread(target=self._free_stranded, args=(stranded, reason), daemon=True).start()
+        for run in waiting:
+            run.notes.append(note)
+        for run in waiting:
+            self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
+        for listener in self.death_listeners:
+            listener(rank, cause)
+
+    def _free_stranded(self, ranks: list[int], reason: str) -> None:
+        """Ranks that were running beside a rank that died: the group is broken, so abort
+        their collectives now instead of letting them wait for the collective timeout."""
+        if not self.recovery_lock.acquire(blocking=False):
+            return  # a recovery (restart, the second interrupt) frees them and re-creates the group
+        try:
+            abort(self, [r for r in ranks if self.ranks[r].state == "busy"], reason)
+        except MeshError as exc:
+            if not self.stopped:
+                _log(f"could not free rank(s) {format_ranks(ranks)}: {exc}")
+        finally:
+            self.recovery_lock.release()
+
+    def check_step(self, run: Run) -> "StepCheck | None":
+        """Check that every rank is at the same collective in each group after ``run``
+        stopped irregularly (see :mod:`meshbook.mesh.controller.step`)."""
+        if self.stopped or any(s.state == "dead" for s in self.ranks.values()):
+            return None  # a dead rank's restart re-creates every group anyway
+        check = StepCheck(self, "the interrupt" if run.interrupted else "the failed cell", run.forced_resync)
+        with self._lock:
+            self._step_checks = [c for c in self._step_checks if not c.done.is_set()] + [check]
+        check.start()
+        return check
+
+    def cancel_step_checks(self) -> None:
+        """Release ranks held by step checks (recovery re-creates every group anyway)."""
+        with self._lock:
+            checks, self._step_checks = self._step_checks, []
+        for check in checks:
+            check.cancel()
+
+    def _check_agents(self) -> None:
+        if self.stopped or not self.agents:
+            return
+        for host, agent in enumerate(self.agents):
+            if not agent.alive():
+                reason = f"host agent {host} died ({agent.exit_reason()})"
+                for r in self.plans[host].ranks:
+                    if self.ranks[r].state != "dead":
+                        self._rank_died(r, {"cause": reason})
+                self._mark_stopped(reason)
+
+    def _mark_stopped(self, reason: str) -> None:
+        with self._lock:
+            if not self.stopped:
+                self.stopped, self.stop_reason = True, reason
+                self._generation_changed.notify_all()
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def stop(self, reason: str = "stopped by the user") -> None:
+        """Kill every rank and agent, fail what still runs, and remove the runtime directory."""
+        with self._lock:
+            already = self.stopped and not self.agents
+            self._mark_stopped(reason)
+            agents, self.agents = self.agents, []
+        if already:
+            return
+        for agent in agents:
+            agent.terminate(5.0)
+        if threading.current_thread() is not self._receiver:
+            self._wake_send.send(b"stop")
+            self._receiver.join(5)
+        with self._lock:
+            runs = list(self._runs.values())
+        for run in runs:
+            for r in run.pending:
+                failure = RankFailure(r, "MeshStopped", f"the mesh was stopped ({self.stop_reason})",
+                                      died="stopped")
+                run.add_event(Error(r, failure, 0.0))
+        for state in self.ranks.values():
+            if state.state != "dead":
+                state.state, state.cause = "dead", "mesh stopped"
+        rank_socks = [sock for socks in self._down.values() for sock in socks.values()]
+        for sock in (self.cmd, self.events, self._wake_send, self._wake_recv, *rank_socks):
+            sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.rundir, ignore_errors=True)
+        _LIVE.discard(self)
+
+
+def live_controllers() -> list[Controller]:
+    """This process's controllers that are running or were not stopped long ago (weakly
+    held): the test suite checks with it that nothing a test started is left running."""
+    return list(_LIVE)
+
+
+def _terminal_stdin() -> bool:
+    import sys
+
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _runtime_base() -> str:
+    # ipc:// paths must stay under ~100 bytes; XDG_RUNTIME_DIR is private and short.
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK) and len(base) < 60:
+        return base
+    return tempfile.gettempdir()
+
+
+def _log(text: str) -> None:
+    import sys
+
+    print(f"meshbook: {text}", file=sys.__stderr__)
+
+
+_LIVE: "weakref.WeakSet[Controller]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    from .launchers import discard_standby
+
+    for controller in list(_LIVE):
+        controller.stop("the Python process is exiting")
+    discard_standby()

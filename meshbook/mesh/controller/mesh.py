@@ -1,0 +1,248 @@
+"""The Python API: start a mesh, run code on its ranks, get per-rank values back.
+
+>>> import meshbook
+>>> mesh = meshbook.start(4, dims={"dp": 2, "tp": 2})
+>>> mesh.run("x = torch.full((2,), float(rank)); dist.all_reduce(x); x.sum().item()").result()
+[0-3] 12.0
+>>> mesh.run("x * 2", ranks=[0, 2]).result()          # namespaces persist across calls
+>>> mesh.apply(lambda a: rank + a, 10).result()       # a notebook function, per-rank results
+>>> mesh.slice(dp=0)                                  # a view over the ranks with dp == 0
+>>> mesh.stop()
+
+A :class:`Mesh` is a *view*: a set of ranks of one running mesh. :meth:`Mesh.slice` returns
+another view of the same ranks' processes, so ``mesh.slice(dp=0).run(...)`` runs on half the
+mesh and the namespaces it touches are the same ones the full mesh sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from ..protocol import messages as msg
+from ..protocol.cell import cell_filename, compile_cell
+from ..protocol.errors import MeshError
+from ..protocol.limits import DEFAULT_MAX_BYTES
+from ..protocol.topology import DimSelector, Topology, resolve
+from ..rank import ops
+from .controller import Controller, RankState
+from .data import DataOps
+from .debug import DebugOps
+from .launchers import Launcher, get_launcher
+from .memory import MemoryReport, memory_report
+from .metrics import MetricsHistory
+from .run import Run
+from .stragglers import DURATION_FACTOR, StragglerReport, straggler_report, stuck_in_collectives
+
+#: How long a memory report waits for ranks that have sent no heartbeat yet.
+MEASURE_TIMEOUT_S = 2.0
+
+
+def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
+          launcher: str | Launcher = "local", timeout: float = 120.0,
+          collective_timeout: float = 300.0, max_result_bytes: int = DEFAULT_MAX_BYTES) -> "Mesh":
+    """Start a mesh of ranks and return it once torch.distributed is ready on every rank.
+
+    ``n`` ranks, or named ``dims`` whose product is the world size (``{"dp": 2, "tp": 2}``);
+    each rank's namespace then holds ``device_mesh``, a torch ``DeviceMesh`` with those names.
+    ``backend="auto"`` is gloo on CPU and NCCL (plus gloo for CPU tensors) with one GPU per
+    rank when CUDA is present. ``collective_timeout`` bounds how long a collective may hang
+    before it fails on its own. A result bigger than ``max_result_bytes`` (2 GiB, like
+    ``pull``'s ``max_bytes``) stays on its rank as ``_``; ``run(max_bytes=...)`` overrides it.
+    """
+    topology = Topology.create(n, dims)
+    if backend not in ("auto", "gloo", "nccl") and ":" not in backend:
+        raise MeshError(f"backend {backend!r}: use 'auto', 'gloo', 'nccl' or a torch backend "
+                        f"string like 'cuda:nccl,cpu:gloo'")
+    controller = Controller(topology, get_launcher(launcher), backend, collective_timeout)
+    controller.max_result_bytes = max_result_bytes
+    controller.launch(timeout)
+    mesh = Mesh(controller, list(range(topology.world_size)))
+    global _current
+    _current = mesh
+    for listener in list(_start_listeners):
+        listener(mesh)
+    return mesh
+
+
+#: Called with every newly started mesh (the kernel layer hooks in here).
+_start_listeners: list[Callable[["Mesh"], None]] = []
+
+
+def add_start_listener(listener: Callable[["Mesh"], None]) -> None:
+    """Call ``listener(mesh)`` with every mesh started from now on (the kernel bridge)."""
+    if listener not in _start_listeners:
+        _start_listeners.append(listener)
+
+
+def remove_start_listener(listener: Callable[["Mesh"], None]) -> None:
+    if listener in _start_listeners:
+        _start_listeners.remove(listener)
+_current: "Mesh | None" = None
+
+
+def current() -> "Mesh":
+    """The most recently started mesh (by ``start()`` or ``%mesh start``), if still running."""
+    if _current is None or _current.stopped:
+        raise MeshError("no mesh is running: start one with meshbook.start(4) "
+                        "(or %mesh start -n 4 in a notebook)")
+    return _current
+
+
+class Mesh(DebugOps, DataOps):
+    """A set of ranks of a running mesh; run code on them and collect per-rank results."""
+
+    def __init__(self, controller: Controller, ranks: list[int]) -> None:
+        self.controller = controller
+        self._ranks = ranks
+
+    # -- shape -------------------------------------------------------------------------------
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    @property
+    def topology(self) -> Topology:
+        return self.controller.topology
+
+    @property
+    def dims(self) -> dict[str, int]:
+        return dict(self.topology.dims)
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def stopped(self) -> bool:
+        return self.controller.stopped
+
+    def select(self, ranks: Sequence[int] | str | int | None = None,
+               where: Mapping[str, DimSelector] | None = None) -> list[int]:
+        """Resolve a selection (explicit ranks and/or dimension filters) within this view."""
+        return resolve(self.topology, ranks, where, self._ranks)
+
+    def slice(self, **where: DimSelector) -> "Mesh":
+        """A view over the ranks matching ``where``, e.g. ``mesh.slice(dp=0)``."""
+        return Mesh(self.controller, self.select(where=where))
+
+    # -- running code ------------------------------------------------------------------------
+
+    def run(self, code: str, ranks: Sequence[int] | str | int | None = None, *,
+            where: Mapping[str, DimSelector] | None = None, first_line: int = 1,
+            name: str | int | None = None, max_bytes: int | None = None) -> Run:
+        """Run ``code`` in each selected rank's namespace; the value of a final expression is
+        that rank's result. A ``SyntaxError`` is raised here, before anything is sent.
+
+        ``first_line`` numbers the code's first line (tracebacks then use the numbers a user
+        sees in a notebook cell); ``name`` names the code in tracebacks and stacks. A result
+        bigger than ``max_bytes`` (by default the mesh's ``max_result_bytes``) stays on its rank
+        as ``_``, and the rank's value says so.
+        """
+        if not isinstance(code, str):
+            raise MeshError(f"run() takes code as a string, not {type(code).__name__}; "
+                            f"use apply() to call a function")
+        chosen = self.select(ranks, where)
+        cell_name = name if name is not None else "run"
+        compile_cell(code, cell_filename(cell_name), first_line)
+        body = {"code": code, "first_line": first_line, "name": cell_name,
+                "stdin": self.controller.stdin_probe(),
+                "max_bytes": self.controller.max_result_bytes if max_bytes is None else max_bytes}
+        return self.controller.submit(msg.EXEC, body, chosen, _describe_code(code))
+
+    def apply(self, fn: Callable[..., Any], *args: Any,
+              ranks: Sequence[int] | str | int | None = None,
+              where: Mapping[str, DimSelector] | None = None, **kwargs: Any) -> Run:
+        """Call ``fn(*args, **kwargs)`` on each selected rank; its return value is the result.
+
+        A function defined in the notebook sees the rank's namespace (``rank``, ``torch``,
+        ``dist``, your variables) before the notebook names it carried along; assigning a
+        global inside it does not persist (use :meth:`run` for state).
+        """
+        if not callable(fn):
+            raise MeshError(f"apply() needs a function, got a {type(fn).__name__}")
+        chosen = self.select(ranks, where)
+        body = {"fn": fn, "args": args, "kwargs": kwargs, "stdin": self.controller.stdin_probe(),
+                "max_bytes": self.controller.max_result_bytes}
+        return self.controller.submit(msg.APPLY, body, chosen, f"apply({_name_of(fn)})")
+
+    def call(self, fn: Callable[..., Any], *args: Any, ranks: Sequence[int] | None = None,
+             control: bool = False, what: str = "", **kwargs: Any) -> Run:
+        """Run one of meshbook's own rank operations: ``fn(worker, *args, **kwargs)``.
+
+        ``control=True`` runs it on the rank's control thread, so it answers even while the
+        rank is busy (stacks, metrics). For extensions of meshbook, not for user code.
+        """
+        return self.controller.call(fn, *args, ranks=self.select(ranks), what=what or _name_of(fn),
+                                    channel=msg.CONTROL if control else msg.MAIN, **kwargs)
+
+    # -- observing ---------------------------------------------------------------------------
+
+    def memory(self) -> MemoryReport:
+        """Each rank's RSS, CPU, CUDA allocated/reserved/peak and how full its memory pool is.
+
+        From the last heartbeats; ranks that have sent none yet (right after ``start()``) are
+        asked on their control threads, so the report never shows a live rank as unmeasured.
+        """
+        unmeasured = [s.rank for s in self.status() if not s.metrics and s.state != "dead"]
+        if unmeasured:
+            asked = self.controller.call(ops.heartbeat, ranks=unmeasured, what="memory", channel=msg.CONTROL)
+            asked.wait(MEASURE_TIMEOUT_S)
+            for rank, metrics in asked.values().items():
+                self.controller.record_metrics(rank, metrics)
+        return memory_report(self.status())
+
+    def stragglers(self, run: Run | None = None, factor: float = DURATION_FACTOR) -> StragglerReport:
+        """Which rank the others wait for, from where each rank spent the last seconds
+        (sampled inside collectives or not); with ``run``, also the ranks whose duration
+        exceeds ``factor`` times the median of the others'."""
+        return straggler_report(self._sampled(), run.durations if run is not None else None, factor)
+
+    def stuck(self, run: Run) -> dict[int, float]:
+        """Seconds each rank of ``run`` has waited inside its current collective call, from
+        its last heartbeat (ranks not in a collective are left out)."""
+        return stuck_in_collectives(self._sampled(), run.id)
+
+    def _sampled(self) -> dict[int, dict[str, Any]]:
+        """Each live rank's sampling report (where its main thread spent the last seconds)."""
+        return {s.rank: s.metrics.get("sampling", {}) for s in self.status() if s.state != "dead"}
+
+    @property
+    def history(self) -> MetricsHistory:
+        """The last few minutes of each rank's memory (the dashboard's sparklines)."""
+        return self.controller.history
+
+    # -- managing ----------------------------------------------------------------------------
+
+    def status(self) -> list[RankState]:
+        """Each rank's state: pid, host, device, idle/busy/dead, last heartbeat."""
+        return [self.controller.ranks[r] for r in self._ranks]
+
+    def interrupt(self, ranks: Sequence[int] | str | int | None = None) -> None:
+        """SIGINT to the selected ranks: running user code raises ``KeyboardInterrupt``."""
+        self.controller.interrupt(self.select(ranks))
+
+    def stop(self) -> None:
+        """Stop the whole mesh (every rank and agent), not only this view's ranks."""
+        self.controller.stop()
+
+    def __enter__(self) -> "Mesh":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "stopped" if self.stopped else "running"
+        view = "" if len(self._ranks) == self.world_size else f", ranks {self._ranks}"
+        return f"<Mesh {self.topology.describe()}{view}: {state}>"
+
+
+def _describe_code(code: str) -> str:
+    first = next((line.strip() for line in code.splitlines() if line.strip()), "")
+    return f"run({first[:40] + ('...' if len(first) > 40 else '')!r})"
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+

@@ -1,0 +1,142 @@
+"""Cell code: compile it like IPython does, and turn tracebacks into cell-relative frames.
+
+A cell is compiled as a module whose last statement, if it is an expression, is compiled
+separately in ``eval`` mode: its value is the cell's result. Line numbers are shifted by
+``first_line - 1`` so they match what the user sees (a ``%%mesh`` body starts on line 2 of its
+cell), and the source is registered in :mod:`linecache` under the cell's file name so
+tracebacks show the cell's own lines.
+
+The controller compiles first, to report a ``SyntaxError`` before anything is sent; ranks
+compile again from the same source (code objects do not travel).
+
+Tracebacks leave out meshbook's own frames, and most of torch's: the cell line that called
+torch says what the user did, and torch's innermost frame where the error left it (the check
+that raised, the gloo call that failed). The frames in between (``c10d_logger`` wrappers, its
+``_get_msg_dict``, ``Module._call_impl`` on the way to a forward defined in the notebook) are
+torch's business, as meshbook's are its own.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import linecache
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from types import CodeType, TracebackType
+
+from .errors import CellSyntaxError, Frame, RankFailure, short_path
+
+#: File names of submitted code start with this, so their frames are recognised as cell code.
+CELL_PREFIX = "<mesh cell "
+
+
+def cell_filename(request_id: int | str) -> str:
+    return f"{CELL_PREFIX}{request_id}>"
+
+
+@dataclass(frozen=True)
+class CompiledCell:
+    body: CodeType
+    last_expr: CodeType | None
+
+
+@functools.lru_cache(maxsize=64)
+def compile_cell(source: str, filename: str, first_line: int = 1) -> CompiledCell:
+    """Compile ``source``; the value of a final expression statement becomes the result.
+
+    Cached (code objects are immutable): the same code run again, as in a loop of
+    ``mesh.run(...)`` calls, is parsed once on the controller and once on each rank.
+    """
+    padded = "\n" * (first_line - 1) + source  # keeps line numbers (and SyntaxError's) right
+    try:
+        tree = ast.parse(padded, filename, "exec")
+    except SyntaxError as exc:
+        raise CellSyntaxError(exc.msg, exc.lineno, exc.offset, exc.text) from None
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    body = compile(tree, filename, "exec", dont_inherit=True)
+    expr = compile(last, filename, "eval", dont_inherit=True) if last is not None else None
+    return CompiledCell(body, expr)
+
+
+def register_source(filename: str, source: str, first_line: int = 1) -> None:
+    """Make ``filename``'s lines visible to tracebacks, pdb and stack dumps."""
+    text = "\n" * (first_line - 1) + source
+    lines = [line + "\n" for line in text.splitlines()]
+    linecache.cache[filename] = (len(text), None, lines, filename)
+
+
+#: meshbook's own package and its folder, found from this module's name so that moving a
+#: module inside the package changes nothing.
+PACKAGE = __name__.partition(".")[0]
+PACKAGE_DIR = os.path.dirname(os.path.abspath(sys.modules[PACKAGE].__file__ or "")) + os.sep
+
+
+def is_internal(filename: str) -> bool:
+    """Frames of meshbook's own machinery, hidden from users' tracebacks. ``filename`` may be
+    absolute or, as py-spy shortens it, relative to the folder the package sits in."""
+    return filename.startswith((PACKAGE_DIR, PACKAGE + os.sep))
+
+
+def frames_of(tb: TracebackType | None) -> tuple[Frame, ...]:
+    """User-facing frames of a traceback: meshbook's own rank machinery is left out, and so
+    are torch's frames, except the innermost frame when the error was raised inside torch."""
+    frames = [_frame(f.filename, f.lineno or 0, f.name, f.line or "")
+              for f in traceback.extract_tb(tb) if not is_internal(f.filename)]
+    return tuple(f for i, f in enumerate(frames)
+                 if not _in_torch(f) or (i == len(frames) - 1))
+
+
+def _in_torch(frame: Frame) -> bool:
+    return short_path(frame.filename).startswith("torch/")
+
+
+def _frame(filename: str, lineno: int, name: str, line: str) -> Frame:
+    return Frame(filename, lineno, name, line.strip(), filename.startswith(CELL_PREFIX))
+
+
+def failure_from(rank: int, exc: BaseException) -> RankFailure:
+    """Describe ``exc`` raised on ``rank`` for the controller (no pickling of the exception)."""
+    cls = type(exc)
+    name = cls.__qualname__ if cls.__module__ in ("builtins", "__main__") else \
+        f"{cls.__module__}.{cls.__qualname__}"
+    message = _message(exc)
+    frames = frames_of(exc.__traceback__)
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        # The error is *in* the code, not raised by it: point at the offending line.
+        frames = frames + (_frame(exc.filename, exc.lineno, "<module>", exc.text or ""),)
+        message = exc.msg
+    return RankFailure(rank, name, message, frames)
+
+
+def _message(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return "<exception str() failed>"
+
+
+def stack_frames(frame: object, skip_internal: bool = True) -> tuple[Frame, ...]:
+    """Frames of a live stack (outermost first), as for a traceback."""
+    summary = traceback.extract_stack(frame)  # type: ignore[arg-type]
+    out = [_frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in summary
+           if not f.filename.startswith("<frozen ")]  # the interpreter's own start-up
+    if skip_internal:
+        out = [f for f in out if not is_internal(f.filename)]
+    return tuple(out)
+
+
+def current_cell_line(frame: object) -> int | None:
+    """The innermost cell line a live stack is on (cheap: no source lookups)."""
+    f = frame
+    while f is not None:
+        if f.f_code.co_filename.startswith(CELL_PREFIX):  # type: ignore[attr-defined]
+            return f.f_lineno  # type: ignore[attr-defined]
+        f = f.f_back  # type: ignore[attr-defined]
+    return None
+
+

@@ -1,0 +1,179 @@
+"""Errors a user can cause or meet, each with a message that says what to do next.
+
+Everything meshbook raises on purpose is a :class:`MeshError`. Failures that happened *on the
+ranks* arrive as a :class:`RemoteError`, which carries one :class:`RankFailure` per failed rank
+and prints them grouped: ranks whose tracebacks are identical are shown once, with their rank
+list, so eight ranks failing the same way read like one failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .text import format_ranks, group_by_text
+
+
+class MeshError(Exception):
+    """Base class of every error meshbook raises on purpose."""
+
+
+class SelectionError(MeshError, ValueError):
+    """A rank selection names a rank or a dimension the mesh does not have."""
+
+
+class MeshStoppedError(MeshError):
+    """The mesh was stopped (or its host agent died); start a new one."""
+
+
+class MeshTimeout(MeshError, TimeoutError):
+    """Waiting for a result took longer than the timeout; the ranks keep running."""
+
+
+class SendError(MeshError):
+    """A value could not be serialized for the wire; nothing was sent."""
+
+
+class MissingNameError(MeshError, NameError):
+    """A variable is not defined on some of the selected ranks; nothing was moved."""
+
+
+class TooLargeError(MeshError):
+    """A pull would move more bytes than its limit; nothing was moved."""
+
+
+class ShapeError(MeshError, ValueError):
+    """A tensor cannot be split or assembled as asked; nothing was sent."""
+
+
+class CellSyntaxError(MeshError):
+    """The submitted code does not compile; it was caught before anything was sent.
+
+    Not a ``SyntaxError`` subclass on purpose: IPython prints those with the magic's own
+    frames, while this one renders as the cell line with a caret (``_render_traceback_``).
+    """
+
+    def __init__(self, msg: str, lineno: int | None, offset: int | None, text: str | None) -> None:
+        super().__init__(f"{msg} (cell line {lineno}; nothing was sent to the ranks)")
+        self.msg, self.lineno, self.offset, self.text = msg, lineno, offset, text
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"  cell line {self.lineno}"]
+        if self.text:
+            text = self.text.rstrip("\n")
+            indent = len(text) - len(text.lstrip())
+            lines.append("    " + text.strip())
+            if self.offset:
+                lines.append("    " + " " * max(0, self.offset - 1 - indent) + "^")
+        lines.append(f"SyntaxError: {self.msg} (nothing was sent to the ranks)")
+        return lines
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One traceback frame, with the submitted code's own line numbers."""
+
+    filename: str
+    lineno: int
+    name: str
+    line: str
+    in_cell: bool = False
+
+    @property
+    def where(self) -> str:
+        """``cell line 3``, or a library file shortened to its package path."""
+        return f"cell line {self.lineno}" if self.in_cell else f"{short_path(self.filename)}:{self.lineno}"
+
+    def format(self) -> str:
+        text = f"  {self.where}, in {self.name}"
+        return text + (f"\n    {self.line}" if self.line else "")
+
+
+def short_path(filename: str) -> str:
+    """``/.../site-packages/torch/distributed/x.py`` -> ``torch/distributed/x.py``."""
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    return filename
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank: exception type, message and the user-facing frames."""
+
+    rank: int
+    type_name: str
+    message: str
+    frames: tuple[Frame, ...] = ()
+    #: Set when the rank process itself died (e.g. ``"SIGKILL"``), not just the code.
+    died: str | None = None
+    #: Extra text that belongs to the failure (a crash dump, a hint).
+    detail: str = ""
+
+    @property
+    def headline(self) -> str:
+        return f"{self.type_name}: {self.message}" if self.message else self.type_name
+
+    def body(self) -> str:
+        """The rank-independent part: identical bodies are grouped across ranks."""
+        parts = []
+        if self.frames:
+            parts.append("Traceback (most recent call last):")
+            parts.extend(f.format() for f in self.frames)
+        parts.append(self.headline)
+        if self.detail:
+            parts.append(self.detail)
+        return "\n".join(parts)
+
+
+@dataclass(eq=False)
+class RemoteError(MeshError):
+    """Code failed on one or more ranks.
+
+    ``failures`` maps rank -> :class:`RankFailure`; ``partial`` holds the results of the ranks
+    that did succeed (a :class:`~meshbook.RankValues`), so nothing computed is lost.
+    """
+
+    failures: dict[int, RankFailure]
+    partial: Any = None
+    hint: str = ""
+    groups: list[tuple[list[int], str]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.groups = group_by_text({r: f.body() for r, f in self.failures.items()})
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.failures)
+
+    def __str__(self) -> str:
+        total = len(self.failures)
+        head = f"{total} rank{'s' if total != 1 else ''} failed"
+        first = self.failures[self.groups[0][0][0]]
+        lines = [f"{head}; first: [{format_ranks(self.groups[0][0])}] {first.headline}"]
+        return "\n".join(lines + ([self.hint] if self.hint else []))
+
+    def render(self) -> str:
+        """The full grouped report: each distinct failure once, headed by its ranks."""
+        out = []
+        for ranks, _ in self.groups:
+            failure = self.failures[ranks[0]]
+            out.append(f"[{format_ranks(ranks)}] {failure.headline}")
+            out.extend("  " + line for f in failure.frames for line in f.format().splitlines())
+            out.extend("  " + line for line in failure.detail.splitlines())
+        if self.hint:
+            out.append(self.hint)
+        return "\n".join(out)
+
+    def summary_lines(self) -> list[str]:
+        """One line per group: ``[1,3] ZeroDivisionError: division by zero``."""
+        return [f"[{format_ranks(r)}] {self.failures[r[0]].headline}" for r, _ in self.groups]
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing our controller-side frames, which would only
+        # show meshbook internals; the remote frames are what the user needs.
+        return self.render().splitlines()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RemoteError, (self.failures, self.partial, self.hint))

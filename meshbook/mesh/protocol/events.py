@@ -1,0 +1,58 @@
+"""What a run produces, as the controller hands it to whoever renders it.
+
+The controller turns each message from a rank into one of these events and adds it to the
+:class:`~meshbook.mesh.controller.run.Run` it belongs to; renderers (a script's
+``Run.result()``, the ``%%mesh`` cell) read them in arrival order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from .errors import RankFailure
+
+
+@dataclass(frozen=True)
+class Output:
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    text: str
+
+
+@dataclass(frozen=True)
+class Display:
+    rank: int
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Result:
+    rank: int
+    value: Any
+    duration: float
+
+
+@dataclass(frozen=True)
+class Error:
+    rank: int
+    failure: RankFailure
+    duration: float
+
+
+@dataclass(frozen=True)
+class InputRequest:
+    """A rank's debugger asks for a line of input (``prompt`` reads ``(Pdb rank 2)``)."""
+
+    rank: int
+    prompt: str
+
+
+@dataclass(frozen=True)
+class DebugEnd:
+    """A rank's debugger session ended (continue or quit): the next rank may be served."""
+
+    rank: int
+
+
+Event = Union[Output, Display, Result, Error, InputRequest, DebugEnd]

@@ -1,0 +1,76 @@
+"""The protocol's vocabulary: every message kind, channel and header key, named once.
+
+A message is a signed envelope (:mod:`.wire`) whose header says what it is (``KIND``) and
+which request it belongs to (``ID``). Each receiver dispatches on the kind through a handler
+table; a kind it has no handler for is counted and logged, never silently dropped.
+
+Who sends what:
+
+* controller -> rank, on the rank's ``MAIN`` channel (its main thread, in order): ``EXEC``
+  (cell code), ``APPLY`` (a notebook function), ``CALL`` (a rank operation of
+  :mod:`meshbook.mesh.rank.ops`); on its ``CONTROL`` channel (its control thread, answered
+  while the main thread is busy): ``CALL`` and ``INPUT`` (a line for its debugger).
+* controller -> agent: ``OP``, whose body names the operation (``AgentOp``).
+* rank -> controller: ``HELLO``, ``READY``, ``INIT_FAILED`` (start-up and new process-group
+  generations), ``OUTPUT``, ``DISPLAY``, ``INPUT`` (a debugger prompt), ``DEBUG_END``,
+  ``RESULT``, ``ERROR`` and ``HEARTBEAT``.
+* agent -> controller: ``AGENT`` (its ranks' pids), ``EXIT`` (a rank died), ``RESULT`` (of an
+  operation, e.g. a py-spy dump).
+"""
+
+from __future__ import annotations
+
+# -- kinds -----------------------------------------------------------------------------------
+
+EXEC = "exec"
+APPLY = "apply"
+CALL = "call"
+INPUT = "input"
+OP = "op"
+HELLO = "hello"
+READY = "ready"
+INIT_FAILED = "init_failed"
+OUTPUT = "out"
+DISPLAY = "display"
+DEBUG_END = "debug_end"
+RESULT = "result"
+ERROR = "error"
+HEARTBEAT = "hb"
+AGENT = "agent"
+EXIT = "exit"
+
+#: Requests that run user code: an irregular end of one triggers a step check.
+USER_KINDS = (EXEC, APPLY)
+
+
+class AgentOp:
+    """What the controller asks of a host agent (the ``op`` field of an ``OP`` body)."""
+
+    SIGNAL = "signal"
+    SPAWN = "spawn"
+    PYSPY = "pyspy"
+
+
+# -- channels: a rank binds one socket per channel -------------------------------------------
+
+MAIN = "x"
+CONTROL = "c"
+CHANNELS = (MAIN, CONTROL)
+
+# -- header keys -----------------------------------------------------------------------------
+
+KIND = "k"
+ID = "id"  # the request a message answers or belongs to (None: none)
+RANK = "rank"  # the rank that sent it
+HOST = "host"  # the agent that sent it
+RANKS = "ranks"  # the ranks an agent operation is for
+DURATION = "t"  # seconds the rank spent on the request
+HAS_GROUP = "pg"  # False: the rank lost its process group (a step check follows)
+GENERATION = "generation"  # the process-group generation a READY / INIT_FAILED is about
+
+# -- heartbeats ------------------------------------------------------------------------------
+
+#: How often a rank's control thread sends a heartbeat.
+HEARTBEAT_S = 0.5
+#: How far back a rank's sampling report (stragglers, waiting) looks.
+WINDOW_S = 10.0

@@ -1,0 +1,78 @@
+"""What rank operations answer: a rank's stack snapshot and its place in each process group.
+
+Built on a rank (:mod:`meshbook.mesh.rank.ops`), read by the controller (stacks, the hang
+diagnosis, the step check): plain frozen data, so it travels in a pickle and means the same
+on both ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import Frame
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective a rank has enqueued and not completed (from the Flight Recorder)."""
+
+    op: str  # "all_reduce", "broadcast", ...
+    seq: int  # sequence number within its process group
+    group: str  # "default_pg", "mesh_tp", or a user group's name
+    sizes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+
+    @property
+    def dim(self) -> str | None:
+        """The mesh dimension of a DeviceMesh group (``"tp"`` for ``mesh_tp``)."""
+        return self.group[5:] if self.group.startswith("mesh_") else None
+
+    def describe(self) -> str:
+        where = f" over {self.dim}" if self.dim else ("" if self.group == "default_pg" else f" in group {self.group}")
+        shapes = ", ".join(f"{list(s)} {d.lower()}" for s, d in zip(self.sizes, self.dtypes))
+        return f"{self.op} #{self.seq}{where}" + (f" ({shapes})" if shapes else "")
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    """One rank at one moment: busy or idle, its stack, its pending collectives."""
+
+    rank: int
+    busy: bool
+    request: int | None = None
+    busy_s: float = 0.0
+    frames: tuple[Frame, ...] = ()
+    pending: tuple[Collective, ...] = ()
+    native: str = ""  # a py-spy dump, when the control thread could not answer
+    dead: str = ""  # why, when the rank is not running at all
+    last: str = ""  # how its last request ended, when idle ("stopped with KeyboardInterrupt at ...")
+
+    @property
+    def cell_frame(self) -> Frame | None:
+        """The innermost frame in cell code (where the user's code is)."""
+        return next((f for f in reversed(self.frames) if f.in_cell), None)
+
+    def where(self) -> str:
+        """``cell line 3 (time.sleep(30))`` — where this rank's own code is now."""
+        frame = self.cell_frame or (self.frames[-1] if self.frames else None)
+        if frame is None:
+            return "somewhere outside Python" if self.busy else "idle"
+        return frame.where + (f" ({frame.line})" if frame.line else "")
+
+
+@dataclass(frozen=True)
+class GroupPosition:
+    """How many collectives one rank has issued in one process group."""
+
+    ranks: tuple[int, ...]  # the group's members (global ranks)
+    issued: int
+    label: str  # "the default group", "group mesh_tp"
+
+
+@dataclass(frozen=True)
+class Positions:
+    """One rank's place in every process group it belongs to."""
+
+    rank: int
+    groups: dict[str, GroupPosition] = field(default_factory=dict)
+    initialized: bool = True  # False: the default group was destroyed

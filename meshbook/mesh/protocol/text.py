@@ -1,0 +1,71 @@
+"""Plain text: rank ranges, tables and the units in them, for reports that read well anywhere.
+
+Every text report meshbook prints (``%mesh status``, ``%mesh memory``, ``%mesh stragglers``,
+the text fallbacks of the widgets) is built from these few helpers, so the columns, byte sizes
+and percentages look the same everywhere::
+
+    >>> print(status_table([{"rank": 0, "rss": format_bytes(3 << 30)}]))
+    rank  rss
+    0     3.0 GiB
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def status_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table with a header, columns padded to their widest cell."""
+    if not rows:
+        return "(no ranks)"
+    headers = list(rows[0])
+    cells = [[str(row[h]) for h in headers] for row in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def format_bytes(n: float | None) -> str:
+    """``3221225472`` -> ``"3.0 GiB"``; ``None`` (not measured) -> ``"-"``."""
+    if n is None:
+        return "-"
+    value, unit = float(n), 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{value:.0f} B" if unit == 0 else f"{value:.1f} {_UNITS[unit]}"
+
+
+def format_percent(fraction: float | None) -> str:
+    """``0.934`` -> ``"93%"``; ``None`` -> ``"-"``."""
+    return "-" if fraction is None else f"{fraction * 100:.0f}%"
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3,5"``: compact, sorted, ranges of three or more collapsed."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = None
+    for r in ordered + [None]:  # type: ignore[operator]
+        if start is not None and r is not None and r == prev + 1:  # type: ignore[operator]
+            prev = r
+            continue
+        if start is not None:
+            if prev == start:
+                parts.append(str(start))
+            elif prev == start + 1:
+                parts.append(f"{start},{prev}")
+            else:
+                parts.append(f"{start}-{prev}")
+        start = prev = r
+    return ",".join(parts)
+
+
+def group_by_text(texts: dict[int, str]) -> list[tuple[list[int], str]]:
+    """Group ranks whose text is identical, groups ordered by their lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(texts):
+        groups.setdefault(texts[rank], []).append(rank)
+    return [(ranks, text) for text, ranks in groups.items()]

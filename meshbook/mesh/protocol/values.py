@@ -1,0 +1,92 @@
+"""Per-rank results: a read-only mapping rank -> value that prints identical values once.
+
+``RankValues`` is what every call on the mesh returns. It behaves like a ``dict`` in rank
+order, can be narrowed by mesh dimension (``vals.where(dp=0)``), and its repr groups ranks
+whose values print the same way::
+
+    >>> vals
+    [0-3] 12.0
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+from .limits import capped
+from .text import format_ranks, group_by_text
+from .topology import DimSelector, Topology
+
+
+class RankValues(Mapping[int, Any]):
+    """Mapping rank -> value, in rank order, sliceable by the mesh's named dimensions."""
+
+    __slots__ = ("_values", "_topology")
+
+    def __init__(self, values: Mapping[int, Any], topology: Topology | None = None) -> None:
+        self._values = {r: values[r] for r in sorted(values)}
+        self._topology = topology
+
+    def __getitem__(self, rank: int) -> Any:
+        try:
+            return self._values[rank]
+        except KeyError:
+            raise KeyError(f"no value for rank {rank}; ranks here: {format_ranks(self._values)}") from None
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self._values)
+
+    def where(self, **selectors: DimSelector) -> "RankValues":
+        """The values of the ranks matching ``selectors``, e.g. ``vals.where(dp=0)``."""
+        if self._topology is None:
+            raise TypeError("these values carry no mesh dimensions to select on")
+        keep = set(self._topology.where(**selectors))
+        return RankValues({r: v for r, v in self._values.items() if r in keep}, self._topology)
+
+    def unique(self) -> Any:
+        """The single value every rank returned; ``ValueError`` if they differ."""
+        groups = self.groups()
+        if len(groups) != 1:
+            raise ValueError(f"ranks returned {len(groups)} different values: {self!r}")
+        return self._values[groups[0][0][0]]
+
+    def groups(self) -> list[tuple[list[int], str]]:
+        """Ranks grouped by identical repr, ordered by their lowest rank."""
+        return group_by_text({r: _safe_repr(v) for r, v in self._values.items()})
+
+    def __repr__(self) -> str:
+        if not self._values:
+            return "RankValues {}"
+        lines = []
+        for ranks, text in self.groups():
+            label = f"[{format_ranks(ranks)}] "
+            lines.append(label + capped(text).replace("\n", "\n" + " " * len(label)))
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RankValues):
+            return self._values == other._values
+        if isinstance(other, Mapping):
+            return self._values == dict(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RankValues, (self._values, self._topology))
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception as exc:  # a broken __repr__ must not hide the other ranks' values
+        return f"<{type(value).__name__} object; repr failed: {exc}>"

@@ -1,0 +1,333 @@
+"""Signed, zero-copy messages between controller, host agents and ranks.
+
+A message is a list of ZeroMQ frames::
+
+    [envelope, buffer_0, buffer_1, ...]
+    envelope = signature (32 bytes) | stamp (20 bytes) | header length (4 bytes) | header | body
+    stamp = sender (8 bytes) | stream (4 bytes) | sequence number (8 bytes), little-endian
+
+* ``header`` is a small pickled ``dict`` that receivers read first (kind, request id, rank);
+* ``body`` is the payload, pickled with protocol 5 by cloudpickle (so notebook-defined
+  functions travel), with numpy arrays and CPU tensors (bf16 included, through a byte view)
+  lifted out as separate ``buffer`` frames that are neither copied nor pickled;
+* ``stamp`` names the sending stream (a random id per sending :class:`Wire`, one per process,
+  and a number per sending thread) and numbers its messages 1, 2, 3...; a receiver refuses a
+  message that is not newer than the last one it took from that stream (see
+  :class:`ReplayGuard`), so a captured message sent again never runs again;
+* ``signature`` is HMAC-SHA256, with the per-mesh key, over the rest of the envelope and the
+  buffers' count and lengths. Like the Jupyter protocol, the bulk buffers themselves are not
+  hashed: they are raw bytes that only a signed body can give meaning to, and hashing
+  gigabytes would halve the throughput.
+
+Signature, header and body share one frame because every frame costs a few microseconds at
+each send and receive, and a dispatch to 8 ranks sends and receives 16 small messages.
+
+Nothing is unpickled before its signature and stamp check out, so an unsigned, forged,
+garbled or replayed message is dropped by :meth:`Wire.unpack` (raising :class:`BadMessage`)
+and can never run code.
+
+A stream is per sending *thread*: each thread's messages leave on a socket in the order it
+packed them, whereas two threads sharing a socket may send in the other order than they
+packed (signing happens outside the send lock). The receiving window is per receiving thread
+for the same reason: every socket meshbook reads is drained by one thread, in order, while the
+same sender may reach two threads of a rank (its ``x`` and ``c`` sockets) in either order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import itertools
+import logging
+import pickle
+import secrets
+import struct
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import cloudpickle
+import zmq
+
+PROTOCOL = 5
+
+#: Frames at least this big travel without a copy (smaller ones are cheaper to copy).
+ZERO_COPY_MIN = 64 * 1024
+
+
+_log = logging.getLogger(__name__)
+
+
+class BadMessage(Exception):
+    """A message failed its signature check or could not be decoded; it is dropped."""
+
+
+class ReplayedMessage(BadMessage):
+    """A correctly signed message that is not newer than one already taken from its sender."""
+
+
+def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...], requires_grad: bool,
+                    parameter: bool) -> Any:
+    import torch
+
+    if isinstance(buffer, bytes):  # in-band (no out-of-band buffers): never alias immutable bytes
+        buffer = bytearray(buffer)
+    view = memoryview(buffer)
+    if view.nbytes == 0:
+        tensor = torch.empty(shape, dtype=dtype)
+    else:
+        with warnings.catch_warnings():
+            # Received frames are private heap memory that libzmq exposes read-only; aliasing
+            # them is the point of zero-copy, and nothing else holds them.
+            warnings.simplefilter("ignore")
+            tensor = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _reduce_tensor(tensor: Any) -> Any:
+    import torch
+
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+        return NotImplemented  # torch's own pickling handles the exotic layouts
+    parameter = isinstance(tensor, torch.nn.Parameter)
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()  # the notebook side is CPU; push moves it back to the rank's device
+    data = data.resolve_conj().resolve_neg().contiguous()
+    raw = data.reshape(-1).view(torch.uint8).numpy()
+    return (_rebuild_tensor,
+            (pickle.PickleBuffer(raw), tensor.dtype, tuple(tensor.shape),
+             tensor.requires_grad, parameter))
+
+
+class Pickler(cloudpickle.Pickler):
+    """cloudpickle that sends CPU tensors' storage as out-of-band buffers (zero-copy frames)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            return _reduce_tensor(obj)
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle ``obj``; large contiguous buffers are returned separately, uncopied."""
+    buffers: list[pickle.PickleBuffer] = []
+    out = io.BytesIO()
+    Pickler(out, protocol=PROTOCOL, buffer_callback=buffers.append).dump(obj)
+    return out.getvalue(), buffers
+
+
+def loads(body: Any, buffers: Sequence[Any] = ()) -> Any:
+    return pickle.loads(body, buffers=buffers)
+
+
+@dataclass
+class Message:
+    """A verified message: its header, and its body still pickled until :meth:`body` is asked."""
+
+    header: dict[str, Any]
+    _body: memoryview = field(repr=False)
+    _buffers: list[Any] = field(repr=False)
+    _value: Any = field(default=None, repr=False)
+    _decoded: bool = field(default=False, repr=False)
+
+    @property
+    def kind(self) -> str:
+        return self.header["k"]
+
+    def body(self) -> Any:
+        if not self._decoded:
+            self._value = loads(self._body, self._buffers) if self._body.nbytes else None
+            self._decoded = True
+        return self._value
+
+
+def _buffer(frame: Any) -> Any:
+    return frame.buffer if isinstance(frame, zmq.Frame) else frame
+
+
+_SIGNATURE = 32
+_STAMP = struct.Struct("<8sIQ")  # sender, stream, sequence number
+_HEAD = struct.Struct("<I")
+_OPEN = _SIGNATURE + _STAMP.size + _HEAD.size  # where the header starts
+
+
+class _SendStream(threading.local):
+    """This thread's stream of a :class:`Wire`: its number and its message counter."""
+
+    def __init__(self, numbers: "itertools.count[int]") -> None:
+        self.number = next(numbers)
+        self.counter = itertools.count(1)
+
+
+class ReplayGuard(threading.local):
+    """The newest sequence number taken from each sending stream, per receiving thread."""
+
+    def __init__(self) -> None:
+        self.newest: dict[tuple[bytes, int], int] = {}
+
+    def admit(self, sender: bytes, stream: int, number: int) -> None:
+        """Take message ``number`` of a stream, or raise :class:`ReplayedMessage`."""
+        newest = self.newest.get((sender, stream), 0)
+        if number <= newest:
+            raise ReplayedMessage(f"replayed message: number {number} of stream {sender.hex()}/{stream}, "
+                                  f"which is at {newest} already")
+        self.newest[sender, stream] = number
+
+
+class Wire:
+    """Signs, packs, verifies and unpacks messages with one mesh's key."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("the mesh key must be at least 16 bytes")
+        #: The mesh's secret: handed to the agents (on stdin) and the ranks (through the fork).
+        self.key = key
+        # Keyed once: every message then copies it instead of hashing the key pads again.
+        self._mac = hmac.new(key, digestmod=hashlib.sha256)
+        self.dropped = 0  # messages rejected by unpack(), for tests and diagnostics
+        self.replayed = 0  # of which signed messages sent again
+        #: Names this process's streams: a forked child must make its own Wire.
+        self.sender = secrets.token_bytes(8)
+        self._stream = _SendStream(itertools.count())
+        self._guard = ReplayGuard()
+
+    def _signature(self, signed: Any, buffers: Sequence[Any]) -> bytes:
+        mac = self._mac.copy()
+        mac.update(signed)
+        lengths = [memoryview(b).nbytes for b in buffers]
+        mac.update(struct.pack(f"<{len(lengths) + 1}Q", len(lengths), *lengths))
+        return mac.digest()
+
+    def pack(self, header: dict[str, Any], body: Any = None, *, raw_body: bytes | None = None,
+             buffers: Sequence[Any] = ()) -> list[Any]:
+        """Frames for ``header`` and ``body`` (or an already pickled ``raw_body``)."""
+        head = pickle.dumps(header, protocol=PROTOCOL)
+        if raw_body is None:
+            raw_body, buffers = dumps(body) if body is not None else (b"", [])
+        stream = self._stream
+        stamp = _STAMP.pack(self.sender, stream.number, next(stream.counter))
+        signed = b"".join((stamp, _HEAD.pack(len(head)), head, raw_body))
+        return [self._signature(signed, buffers) + signed, *buffers]
+
+    def unpack(self, frames: Sequence[Any]) -> Message:
+        """Verify and decode the header; raises :class:`BadMessage` (and counts it) otherwise."""
+        try:
+            if not frames:
+                raise BadMessage("an empty message")
+            envelope = memoryview(_buffer(frames[0]))
+            if envelope.nbytes < _OPEN:
+                raise BadMessage(f"an envelope of {envelope.nbytes} bytes; a message has at least {_OPEN}")
+            buffers = [_buffer(f) for f in frames[1:]]
+            expected = self._signature(envelope[_SIGNATURE:], buffers)
+            if not hmac.compare_digest(envelope[:_SIGNATURE], expected):
+                raise BadMessage("bad signature")
+            self._guard.admit(*_STAMP.unpack_from(envelope, _SIGNATURE))
+            (head_length,) = _HEAD.unpack_from(envelope, _OPEN - _HEAD.size)
+            header = pickle.loads(envelope[_OPEN:_OPEN + head_length])
+            if not isinstance(header, dict) or "k" not in header:
+                raise BadMessage("header is not a message header")
+        except ReplayedMessage as exc:
+            self.dropped += 1
+            self.replayed += 1
+            _log.warning("meshbook: dropped a %s", exc)
+            raise
+        except BadMessage:
+            self.dropped += 1
+            raise
+        except Exception as exc:  # garbled bytes must never take the receiver down
+            self.dropped += 1
+            raise BadMessage(f"undecodable message: {exc}") from None
+        return Message(header, envelope[_OPEN + head_length:], buffers)
+
+
+def size(frames: Sequence[Any]) -> int:
+    """Bytes of a packed message, its buffers included."""
+    return sum(memoryview(_buffer(f)).nbytes for f in frames)
+
+
+def rank_address(rundir: str, rank: int, generation: int, channel: str) -> str:
+    """Where a rank forked in ``generation`` takes requests on ``channel``.
+
+    ``"x"``: requests its main thread runs in order; ``"c"``: control calls its control thread
+    answers while the main thread is busy. A re-forked rank gets a new address, so nothing
+    sent to its dead predecessor can reach it.
+    """
+    return f"ipc://{rundir}/r{rank}g{generation}{channel}"
+
+
+def _is_big(frames: list[Any]) -> bool:
+    return any(memoryview(_buffer(f)).nbytes >= ZERO_COPY_MIN for f in frames[1:])
+
+
+def send(sock: zmq.Socket, frames: list[Any], prefix: Sequence[bytes] = (), wait: bool = False) -> None:
+    """Send frames, big buffers without a copy.
+
+    With ``wait=True`` the call returns only once ZeroMQ has released the big buffers, so the
+    caller may mutate the tensors it sent (and a failure leaves nothing half-sent).
+    """
+    if not _is_big(frames):
+        _send_parts(sock, [*prefix, *frames], copy=True)
+        return
+    tracker = sock.send_multipart([*prefix, *frames], copy=False, track=wait)
+    if wait and tracker is not None:
+        tracker.wait()
+
+
+def fan_out(socks: Sequence[zmq.Socket], frames: list[Any]) -> list[zmq.MessageTracker]:
+    """Send the same frames on every socket, big buffers by reference (never copied per socket).
+
+    For a message with big buffers, returns one tracker per socket: done once ZeroMQ has
+    released the buffers there, after which the caller may mutate the tensors it sent.
+    """
+    if not _is_big(frames):
+        for sock in socks:
+            _send_parts(sock, frames, copy=True)
+        return []
+    return [sock.send_multipart(frames, copy=False, track=True) for sock in socks]
+
+
+def recv(sock: zmq.Socket, flags: int = 0) -> list[Any]:
+    """Every frame of one message, uncopied."""
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:  # a frame knows; recv_multipart asks the socket (getsockopt) each time
+        frame = sock.recv(flags, copy=False)
+        frames.append(frame)
+    return frames
+
+
+#: ``zmq.SNDMORE`` as a plain int: or-ing pyzmq's enum flags costs more than the send itself.
+_MORE = int(zmq.SNDMORE)
+
+
+def _send_parts(sock: zmq.Socket, parts: list[Any], copy: bool) -> None:
+    # send_multipart's per-frame checks and enum flags cost half of a small message's send,
+    # and a dispatch sends one message per rank at every hop.
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        sock.send(part, _MORE if i < last else 0, copy=copy)
+
+
+def describe_unpicklable(body: Any, exc: Exception) -> str:
+    """Name the value that cannot be pickled: which argument, and its type."""
+    items: list[tuple[str, Any]] = []
+    if isinstance(body, dict):
+        items += [(f"argument {i + 1}", v) for i, v in enumerate(body.get("args", ()))]
+        items += [(f"keyword argument {k!r}", v) for k, v in body.get("kwargs", {}).items()]
+        items += [(f"value {k!r}", v) for k, v in body.get("values", {}).items()]
+        if "fn" in body:
+            items.append(("the function", body["fn"]))
+    for label, value in items:
+        try:
+            dumps(value)
+        except Exception as inner:
+            return (f"{label} (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
+                    f"pickled: {inner}")
+    return f"the request cannot be pickled: {exc}"

@@ -1,0 +1,82 @@
+"""``breakpoint()`` on a rank, answered from the notebook.
+
+On a rank, ``breakpoint()`` (and ``mesh.debug(rank)``'s post-mortem) opens a pdb whose
+prompt reads ``(Pdb rank 2)``. Each time pdb wants a line it sends an ``input`` request to the
+controller, after flushing its output; the notebook shows the prompt through the kernel's
+stdin, and the answer comes back on the rank's control channel. Several ranks at a breakpoint
+are served one after another: the notebook keeps talking to one rank until its pdb session
+ends (``c``, ``q``), then takes the next.
+
+Where nobody can answer (nbval, a script without a terminal), the request said so up front:
+the breakpoint is skipped with a one-line note instead of hanging the mesh.
+"""
+
+from __future__ import annotations
+
+import pdb
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ..protocol import messages as msg
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+
+class RemoteStdin:
+    """pdb's stdin on a rank: each ``readline`` is a prompt answered by the notebook."""
+
+    def __init__(self, worker: "Worker") -> None:
+        self.worker = worker
+        self.prompt = f"(Pdb rank {worker.rank}) "
+
+    def readline(self) -> str:
+        worker = self.worker
+        worker.stdout.flush()
+        worker.stderr.flush()
+        worker.emit(msg.INPUT, worker.current_request(), {"prompt": self.prompt})
+        try:
+            line = worker.input_replies.get()
+        except KeyboardInterrupt:
+            return "q\n"
+        return line if line.endswith("\n") else line + "\n"
+
+
+class RankPdb(pdb.Pdb):
+    """pdb talking to the notebook; announces the end of its session (so the next rank can
+    be served) when the user continues or quits."""
+
+    def __init__(self, worker: "Worker") -> None:
+        super().__init__(stdin=RemoteStdin(worker), stdout=sys.stdout, nosigint=True)  # type: ignore[arg-type]
+        self.use_rawinput = False
+        self.prompt = ""  # the prompt travels with each input request instead
+        self.worker = worker
+
+    def set_continue(self) -> None:
+        super().set_continue()
+        self._session_over()
+
+    def set_quit(self) -> None:
+        super().set_quit()
+        self._session_over()
+
+    def _session_over(self) -> None:
+        self.worker.stdout.flush()
+        self.worker.emit(msg.DEBUG_END, self.worker.current_request(), None)
+
+
+def breakpoint_hook(worker: "Worker") -> Any:
+    """``sys.breakpointhook`` of a rank."""
+
+    def hook(*args: Any, **kwargs: Any) -> None:
+        frame = sys._getframe(1)
+        if not worker.stdin_available:
+            line = frame.f_lineno
+            print(f"breakpoint() at line {line} skipped: this frontend cannot answer a debugger "
+                  f"prompt (no stdin)", file=sys.stderr)
+            return
+        RankPdb(worker).set_trace(frame)
+
+    return hook
+
+

@@ -1,0 +1,546 @@
+"""The rank process: a persistent namespace that runs what the controller sends.
+
+A rank is forked by its host agent (see :mod:`meshbook.mesh.agent.host`) and runs three threads:
+
+* the **main thread** takes requests from the controller in order and runs them: cell code
+  (``EXEC``, the value of a last expression is the result), notebook functions (``APPLY``) and
+  meshbook's own operations (``CALL``, :mod:`.ops`). It is the only thread that runs user
+  code, and the one SIGINT interrupts;
+* the **control thread** answers control calls (stacks, ports) while the main thread is busy
+  (torch.distributed releases the GIL while it waits), sends heartbeats, flushes partial output
+  lines, and exits the rank if its agent is gone;
+* the **fd pump** forwards C-level output (see :mod:`meshbook.mesh.rank.streams`).
+
+Every reply and every output line leaves through one PUSH socket straight to the controller,
+shared under a lock, so a rank's output always precedes the result it belongs to. Each thread
+dispatches the kinds of :mod:`meshbook.mesh.protocol.messages` through a handler table; a kind
+it has no handler for is counted in ``unknown_kinds`` and logged.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from types import FunctionType
+from typing import Any, Callable
+
+import psutil
+import zmq
+
+from ..protocol import messages as msg
+from ..protocol import proc, wire
+from ..protocol.cell import cell_filename, compile_cell, current_cell_line, failure_from, register_source
+from ..protocol.errors import RankFailure, SendError
+from ..protocol.limits import KeptOnRank
+from ..protocol.topology import Topology
+from . import torchrun
+from .memory import memory_probe
+from .sampling import MainThreadSampler
+from .streams import FdPump, RankStream, install_thread_tagging
+
+TICK_S = 0.2
+
+
+@dataclass
+class RankConfig:
+    """Everything a forked rank needs; handed over in memory by the fork, never pickled."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int  # the host's index (torchrun's GROUP_RANK)
+    group_world_size: int  # how many hosts
+    topology: Topology
+    backend: str  # "gloo", or "cuda:nccl,cpu:gloo" on GPUs
+    device_type: str  # "cpu" or "cuda"
+    store_host: str  # the address the ranks' torch.distributed endpoints listen on
+    rundir: str  # the mesh's private runtime directory, where its stores live
+    master_port: int  # torchrun's MASTER_PORT for scripts that read it (meshbook's store is a file)
+    generation: int
+    collective_timeout: float
+    key: bytes
+    agent_pid: int
+    request_addr: str
+    control_addr: str
+    events_addr: str
+    pipes: dict[str, tuple[int, int]]
+    crash_path: str
+    threads: int
+
+
+class Worker:
+    """One rank: its namespace, its sockets and the loop that serves requests."""
+
+    def __init__(self, cfg: RankConfig) -> None:
+        self.cfg = cfg
+        self.rank = cfg.rank
+        self.wire = wire.Wire(cfg.key)
+        self.namespace: dict[str, Any] = {}
+        self.request: int | None = None  # what the main thread runs now (None: idle)
+        self.last_request: int | None = None
+        self.started_at = 0.0
+        self.executing = False  # SIGINT raises KeyboardInterrupt only in user code
+        self.last_exception: BaseException | None = None
+        #: Whether the request being run can answer a debugger prompt (the notebook has stdin).
+        self.stdin_available = False
+        #: The most the running request's result may weigh (None: no limit, meshbook's own calls).
+        self.result_limit: int | None = None
+        #: Lines typed in the notebook for this rank's debugger, delivered by the control thread.
+        self.input_replies: queue.Queue[str] = queue.Queue()
+        #: Verdicts of step checks (see :mod:`meshbook.mesh.controller.step`), delivered by the control thread.
+        self.verdicts: queue.Queue[int | None] = queue.Queue()
+        #: Requests interrupted before they started: dropped when their turn comes.
+        self.cancelled: set[int] = set()
+        #: The request a targeted interrupt is meant for (None: any user code, e.g. SIGINT).
+        self.interrupt_target: int | None = None
+        #: How the last request ended, in words (the hang diagnosis quotes it).
+        self.last_outcome = ""
+        #: Why meshbook aborted a request's collective (request -> reason), for its error.
+        self.abort_reasons: dict[int, str] = {}
+        #: Messages of a kind no handler takes, by kind (each is logged too).
+        self.unknown_kinds: Counter[str] = Counter()
+        self._main_handlers: dict[str, Callable[[dict[str, Any], int], Any]] = {
+            msg.EXEC: self._exec, msg.APPLY: self._apply, msg.CALL: self._call}
+        self._control_handlers: dict[str, Callable[[wire.Message], None]] = {
+            msg.CALL: self._control_call, msg.INPUT: self._control_input}
+        self._noted_in: int | None = None
+        self._noted: set[str] = set()
+        self.generation = cfg.generation
+        self._ctx = zmq.Context()
+        self._out = self._ctx.socket(zmq.PUSH)
+        self._out.setsockopt(zmq.LINGER, 2000)
+        self._out.connect(cfg.events_addr)
+        self._out_lock = threading.Lock()
+        self._process = psutil.Process()
+        self._process.cpu_percent()
+        #: Extra fields for heartbeats, filled by other rooms (e.g. straggler sampling).
+        self.heartbeat_extras: dict[str, Callable[[], Any]] = {}
+        #: Where the main thread spends its time (for straggler detection), and memory headroom.
+        self.sampler = MainThreadSampler(self.main_frame, lambda: self.request)
+        self.heartbeat_extras["sampling"] = self.sampler.report
+        self.heartbeat_extras["memory"] = memory_probe(
+            cfg.local_rank if cfg.device_type == "cuda" else None)
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def emit(self, kind: str, request: int | None, body: Any = None, wait: bool = False,
+             **header: Any) -> None:
+        frames = self.wire.pack({msg.KIND: kind, msg.ID: request, msg.RANK: self.rank, **header}, body)
+        with self._out_lock:
+            wire.send(self._out, frames, wait=wait)
+
+    def _output(self, request: int | None, stream: str, text: str) -> None:
+        self.emit(msg.OUTPUT, request if request is not None else self.last_request,
+                  {"stream": stream, "text": text})
+
+    def current_request(self) -> int | None:
+        return self.request if self.request is not None else self.last_request
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.cfg
+        self.stdout = RankStream("stdout", 1, self._output, self.current_request)
+        self.stderr = RankStream("stderr", 2, self._output, self.current_request)
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        install_thread_tagging(self.current_request)
+        self.pump = FdPump(cfg.pipes, self._output, self.current_request)
+        signal.signal(signal.SIGINT, self._on_sigint)
+        sys.argv = ["mesh-rank"]  # the agent's own arguments would confuse a script's argparse
+        self.init_group, self.destroy_group = torchrun.install(self)
+        from .debugger import breakpoint_hook
+        sys.breakpointhook = breakpoint_hook(self)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        self._requests = self._listen(cfg.request_addr)
+        self._control_requests = self._listen(cfg.control_addr)  # handed to the control thread
+        threading.Thread(target=self._control_loop, name="meshbook-control", daemon=True).start()
+        self.emit(msg.HELLO, None, {"pid": os.getpid(), "host": socket.gethostname()})
+        self.reinit(cfg.generation)
+
+    def reinit(self, generation: int) -> None:
+        """Join process-group ``generation`` and tell the controller (start and recovery)."""
+        try:
+            self.init_distributed(generation)
+        except BaseException as exc:
+            self.emit(msg.INIT_FAILED, None, failure_from(self.rank, exc), **{msg.GENERATION: generation})
+            raise
+        self.emit(msg.READY, None, {"device": str(self.namespace["device"]), "pid": os.getpid()},
+                  **{msg.GENERATION: generation})
+
+    def init_distributed(self, generation: int) -> None:
+        """(Re)create the process group and the namespace's ``device_mesh``."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        cfg = self.cfg
+        if dist.is_initialized():
+            self.destroy_group()
+        if cfg.device_type == "cuda":
+            torch.cuda.set_device(cfg.local_rank)
+            device = torch.device("cuda", cfg.local_rank)
+        else:
+            device = torch.device("cpu")
+        topo = cfg.topology
+        from datetime import timedelta
+        timeout = timedelta(seconds=cfg.collective_timeout)
+        os.environ.update(torchrun.environment(
+            self.rank, topo.world_size, cfg.local_rank, cfg.local_world_size, cfg.group_rank,
+            cfg.group_world_size, (cfg.store_host, cfg.master_port)))
+        store = dist.PrefixStore(f"gen{generation}", make_store(cfg, generation, timeout))
+        self.init_group(cfg.backend, store=store, rank=self.rank, world_size=topo.world_size, timeout=timeout)
+        device_mesh = init_device_mesh(cfg.device_type, topo.shape, mesh_dim_names=topo.names)
+        self.generation = generation
+        self.namespace.update(
+            rank=self.rank, world_size=topo.world_size, local_rank=cfg.local_rank,
+            coords=topo.coords(self.rank), device=device, torch=torch, dist=dist,
+            device_mesh=device_mesh, display=self.display)
+        self.namespace.setdefault("__name__", "__main__")
+        self.namespace.setdefault("__builtins__", __builtins__)
+
+    # -- the main loop ---------------------------------------------------------------------
+
+    def _listen(self, addr: str) -> zmq.Socket:
+        """A PULL socket the controller sends to; it connected (and queued) before we bound."""
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(addr)
+        return sock
+
+    def serve(self) -> None:
+        sock = self._requests
+        while True:
+            frames = wire.recv(sock)
+            try:
+                message = self.wire.unpack(frames)
+            except wire.BadMessage:
+                continue
+            self.handle(message)
+
+    def handle(self, message: wire.Message) -> None:
+        request = message.header[msg.ID]
+        handler = self._main_handlers.get(message.kind)
+        if handler is None:
+            self.note_unknown(message.kind, "main")
+        self.request = request
+        self.started_at = time.monotonic()
+        try:
+            if request in self.cancelled:
+                self.cancelled.discard(request)
+                raise KeyboardInterrupt("interrupted before it started: nothing ran")
+            if handler is None:
+                raise ValueError(f"this rank has no handler for requests of kind {message.kind!r}")
+            body = message.body()
+            self.stdin_available = bool(body.get("stdin"))
+            self.result_limit = body.get("max_bytes")
+            value = handler(body, request)
+        except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
+            self.last_exception = exc
+            failure = failure_from(self.rank, exc)
+            reason = self.abort_reasons.pop(request, "")
+            if reason:
+                failure = replace(failure, type_name="CollectiveAborted", message=reason)
+            self._finish(request, failure=failure)
+        else:
+            self._finish(request, value=value)
+
+    def _exec(self, body: dict[str, Any], request: int) -> Any:
+        filename = cell_filename(body.get("name", request))
+        source, first = body["code"], body.get("first_line", 1)
+        cell = compile_cell(source, filename, first)
+        register_source(filename, source, first)
+        ns = self.namespace
+        with self._user_code():
+            exec(cell.body, ns)
+            value = eval(cell.last_expr, ns) if cell.last_expr is not None else None
+        if value is not None:
+            ns["_"] = value
+        return value
+
+    def _apply(self, body: dict[str, Any], request: int) -> Any:
+        fn = body["fn"]
+        if isinstance(fn, FunctionType) and _travelled_by_value(fn):
+            fn = self._rebind(fn)
+        with self._user_code():
+            return fn(*body["args"], **body["kwargs"])
+
+    def _call(self, body: dict[str, Any], request: int) -> Any:
+        with self._user_code():
+            return body["fn"](self, *body["args"], **body["kwargs"])
+
+    def note_unknown(self, kind: str, channel: str) -> None:
+        """Count and log a message no handler takes (a controller of another version?)."""
+        self.unknown_kinds[kind] += 1
+        sys.__stderr__.write(f"meshbook: rank {self.rank} has no handler for {kind!r} messages on its "
+                             f"{channel} channel ({self.unknown_kinds[kind]} so far)\n")
+        sys.__stderr__.flush()
+
+    def _rebind(self, fn: FunctionType) -> FunctionType:
+        """A notebook function sees the rank's namespace first, then what it carried along."""
+        scope = dict(fn.__globals__)
+        scope.update(self.namespace)
+        new = FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        new.__kwdefaults__ = fn.__kwdefaults__
+        return new
+
+    def _user_code(self) -> "_UserCode":
+        return _UserCode(self)
+
+    def _finish(self, request: int, value: Any = None, failure: RankFailure | None = None) -> None:
+        duration = time.monotonic() - self.started_at
+        self.stdout.flush()
+        self.stderr.flush()
+        proc.flush_c_stdio()
+        self.pump.drain()
+        self.last_request, self.request = request, None
+        self.last_outcome = describe_outcome(failure)
+        # False tells the controller this rank lost its process group: a step check follows.
+        header = {msg.DURATION: duration, msg.HAS_GROUP: _has_process_group()}
+        if failure is None:
+            try:
+                frames = self._pack_result(request, value, header)
+            except Exception as exc:
+                failure = RankFailure(
+                    self.rank, SendError.__name__,
+                    f"the result (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
+                    f"sent to the notebook: {exc}. It is kept on the rank as `_`; return something "
+                    f"picklable, e.g. a tensor, a number or a dict of them")
+            else:
+                with self._out_lock:
+                    wire.send(self._out, frames, wait=True)
+                return
+        self.emit(msg.ERROR, request, failure, **header)
+
+    def note_once(self, key: str, text: str) -> None:
+        """Print ``text`` to the cell once per request (a loop calling init_process_group...)."""
+        if self._noted_in != self.request:
+            self._noted_in, self._noted = self.request, set()
+        if key not in self._noted:
+            self._noted.add(key)
+            print(text, file=sys.stderr)
+
+    def _pack_result(self, request: int, value: Any, fields: dict[str, Any]) -> list[Any]:
+        """The result's message; a result over the request's limit stays here as ``_`` and a
+        :class:`KeptOnRank` travels instead."""
+        header = {msg.KIND: msg.RESULT, msg.ID: request, msg.RANK: self.rank, **fields}
+        frames = self.wire.pack(header, value)
+        nbytes = wire.size(frames)
+        if self.result_limit is None or nbytes <= self.result_limit:
+            return frames
+        self.namespace["_"] = value
+        kept = KeptOnRank(f"{type(value).__module__}.{type(value).__qualname__}", nbytes, self.result_limit)
+        return self.wire.pack(header, kept)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        target, self.interrupt_target = self.interrupt_target, None
+        if self.executing and target in (None, self.request):
+            raise KeyboardInterrupt
+
+    def display(self, *objs: Any, **kwargs: Any) -> None:
+        """``display()`` on a rank: each object's rich representations go to the notebook."""
+        for obj in objs:
+            self.stdout.flush()
+            self.emit(msg.DISPLAY, self.current_request(), mimebundle(obj))
+
+    # -- the control thread ----------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        sock = self._control_requests
+        next_beat = 0.0
+        while True:
+            if sock.poll(int(TICK_S * 1000)):
+                try:
+                    message = self.wire.unpack(wire.recv(sock))
+                except wire.BadMessage:
+                    continue
+                self._control(message)
+            if os.getppid() != self.cfg.agent_pid:
+                os._exit(1)  # the agent is gone: never outlive it
+            self.stdout.flush()
+            self.stderr.flush()
+            now = time.monotonic()
+            self.sampler.tick(now)
+            if now >= next_beat:
+                next_beat = now + msg.HEARTBEAT_S
+                self.emit(msg.HEARTBEAT, None, self.metrics())
+
+    def _control(self, message: wire.Message) -> None:
+        handler = self._control_handlers.get(message.kind)
+        if handler is not None:
+            handler(message)
+            return
+        self.note_unknown(message.kind, "control")
+        if message.header[msg.ID] is not None:  # someone waits for an answer: say why none comes
+            failure = RankFailure(self.rank, "ValueError", f"no handler for {message.kind!r} messages")
+            self.emit(msg.ERROR, message.header[msg.ID], failure)
+
+    def _control_input(self, message: wire.Message) -> None:
+        """A line for this rank's debugger, typed in the notebook."""
+        self.input_replies.put(message.body())
+
+    def _control_call(self, message: wire.Message) -> None:
+        request = message.header[msg.ID]
+        try:
+            body = message.body()
+            value = body["fn"](self, *body["args"], **body["kwargs"])
+        except Exception as exc:
+            self.emit(msg.ERROR, request, failure_from(self.rank, exc))
+        else:
+            self.emit(msg.RESULT, request, value)
+
+    def main_frame(self) -> Any:
+        return sys._current_frames().get(threading.main_thread().ident)  # type: ignore[arg-type]
+
+    def metrics(self) -> dict[str, Any]:
+        """A heartbeat: what the rank is doing and what it uses."""
+        busy = self.request is not None
+        out: dict[str, Any] = {
+            "request": self.request,
+            "busy_s": time.monotonic() - self.started_at if busy else 0.0,
+            "line": current_cell_line(self.main_frame()) if busy else None,
+            "rss": self._process.memory_info().rss,
+            "cpu": self._process.cpu_percent(),
+            "generation": self.generation,
+        }
+        torch = sys.modules.get("torch")
+        if self.cfg.device_type == "cuda" and torch is not None:
+            # The rank's own device: this (control) thread's current device is not set.
+            device = self.cfg.local_rank
+            out["cuda_allocated"] = torch.cuda.memory_allocated(device)
+            out["cuda_reserved"] = torch.cuda.memory_reserved(device)
+            out["cuda_peak"] = torch.cuda.max_memory_allocated(device)
+        for name, extra in self.heartbeat_extras.items():
+            out[name] = extra()
+        return out
+
+
+def describe_outcome(failure: RankFailure | None) -> str:
+    """``stopped with KeyboardInterrupt at cell line 4 (time.sleep(600))``."""
+    if failure is None:
+        return "finished the cell"
+    frame = next((f for f in reversed(failure.frames) if f.in_cell), None)
+    where = f" at {frame.where}" + (f" ({frame.line})" if frame.line else "") if frame else ""
+    return f"stopped with {failure.type_name}{where}"
+
+
+def _has_process_group() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is None or not dist.is_available() or dist.is_initialized()
+
+
+def make_store(cfg: RankConfig, generation: int, timeout: Any) -> Any:
+    """The store where the ranks of process-group ``generation`` meet.
+
+    A file in the mesh's private (0700) runtime directory: only the mesh's own processes can
+    open it, where a ``TCPStore`` listens on every interface and lets anyone set and get its
+    keys. One file per generation, so ranks re-forked by a recovery never read the keys of
+    the group they replace.
+    """
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(cfg.rundir, f"store-g{generation}"), cfg.topology.world_size)
+    store.set_timeout(timeout)
+    return store
+
+
+def _travelled_by_value(fn: FunctionType) -> bool:
+    """True for a function cloudpickle sent by value (defined in a notebook or a test),
+    whose globals are a fresh dict rather than an importable module's namespace."""
+    module = sys.modules.get(fn.__module__ or "")
+    return module is None or fn.__globals__ is not vars(module)
+
+
+class _UserCode:
+    """While user code runs, SIGINT becomes KeyboardInterrupt (and only then)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def __enter__(self) -> None:
+        self.worker.executing = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.worker.executing = False
+
+
+def mimebundle(obj: Any) -> dict[str, Any]:
+    """Rich representations of ``obj`` computed on the rank (IPython's display protocol)."""
+    data: dict[str, Any] = {}
+    method = getattr(obj, "_repr_mimebundle_", None)
+    if callable(method):
+        try:
+            result = method()
+            data.update(result[0] if isinstance(result, tuple) else result or {})
+        except Exception:
+            pass
+    for mime, attr in (("text/html", "_repr_html_"), ("text/markdown", "_repr_markdown_"),
+                       ("image/png", "_repr_png_"), ("image/svg+xml", "_repr_svg_"),
+                       ("text/latex", "_repr_latex_"), ("application/json", "_repr_json_")):
+        method = getattr(obj, attr, None)
+        if mime not in data and callable(method):
+            try:
+                value = method()
+            except Exception:
+                continue
+            if value is not None:
+                data[mime] = value
+    data.setdefault("text/plain", repr(obj))
+    return data
+
+
+def run_rank(cfg: RankConfig) -> None:
+    """Entry point in the freshly forked child; never returns."""
+    code = 1
+    try:
+        os.setsid()  # its own session: a kernel interrupt reaches it only when forwarded
+        signal.set_wakeup_fd(-1)  # the agent's wakeup pipe is not ours
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
+        proc.die_with_parent(cfg.agent_pid)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            os.dup2(cfg.pipes[name][1], fd)
+        keep = {0, 1, 2, *(r for r, _ in cfg.pipes.values())}
+        crash = open(cfg.crash_path, "w")
+        keep.add(crash.fileno())
+        for fd in _open_fds():
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        cfg.pipes = {name: (read, fd) for (name, (read, _)), fd in zip(cfg.pipes.items(), (1, 2))}
+        import faulthandler
+        faulthandler.enable(file=crash, all_threads=True)
+        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+        proc.listen_only_on(cfg.store_host)
+        # The Flight Recorder tells which collectives a stuck rank waits in (hang diagnosis).
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        import torch
+        torch.set_num_threads(cfg.threads)
+        torchrun.reseed()  # a fork shares its agent's random state; a torchrun process would not
+        worker = Worker(cfg)
+        worker.start()
+        worker.serve()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+        traceback.print_exc(file=sys.__stderr__)
+    finally:
+        os._exit(code)
+
+
+def _open_fds() -> list[int]:
+    try:
+        return [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return list(range(3, 1024))
