@@ -140,3 +140,18 @@ def test_the_diagnosis_says_how_a_rank_that_stopped_left_the_cell() -> None:
         assert recovery.aborted == [0, 2] and "ranks 0,2 had their collective aborted" in recovery.render()
         assert run.wait(30)
         assert dict(mesh.run(CHECK).result(timeout=30)) == {0: 60.0, 1: 60.0, 2: 60.0}
+
+
+def test_a_rank_held_by_a_step_check_says_so_in_the_diagnosis(pair: meshbook.Mesh) -> None:
+    background = pair.run("import time\ntime.sleep(5)", ranks=[1])
+    failed = pair.run("1 / 0", ranks=[0])  # irregular: a step check follows, waiting for rank 1
+    failures_of(failed)
+    deadline = time.monotonic() + 30
+    while not pair.snapshots([0])[0].busy:
+        assert time.monotonic() < deadline, "rank 0 never reached the step check"
+        time.sleep(0.1)
+    (verdict,) = pair.diagnose().verdict
+    assert "rank 0 at meshbook's step check (every rank's collective count)" in verdict, verdict
+    assert "[0] in meshbook's step check" in pair.stacks().render()
+    background.result(timeout=30)
+    assert failed.step_report(timeout=30) == ""  # in step: nothing re-created

@@ -354,6 +354,11 @@ class Controller:
         queue = self._queues[rank]
         return queue[0] if queue else None
 
+    def own_work(self, request: int | None) -> str:
+        """What ``request`` is, when it is meshbook's own work rather than user code ("")."""
+        run = self._runs.get(request) if request is not None else None
+        return run.what if run is not None and run.kind == "call" else ""
+
     def busy_with_other(self, rank: int, request: int) -> bool:
         """Is ``rank`` still running something queued before ``request``?"""
         queue = self._queues[rank]

@@ -7,6 +7,7 @@ work is done by :mod:`.stacks`, :mod:`.hangs`, :mod:`.recovery` and, on the rank
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..protocol import messages as msg
@@ -47,7 +48,9 @@ class DebugOps:
         if live:
             asked = ctl.call(ops.snapshot, ranks=live, what="stacks", channel=msg.CONTROL)
             asked.wait(timeout)
-            out.update(asked.values())
+            # a rank busy with meshbook's own work (a step check) is in no code of yours: say what
+            out.update({r: replace(s, doing=ctl.own_work(s.request)) if s.busy else s
+                        for r, s in asked.values().items()})
             silent = [r for r in live if r not in out]
             if silent:  # the control thread cannot run (GIL held in C): dump from outside
                 native = ctl.agent_op(msg.AgentOp.PYSPY, silent)

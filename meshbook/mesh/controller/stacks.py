@@ -51,7 +51,7 @@ class Stacks:
         root = _Node(None)
         lines: list[str] = []
         for rank, snap in sorted(self.snapshots.items()):
-            if snap.frames:
+            if snap.frames and not snap.doing:  # meshbook's own work is said in one line below
                 node = root
                 for frame in snap.frames:
                     key = (frame.filename, frame.lineno, frame.name)
@@ -64,6 +64,8 @@ class Stacks:
         for rank, snap in sorted(self.snapshots.items()):
             if snap.dead:
                 lines.append(f"[{rank}] not running: {snap.dead}")
+            elif snap.doing:
+                lines.append(f"[{rank}] in {snap.where()}")
             elif snap.busy and not snap.frames:
                 native = snap.native.strip() or "no Python frame (in C code, e.g. importing)"
                 lines.append(f"[{rank}] busy, stack from outside the rank:")

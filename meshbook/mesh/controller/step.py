@@ -97,7 +97,7 @@ class StepCheck:
     def start(self) -> None:
         ctl = self.controller
         self.asked = ctl.call(positions, ranks=self.ranks, what="collective positions")
-        self.held = ctl.call(hold, ranks=self.ranks, what="wait for the step check")
+        self.held = ctl.call(hold, ranks=self.ranks, what="step check (every rank's collective count)")
         threading.Thread(target=self._run, name="meshbook-step-check", daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> bool:

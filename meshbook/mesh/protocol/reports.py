@@ -46,6 +46,7 @@ class RankSnapshot:
     native: str = ""  # a py-spy dump, when the control thread could not answer
     dead: str = ""  # why, when the rank is not running at all
     last: str = ""  # how its last request ended, when idle ("stopped with KeyboardInterrupt at ...")
+    doing: str = ""  # what meshbook itself runs there, when busy with its own work ("the step check")
 
     @property
     def cell_frame(self) -> Frame | None:
@@ -54,6 +55,8 @@ class RankSnapshot:
 
     def where(self) -> str:
         """``cell line 3 (time.sleep(30))`` — where this rank's own code is now."""
+        if self.doing:
+            return f"meshbook's {self.doing}"
         frame = self.cell_frame or (self.frames[-1] if self.frames else None)
         if frame is None:
             return "somewhere outside Python" if self.busy else "idle"
