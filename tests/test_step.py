@@ -155,3 +155,19 @@ def test_a_rank_held_by_a_step_check_says_so_in_the_diagnosis(pair: meshbook.Mes
     assert "[0] in meshbook's step check" in pair.stacks().render()
     background.result(timeout=30)
     assert failed.step_report(timeout=30) == ""  # in step: nothing re-created
+
+
+def test_an_interrupt_does_not_cut_a_step_check_short(pair: meshbook.Mesh) -> None:
+    background = pair.run("import time\ntime.sleep(4)", ranks=[1])
+    # rank 0 issues an all_reduce rank 1 never will, then fails: a check, which rank 1 joins late
+    failed = pair.run("w = dist.all_reduce(torch.ones(1), async_op=True)\n1 / 0", ranks=[0])
+    failures_of(failed)
+    deadline = time.monotonic() + 30
+    while "step check" not in pair.snapshots([0])[0].doing:
+        assert time.monotonic() < deadline, "rank 0 never reached the step check"
+        time.sleep(0.1)
+    pair.interrupt([0])  # a plain SIGINT while rank 0 waits for the verdict
+    background.result(timeout=30)
+    report = failed.step_report(timeout=60)
+    assert "rank 0 has issued" in report and "ranks 0,1 kept their variables" in report, report
+    assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}

@@ -357,7 +357,7 @@ class Controller:
     def own_work(self, request: int | None) -> str:
         """What ``request`` is, when it is meshbook's own work rather than user code ("")."""
         run = self._runs.get(request) if request is not None else None
-        return run.what if run is not None and run.kind == "call" else ""
+        return run.what if run is not None and run.kind == msg.CALL else ""
 
     def busy_with_other(self, rank: int, request: int) -> bool:
         """Is ``rank`` still running something queued before ``request``?"""
@@ -520,8 +520,9 @@ class Controller:
         run = self._runs.get(request)
         if run is None:
             return
-        run.irregular = run.irregular or lost_group or isinstance(event, Error)
-        if run.pending == [rank] and run.kind in msg.USER_KINDS and (run.irregular or run.interrupted):
+        if lost_group or isinstance(event, Error):
+            run.irregular = True
+        if (run.irregular or run.interrupted) and run.kind in msg.USER_KINDS and run.pending == [rank]:
             # Before the run is seen done: whoever renders it waits for this check too.
             run.step_check = self.check_step(run)
         run.add_event(event)
@@ -568,7 +569,6 @@ class Controller:
             threading.Thread(target=self._free_stranded, args=(stranded, reason), daemon=True).start()
         for run in waiting:
             run.notes.append(note)
-        for run in waiting:
             self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
         for listener in self.death_listeners:
             listener(rank, cause)
@@ -592,9 +592,12 @@ class Controller:
         if self.stopped or any(s.state == "dead" for s in self.ranks.values()):
             return None  # a dead rank's restart re-creates every group anyway
         check = StepCheck(self, "the interrupt" if run.interrupted else "the failed cell", run.forced_resync)
+        try:
+            check.start()
+        except MeshError:
+            return None  # stopped, or a rank died, meanwhile: nothing to check (see above)
         with self._lock:
             self._step_checks = [c for c in self._step_checks if not c.done.is_set()] + [check]
-        check.start()
         return check
 
     def cancel_step_checks(self) -> None:

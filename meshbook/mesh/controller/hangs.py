@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..protocol.reports import Collective, RankSnapshot
-from ..protocol.text import format_ranks, group_by_text
+from ..protocol.text import group_by_text, ranks_text
 from ..protocol.topology import Topology
 from .stacks import Stacks
 
@@ -48,7 +48,7 @@ def diagnose(snapshots: dict[int, RankSnapshot], topology: Topology) -> Diagnosi
         if busy:
             places = group_by_text({r: snapshots[r].where() for r in busy})
             verdict.append("no rank waits in a collective; busy: " + "; ".join(
-                f"{_ranks(r)} at {where}" for r, where in places))
+                f"{ranks_text(r)} at {where}" for r, where in places))
         else:
             verdict.append("every rank is idle")
     return Diagnosis(verdict, Stacks(snapshots))
@@ -59,14 +59,14 @@ def _explain(ranks: list[int], waiting: dict[int, Collective],
     collective = waiting[ranks[0]]
     places = {snapshots[r].where() for r in ranks}
     at = f" at {places.pop()}" if len(places) == 1 else ""
-    line = f"{_ranks(ranks)} wait in {collective.describe()}{at}"
+    line = f"{ranks_text(ranks)} wait in {collective.describe()}{at}"
     members = group_members(collective, ranks[0], topology)
     if members is None:
         return line + " (a group meshbook does not know the members of)"
     absent = {r: _absence(r, waiting, snapshots) for r in members if r not in ranks}
     if not absent:
         return line + "; every member of its group is there: it should complete"
-    return line + "; " + "; ".join(f"{_ranks(r)} {why}" for r, why in group_by_text(absent))
+    return line + "; " + "; ".join(f"{ranks_text(r)} {why}" for r, why in group_by_text(absent))
 
 
 def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, RankSnapshot]) -> str:
@@ -93,6 +93,3 @@ def group_members(collective: Collective, rank: int, topology: Topology) -> list
         return topology.where(**{d: i for d, i in coords.items() if d != collective.dim})
     return None
 
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..protocol import messages as msg
 from ..protocol.errors import MeshError
-from ..protocol.text import format_ranks
-from ..rank.ops import abort_collectives, listening_ports, reinit, snapshot
+from ..protocol.text import format_ranks, ranks_text
+from ..rank.ops import abort_collectives, prepare_abort, reinit, snapshot
 from .hangs import group_members
 
 if TYPE_CHECKING:
@@ -58,12 +58,12 @@ class Recovery:
     def render(self) -> str:
         lines = []
         if self.restarted:
-            lines.append(f"{_ranks(self.restarted)} restarted: {_their(self.restarted)} variables are lost.")
+            lines.append(f"{ranks_text(self.restarted)} restarted: {_their(self.restarted)} variables are lost.")
         if self.aborted:
-            lines.append(f"{_ranks(self.aborted)} had {_their(self.aborted)} collective aborted "
+            lines.append(f"{ranks_text(self.aborted)} had {_their(self.aborted)} collective aborted "
                          f"(no process restarted).")
         if self.kept:
-            lines.append(f"{_ranks(self.kept)} kept {_their(self.kept)} variables.")
+            lines.append(f"{ranks_text(self.kept)} kept {_their(self.kept)} variables.")
         lines.append(f"The process group was re-created on all ranks (generation {self.generation}) "
                      f"in {self.seconds:.1f} s; objects built on the old one (DDP/FSDP modules, "
                      f"DTensors, subgroups) must be re-created from the new `device_mesh`.")
@@ -154,6 +154,13 @@ def free_after_interrupt(controller: "Controller", run: "Run") -> None:
     """
     if run.wait(FREE_AFTER_S) or controller.stopped:
         return
+    try:
+        _free_stopped_peers(controller, run)
+    except MeshError:
+        pass  # a rank died or the mesh stopped meanwhile: that path frees (or ends) them
+
+
+def _free_stopped_peers(controller: "Controller", run: "Run") -> None:
     live = [r for r in run.pending if controller.ranks[r].state != "dead"]
     asked = controller.call(snapshot, ranks=live, what="stacks", channel=msg.CONTROL)
     asked.wait(STACKS_WAIT_S)
@@ -166,10 +173,10 @@ def free_after_interrupt(controller: "Controller", run: "Run") -> None:
         stopped = [m for m in members if m not in run.pending]
         if stopped:
             reasons[rank] = (f"interrupted: meshbook aborted its {collective.describe()}, which "
-                             f"{_ranks(stopped)} stopped before joining and would never join")
+                             f"{ranks_text(stopped)} stopped before joining and would never join")
     if reasons:
+        run.forced_resync = True  # before the abort: the run may end (and its check start) at once
         abort(controller, list(reasons), reasons)
-        run.forced_resync = True
 
 
 def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int, str] = "") -> None:
@@ -181,16 +188,13 @@ def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int,
     reasons = {r: reason if isinstance(reason, str) else reason[r] for r in ranks}
     stuck_in = {r: controller.current_request(r) for r in ranks}
     live = [r for r, s in controller.ranks.items() if s.state != "dead"]
-    asked = controller.call(listening_ports, stuck_in, {r: t for r, t in reasons.items() if t},
+    asked = controller.call(prepare_abort, stuck_in, {r: t for r, t in reasons.items() if t},
                             ranks=live, what="listening ports", channel=msg.CONTROL)
     asked.wait(5)
     ports = sorted({p for value in asked.values().values() for p in value})
     controller.call(abort_collectives, stuck_in, ports, ranks=ranks, what="abort collectives",
                     channel=msg.CONTROL).wait(5)
 
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"
 
 
 def _their(ranks: list[int]) -> str:

@@ -162,9 +162,10 @@ class Run:
         if check is None:
             return ""
         if not check.wait(timeout):
-            return (f"meshbook checks that every rank is at the same collective before anything "
-                    f"else runs; it waits for rank(s) {format_ranks(check.waiting_for)} to finish "
-                    f"what they run.")
+            busy = check.waiting_for
+            doing = (f"it waits for rank(s) {format_ranks(busy)} to finish what they run" if busy
+                     else "it is re-creating the process groups")
+            return f"meshbook checks that every rank is at the same collective before anything else runs; {doing}."
         self.step_check = None  # said once
         return check.report
 

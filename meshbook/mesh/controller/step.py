@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Mapping
 from ..protocol import messages as msg
 from ..protocol.errors import MeshError
 from ..protocol.reports import Positions
-from ..protocol.text import format_ranks, group_by_text
+from ..protocol.text import format_ranks, group_by_text, ranks_text
 from ..rank.ops import hold, positions, release
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class Skew:
         by_count: dict[int, list[int]] = {}
         for rank, n in sorted(self.issued.items()):
             by_count.setdefault(n, []).append(rank)
-        parts = [f"{_ranks(ranks)} {'have' if len(ranks) > 1 else 'has'} issued {n}"
+        parts = [f"{ranks_text(ranks)} {'have' if len(ranks) > 1 else 'has'} issued {n}"
                  for n, ranks in sorted(by_count.items(), reverse=True)]
         return f"in {self.label}, " + ", ".join(parts)
 
@@ -75,9 +75,6 @@ def compare(reports: Mapping[int, Positions]) -> tuple[list[Skew], list[int]]:
              if len(set(issued.values())) > 1]
     return skews, gone
 
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"
 
 
 class StepCheck:
@@ -153,7 +150,7 @@ class StepCheck:
         ranks = [r for r in self.held.pending if ctl.ranks[r].state != "dead"]
         try:
             if ranks:
-                ctl.call(release, verdict, ranks=ranks, what="step verdict", channel=msg.CONTROL)
+                ctl.call(release, self.held.id, verdict, ranks=ranks, what="step verdict", channel=msg.CONTROL)
         except MeshError:
             pass  # stopped meanwhile: nobody is left to hold
 
@@ -171,7 +168,7 @@ def render_resync(cause: str, skews: list[Skew], gone: list[int], recovery: "Rec
                      "Your own state may differ between ranks too (a loop counter, a data iterator): "
                      "set it alike on every rank before you go on.")
     if gone:
-        lines.append(f"{_ranks(gone)} destroyed the default process group; meshbook re-created it.")
+        lines.append(f"{ranks_text(gone)} destroyed the default process group; meshbook re-created it.")
     lines.append(recovery.render())
     objects = group_by_text({r: ", ".join(names) for r, names in bound.items() if names})
     for ranks, names in objects:

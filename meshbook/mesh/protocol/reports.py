@@ -67,7 +67,6 @@ class RankSnapshot:
 class GroupPosition:
     """How many collectives one rank has issued in one process group."""
 
-    ranks: tuple[int, ...]  # the group's members (global ranks)
     issued: int
     label: str  # "the default group", "group mesh_tp"
 

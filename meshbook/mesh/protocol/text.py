@@ -63,6 +63,12 @@ def format_ranks(ranks: Iterable[int]) -> str:
     return ",".join(parts)
 
 
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``[2]`` -> ``"rank 2"``, ``[0, 1, 2]`` -> ``"ranks 0-2"``: a rank list in a sentence."""
+    ordered = sorted(set(ranks))
+    return f"rank{'s' if len(ordered) > 1 else ''} {format_ranks(ordered)}"
+
+
 def group_by_text(texts: dict[int, str]) -> list[tuple[list[int], str]]:
     """Group ranks whose text is identical, groups ordered by their lowest rank."""
     groups: dict[str, list[int]] = {}

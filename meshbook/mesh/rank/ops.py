@@ -106,20 +106,23 @@ def pending_collectives() -> tuple[Collective, ...]:
 
 def reinit(worker: "Worker", generation: int) -> None:
     """Leave the old process group and join generation ``generation``'s (exec thread)."""
-    worker.reinit(generation)
+    with worker.shielded():
+        worker.reinit(generation)
 
 
-def listening_ports(worker: "Worker", stuck_in: dict[int, int] | None = None,
-                    reasons: dict[int, str] | None = None) -> list[int]:
-    """TCP ports this rank listens on (its gloo/NCCL endpoints; control thread).
+def prepare_abort(worker: "Worker", stuck_in: dict[int, int], reasons: dict[int, str]) -> list[int]:
+    """The first round of an abort (control thread): a rank about to have its collective
+    aborted learns why, so its error says so even if a peer's shut-down connection fails the
+    collective first; every rank answers the ports it listens on."""
+    if worker.rank in reasons and worker.request == stuck_in.get(worker.rank):
+        worker.abort_reasons[worker.request] = reasons[worker.rank]
+    return listening_ports(worker)
 
-    With ``reasons``, a rank about to have its collective aborted first learns why, so its
-    error says so even if a peer's shut-down connection fails the collective first.
-    """
+
+def listening_ports(worker: "Worker") -> list[int]:
+    """TCP ports this rank listens on (its gloo/NCCL endpoints; control thread)."""
     import psutil
 
-    if reasons and worker.rank in reasons and worker.request == (stuck_in or {}).get(worker.rank):
-        worker.abort_reasons[worker.request] = reasons[worker.rank]
     return sorted({c.laddr.port for c in psutil.Process().net_connections("tcp")
                    if c.status == psutil.CONN_LISTEN})
 
@@ -175,28 +178,33 @@ def positions(worker: "Worker") -> Positions:
             issued = int(pg._get_sequence_number_for_group())
         except Exception:  # a backend without sequence numbers: nothing to compare
             continue
-        members = c10d._world.pg_group_ranks.get(pg, {})
         desc = getattr(pg, "group_desc", "") or name
-        groups[name] = GroupPosition(tuple(sorted(members)), issued,
-                                     "the default group" if pg is c10d.GroupMember.WORLD else f"group {desc}")
+        groups[name] = GroupPosition(issued, "the default group" if pg is c10d.GroupMember.WORLD else f"group {desc}")
     return Positions(worker.rank, groups)
 
 
 def hold(worker: "Worker") -> list[str]:
-    """Wait for the controller's verdict; join a new generation if it says so.
+    """Wait for the controller's verdict on this check; join a new generation if it says so.
 
-    Returns the variables bound to the old groups when the groups were re-created.
+    Returns the variables bound to the old groups when the groups were re-created. Shielded
+    from interrupts, and a verdict names the check it is for: a verdict never lands on a
+    later check.
     """
-    generation = worker.verdicts.get()
-    if generation is None:
-        return []
-    worker.reinit(generation)
+    with worker.shielded():
+        while True:
+            check, generation = worker.verdicts.get()
+            if check == worker.request:
+                break
+        if generation is None:
+            return []
+        worker.reinit(generation)
     return bound_objects(worker.namespace)
 
 
-def release(worker: "Worker", verdict: int | None) -> None:
-    """The controller's verdict for a rank waiting in :func:`hold` (control thread)."""
-    worker.verdicts.put(verdict)
+def release(worker: "Worker", check: int, verdict: int | None) -> None:
+    """The controller's verdict for the step check ``check`` (control thread): a rank may get
+    it before it reaches :func:`hold`."""
+    worker.verdicts.put((check, verdict))
 
 
 def bound_objects(namespace: Mapping[str, Any]) -> list[str]:

@@ -95,7 +95,7 @@ class Worker:
         #: Lines typed in the notebook for this rank's debugger, delivered by the control thread.
         self.input_replies: queue.Queue[str] = queue.Queue()
         #: Verdicts of step checks (see :mod:`meshbook.mesh.controller.step`), delivered by the control thread.
-        self.verdicts: queue.Queue[int | None] = queue.Queue()
+        self.verdicts: queue.Queue[tuple[int, int | None]] = queue.Queue()
         #: Requests interrupted before they started: dropped when their turn comes.
         self.cancelled: set[int] = set()
         #: The request a targeted interrupt is meant for (None: any user code, e.g. SIGINT).
@@ -290,8 +290,13 @@ class Worker:
         new.__kwdefaults__ = fn.__kwdefaults__
         return new
 
-    def _user_code(self) -> "_UserCode":
-        return _UserCode(self)
+    def _user_code(self) -> "_Interruptible":
+        return _Interruptible(self, True)
+
+    def shielded(self) -> "_Interruptible":
+        """meshbook's own work that an interrupt must not cut in half: a rank left halfway
+        into a new process group, or past a step check without its verdict, is out of step."""
+        return _Interruptible(self, False)
 
     def _finish(self, request: int, value: Any = None, failure: RankFailure | None = None) -> None:
         duration = time.monotonic() - self.started_at
@@ -457,17 +462,18 @@ def _travelled_by_value(fn: FunctionType) -> bool:
     return module is None or fn.__globals__ is not vars(module)
 
 
-class _UserCode:
-    """While user code runs, SIGINT becomes KeyboardInterrupt (and only then)."""
+class _Interruptible:
+    """Whether SIGINT becomes KeyboardInterrupt inside the block (restored after it): yes in
+    user code, no in meshbook's own work within a request (joining a group, a step check)."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
+    def __init__(self, worker: Worker, interruptible: bool) -> None:
+        self.worker, self.interruptible, self.before = worker, interruptible, False
 
     def __enter__(self) -> None:
-        self.worker.executing = True
+        self.before, self.worker.executing = self.worker.executing, self.interruptible
 
     def __exit__(self, *exc: Any) -> None:
-        self.worker.executing = False
+        self.worker.executing = self.before
 
 
 def mimebundle(obj: Any) -> dict[str, Any]:
