@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "start", "current", "prewarm", "Mesh", "Run", "RankValues", "Topology",
+    "start", "current", "prewarm", "SSH", "Join", "Mesh", "Run", "RankValues", "Topology",
     "Output", "Display", "Result", "Error", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
@@ -36,6 +36,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from .mesh import (
+        SSH,
         CellSyntaxError,
         Display,
         Error,

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     # the Python API
     "start": "controller.mesh", "current": "controller.mesh", "Mesh": "controller.mesh",
-    "prewarm": "controller.launchers", "Run": "controller.run", "RemoteRef": "controller.data",
+    "prewarm": "controller.launchers", "SSH": "controller.remote", "Join": "controller.remote",
+    "Run": "controller.run", "RemoteRef": "controller.data",
     "RankValues": "protocol.values", "Topology": "protocol.topology",
     "Namespaces": "protocol.namespaces", "VarInfo": "protocol.namespaces",
     **dict.fromkeys(["Output", "Display", "Result", "Error", "InputRequest", "DebugEnd", "Event"],
@@ -40,7 +41,7 @@ _WHERE = {
 }
 
 __all__ = [
-    "start", "current", "prewarm", "Mesh", "Run", "RankValues", "Topology",
+    "start", "current", "prewarm", "SSH", "Join", "Mesh", "Run", "RankValues", "Topology",
     "Output", "Display", "Result", "Error", "InputRequest", "DebugEnd", "Event", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .controller.launchers import prewarm
     from .controller.memory import MemoryRow
     from .controller.mesh import Mesh, add_start_listener, current, remove_start_listener, start
+    from .controller.remote import SSH, Join
     from .controller.render import EventRenderer, print_late, write_stream
     from .controller.run import Run
     from .controller.stragglers import DURATION_FACTOR, StragglerReport, slow_by_duration

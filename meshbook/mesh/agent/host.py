@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..protocol import messages as msg
+from .link import LocalLink, RemoteLink
 from .oom import killed_by_oom, oom_kills
 
 
@@ -54,9 +55,8 @@ class RankProcess:
 
 
 class Agent:
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        import zmq
-
+    def __init__(self, cfg: dict[str, Any], ctx: Any, link: "LocalLink | RemoteLink", rundir: str,
+                 own_rundir: bool) -> None:
         from ..protocol import wire
         from ..protocol.topology import Topology
 
@@ -65,24 +65,23 @@ class Agent:
         self.my_ranks: list[int] = cfg["ranks"]
         self.topology = Topology(tuple((k, v) for k, v in cfg["dims"]))
         self.wire = wire.Wire(bytes.fromhex(cfg["key"]))
-        self.rundir = cfg.get("rundir") or tempfile.mkdtemp(prefix="meshbook-agent-")
-        self.own_rundir = "rundir" not in cfg
-        self.ctx = zmq.Context()
-        self.cmd = self.ctx.socket(zmq.DEALER)
-        self.cmd.setsockopt(zmq.IDENTITY, f"agent:{self.host}".encode())
-        self.events = self.ctx.socket(zmq.PUSH)
-        self.events.setsockopt(zmq.LINGER, 2000)
-        for sock, addr in ((self.cmd, cfg["cmd_addr"]), (self.events, cfg["events_addr"])):
-            sock.connect(addr)
+        self.rundir = rundir
+        self.own_rundir = own_rundir
+        self.ctx = ctx
+        self.link = link
         self.procs: dict[int, RankProcess] = {}
         #: Messages of a kind (or an operation) no handler takes, by kind; each is logged too.
         self.unknown_kinds: Counter[str] = Counter()
         self._ops: dict[str | None, Callable[[list[int], dict[str, Any], int], None]] = {
             msg.AgentOp.SIGNAL: self._signal, msg.AgentOp.SPAWN: self._spawn,
-            msg.AgentOp.PYSPY: self._pyspy}
+            msg.AgentOp.PYSPY: self._pyspy, msg.AgentOp.PING: self._ping, msg.AgentOp.STOP: self._stop}
         self.dead: set[int] = set()
+        self.stopping = False
         self.cuda = _cuda_count()
         self.threads = max(1, (os.cpu_count() or 1) // max(1, len(self.my_ranks)))
+        #: Host 0 of a mesh across hosts keeps the store where its ranks meet (a rank could be
+        #: restarted; the agent lives as long as the mesh).
+        self.store = _serve_store(cfg) if cfg.get("serve_store") else None
 
     # -- ranks -------------------------------------------------------------------------------
 
@@ -96,17 +95,19 @@ class Agent:
         if backend == "auto":
             backend = "cuda:nccl,cpu:gloo" if use_cuda else "gloo"
         pipes = {name: os.pipe() for name in ("stdout", "stderr")}
+        self.link.connect_rank(rank, generation, self.rundir)
+        store = self.cfg.get("store")
         crash_path = os.path.join(self.rundir, f"crash-{rank}")
         cfg = RankConfig(
             rank=rank, local_rank=local_rank, local_world_size=len(self.my_ranks),
             group_rank=self.host, group_world_size=self.cfg.get("hosts", 1),
             topology=self.topology, backend=backend, device_type="cuda" if use_cuda else "cpu",
-            store_host=self.cfg["store_host"], rundir=self.rundir, generation=generation,
-            master_port=self.cfg["master_port"],
+            listen_addr=self.cfg["listen_addr"], store_addr=tuple(store) if store else None,
+            rundir=self.rundir, generation=generation, master_port=self.cfg["master_port"],
             collective_timeout=self.cfg["collective_timeout"], key=self.wire.key,
             agent_pid=os.getpid(), request_addr=rank_address(self.rundir, rank, generation, msg.MAIN),
             control_addr=rank_address(self.rundir, rank, generation, msg.CONTROL),
-            events_addr=self.cfg["events_addr"],
+            events_addr=self.link.rank_events,
             pipes=pipes, crash_path=crash_path, threads=self.threads)
         oom = oom_kills()
         sys.stdout.flush()
@@ -154,16 +155,16 @@ class Agent:
         from ..protocol.proc import kill_descendants
 
         kill_descendants(5.0)
+        if self.link.remote:
+            self.emit(msg.HOST_BEAT, None, {"stopped": True})  # what the controller's stop waits for
+        self.link.close()
         if controller_done or self.own_rundir:
             shutil.rmtree(self.rundir, ignore_errors=True)
 
     # -- messages ----------------------------------------------------------------------------
 
     def emit(self, kind: str, request: int | None, body: Any = None, **header: Any) -> None:
-        from ..protocol import wire
-
-        wire.send(self.events, self.wire.pack({msg.KIND: kind, msg.ID: request, msg.HOST: self.host, **header},
-                                              body))
+        self.link.send(self.wire.pack({msg.KIND: kind, msg.ID: request, msg.HOST: self.host, **header}, body))
 
     def operate(self, message: Any) -> None:
         """An operation for the agent itself (the controller stops an agent by closing its stdin)."""
@@ -191,10 +192,17 @@ class Agent:
         for rank in ranks:
             self.emit(msg.RESULT, request, _pyspy(self.procs.get(rank)), **{msg.RANK: rank})
 
-    def serve(self) -> None:
-        import zmq
+    def _ping(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        """The controller's heartbeat: answer with ours (it times the round trip)."""
+        self.emit(msg.HOST_BEAT, request, {"sent": body["sent"], "ranks": sorted(self.procs)})
 
-        from ..protocol import wire
+    def _stop(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        """The controller stops a remote agent (a local one sees its stdin close instead)."""
+        self.stopping = True
+
+    def serve(self, watch_stdin: bool = True) -> None:
+        """Fork the ranks, then serve until the controller is gone or stops us."""
+        import zmq
 
         rfd, wfd = os.pipe()
         os.set_blocking(wfd, False)
@@ -203,29 +211,42 @@ class Agent:
         signal.signal(signal.SIGTERM, lambda *_: None)  # handled below, through the wakeup fd
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         poller = zmq.Poller()
-        poller.register(self.cmd, zmq.POLLIN)
-        poller.register(sys.stdin.fileno(), zmq.POLLIN)
+        for sock in self.link.sockets():
+            poller.register(sock, zmq.POLLIN)
+        if watch_stdin:
+            poller.register(sys.stdin.fileno(), zmq.POLLIN)
         poller.register(rfd, zmq.POLLIN)
         for rank in self.my_ranks:
             self.spawn(rank, 0)
         self.emit(msg.AGENT, None, {"pid": os.getpid(), "hostname": socket.gethostname(),
                                   "pids": {r: p.pid for r, p in self.procs.items()}})
-        while True:
+        lost_s = float(self.cfg.get("lost_s", 15.0))
+        while not self.stopping:
             ready = dict(poller.poll(1000))
             if rfd in ready:
                 signals = os.read(rfd, 4096)
                 if signal.SIGTERM in signals:
                     return
                 self.reap()
-            if sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
-                return  # EOF: the controller is gone
-            if self.cmd in ready:
-                while self.cmd.poll(0):
-                    try:
-                        message = self.wire.unpack(wire.recv(self.cmd))
-                    except wire.BadMessage:
-                        continue
-                    self.operate(message)
+            if watch_stdin and sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
+                return  # EOF: the controller (or the ssh session it started us through) is gone
+            for sock in self.link.sockets():
+                if sock in ready:
+                    for frames in self.link.operations(sock):
+                        self._operate_frames(frames)
+            if self.link.remote and time.monotonic() - self.link.last_heard > lost_s:
+                print(f"meshbook agent {self.host}: nothing from the controller for {lost_s:g} s: "
+                      f"stopping this host's ranks", file=sys.stderr, flush=True)
+                return
+
+    def _operate_frames(self, frames: list[Any]) -> None:
+        from ..protocol import wire
+
+        try:
+            message = self.wire.unpack(frames)
+        except wire.BadMessage:
+            return
+        self.operate(message)
 
 
 def _cuda_count() -> int:
@@ -281,10 +302,16 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(prog="python -m meshbook.mesh.agent",
                                      description="meshbook host agent (started by a launcher)")
+    parser.add_argument("mode", nargs="?", choices=("local", "listen", "join"), default="local",
+                        help="local: configuration on stdin (this host's controller); listen: "
+                             "bootstrap on stdin, the controller dials us (ssh launcher); join: "
+                             "dial the controller with a join token (any external launcher)")
     parser.add_argument("--parent", type=int, default=None,
                         help="pid of the controller; die with it (PR_SET_PDEATHSIG)")
     parser.add_argument("--log", default=None,
                         help="the file our stderr goes to: moved into the runtime directory")
+    parser.add_argument("--token-file", default=None,
+                        help="join: read the token from this file (else from $MESHBOOK_JOIN_TOKEN)")
     args = parser.parse_args()
     from ..protocol.proc import become_subreaper, die_with_parent
 
@@ -293,7 +320,10 @@ def main() -> None:
     if args.parent is not None:
         die_with_parent(args.parent, signal.SIGTERM)
     try:
-        _run(args.log)
+        if args.mode == "local":
+            _run(args.log)
+        else:
+            _run_remote(args.mode, args.token_file)
     finally:
         os._exit(0)
 
@@ -302,13 +332,18 @@ def _stop(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
+def _import_torch() -> None:
+    import torch  # noqa: F401  - once, here, so every fork starts with it imported
+    import torch.distributed  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+
+
 def _run(log: str | None) -> None:
     """Wait for the configuration, then serve; clean up however that ends."""
-    try:
-        import torch  # noqa: F401  - once, here, so every fork starts with it imported
-        import torch.distributed  # noqa: F401
-        import torch.distributed.device_mesh  # noqa: F401
+    import zmq
 
+    try:
+        _import_torch()
         cfg = _read_config()
     except BaseException:
         _remove(log)  # a standby agent whose controller went away, or died
@@ -316,17 +351,117 @@ def _run(log: str | None) -> None:
     if cfg is None:
         _remove(log)
         return
-    agent = Agent(cfg)
+    ctx = zmq.Context()
+    rundir = cfg.get("rundir") or tempfile.mkdtemp(prefix="meshbook-agent-")
+    agent = Agent(cfg, ctx, LocalLink(ctx, cfg), rundir, own_rundir="rundir" not in cfg)
     if log is not None and "log" in cfg:
         _move_log(log, cfg["log"])
+    _serve(agent, watch_stdin=True)
+
+
+def _serve(agent: Agent, watch_stdin: bool) -> None:
     done = False
     try:
-        agent.serve()
-        done = True  # the controller is gone or stops: nobody reads the runtime directory
+        agent.serve(watch_stdin)
+        done = True  # the controller is gone or stops us: nobody reads the runtime directory
     except SystemExit:
         done = True
     finally:
         agent.shutdown(done)
+
+
+def _run_remote(mode: str, token_file: str | None) -> None:
+    """An agent on another host: connect (listen or join), wait for the configuration over
+    the connection, then serve as a relay for this host's ranks."""
+    import zmq
+
+    from ..protocol.proc import runtime_base
+    from ..protocol.remote import decode_token
+    from .link import RemoteLink, join, listen
+
+    _import_torch()
+    if mode == "listen":
+        data = _read_config()
+        if data is None:
+            return
+    else:
+        try:
+            data = decode_token(_read_token(token_file))
+        except ValueError as exc:
+            raise SystemExit(f"meshbook agent join: {exc}; copy it again from the notebook's "
+                             f"output") from None
+    ctx = zmq.Context()
+    zap = None
+    if mode == "listen":
+        sock, zap = listen(ctx, data)
+    else:
+        sock = join(ctx, data)
+    cfg = _await_configuration(sock, bytes.fromhex(data["key"]), watch_stdin=mode == "listen",
+                               timeout=float(data.get("timeout", 120.0)))
+    if cfg is None:
+        sock.close(linger=0)
+        return
+    rundir = tempfile.mkdtemp(prefix="mb-", dir=runtime_base())
+    agent = Agent({**cfg, "key": data["key"], "lost_s": data.get("lost_s", 15.0)}, ctx,
+                  RemoteLink(ctx, sock, rundir), rundir, own_rundir=True)
+    try:
+        _serve(agent, watch_stdin=mode == "listen")
+    finally:
+        if zap is not None:
+            zap.close()
+
+
+def _read_token(token_file: str | None) -> str:
+    from ..protocol.remote import TOKEN_ENV
+
+    if token_file:
+        with open(token_file) as f:
+            return f.read()
+    token = os.environ.pop(TOKEN_ENV, "")
+    if not token:
+        raise SystemExit(f"meshbook agent join: no token: set ${TOKEN_ENV} or pass --token-file "
+                         f"(the notebook's %mesh start --join prints both)")
+    return token
+
+
+def _await_configuration(sock: Any, key: bytes, watch_stdin: bool, timeout: float) -> dict[str, Any] | None:
+    """The controller's CONFIGURE operation, or None if it never comes (or stdin closes)."""
+    import zmq
+
+    from ..protocol import wire
+
+    checker = wire.Wire(key)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    if watch_stdin:
+        poller.register(sys.stdin.fileno(), zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(left * 1000))
+        if watch_stdin and sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
+            return None
+        if sock not in ready:
+            continue
+        route, *frames = wire.recv(sock)
+        try:
+            message = checker.unpack(frames)
+        except wire.BadMessage:
+            continue
+        if route.bytes == b"" and message.kind == msg.OP and message.body()["op"] == msg.AgentOp.CONFIGURE:
+            return message.body()["config"]  # type: ignore[no-any-return]
+    print(f"meshbook agent: no configuration from the controller within {timeout:g} s", file=sys.stderr)
+    return None
+
+
+def _serve_store(cfg: dict[str, Any]) -> Any:
+    """The TCPStore where the ranks of a mesh across hosts meet, on this host's address."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, port = cfg["store"]
+    return dist.TCPStore(host, port, None, True, timedelta(seconds=cfg["collective_timeout"]),
+                         wait_for_workers=False)
 
 
 def _read_config() -> dict[str, Any] | None:

@@ -37,9 +37,12 @@ from ..protocol import wire
 from ..protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
 from ..protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result
 from ..protocol.limits import DEFAULT_MAX_BYTES
+from ..protocol.proc import runtime_base
 from ..protocol.text import format_ranks
 from ..protocol.topology import Topology
+from ..protocol.remote import encode_route
 from ..rank.ops import interrupt_request
+from .hosts import HostLink, Network
 from .launchers import AgentHandle, HostPlan, Launcher
 from .metrics import MetricsHistory
 from .recovery import abort, free_after_interrupt
@@ -79,7 +82,7 @@ class Controller:
         self.max_result_bytes = DEFAULT_MAX_BYTES
         self.launcher = launcher
         self.wire = wire.Wire(secrets.token_bytes(32))
-        self.rundir = tempfile.mkdtemp(prefix="mb-", dir=_runtime_base())  # mode 0700
+        self.rundir = tempfile.mkdtemp(prefix="mb-", dir=runtime_base())  # mode 0700
         self.master_port = free_port()  # what a pasted torchrun script reads as MASTER_PORT
         self.ctx = zmq.Context()
         self.cmd = self.ctx.socket(zmq.ROUTER)
@@ -96,9 +99,13 @@ class Controller:
         self.plans: list[HostPlan] = launcher.plan(topology.world_size)
         self.host_of = {r: p.host for p in self.plans for r in p.ranks}
         self.ranks = {r: RankState(r, self.host_of[r]) for r in range(topology.world_size)}
+        #: Ranks on other hosts: requests go once per host, through its agent (see hosts.py).
+        self.remote = bool(getattr(launcher, "remote", False))
+        self.network: Network | None = None
         self._down: dict[int, dict[str, zmq.Socket]] = {}
-        for r in self.ranks:
-            self._connect_rank(r, 0)
+        if not self.remote:
+            for r in self.ranks:
+                self._connect_rank(r, 0)
         self.generation = 0
         self.stopped = False
         self.stop_reason = ""
@@ -126,7 +133,8 @@ class Controller:
             msg.HEARTBEAT: self._on_heartbeat, msg.OUTPUT: self._on_output, msg.DISPLAY: self._on_display,
             msg.INPUT: self._on_input, msg.DEBUG_END: self._on_debug_end, msg.RESULT: self._on_answer,
             msg.ERROR: self._on_answer, msg.EXIT: self._on_exit, msg.HELLO: self._on_hello,
-            msg.READY: self._on_ready, msg.INIT_FAILED: self._on_init_failed, msg.AGENT: self._on_agent}
+            msg.READY: self._on_ready, msg.INIT_FAILED: self._on_init_failed, msg.AGENT: self._on_agent,
+            msg.HOST_BEAT: self._on_host_beat}
         #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
         #: replaces this with "does this cell allow stdin").
         self.stdin_probe: Callable[[], bool] = _terminal_stdin
@@ -164,9 +172,12 @@ class Controller:
 
     def launch(self, timeout: float) -> None:
         """Start the agents and wait until every rank has torch.distributed ready."""
-        configs = {p.host: self._agent_config(p) for p in self.plans}
         try:
-            self.agents = self.launcher.launch(self.plans, configs)
+            if self.remote:
+                self._launch_remote(timeout)
+            else:
+                configs = {p.host: self._agent_config(p) for p in self.plans}
+                self.agents = self.launcher.launch(self.plans, configs)
             self.wait_generation(0, list(self.ranks), timeout, "start")
         except BaseException:
             self.stop()
@@ -175,12 +186,40 @@ class Controller:
     def _agent_config(self, plan: HostPlan) -> dict[str, Any]:
         return {
             "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks, "dims": list(self.topology.dims),
-            "key": self.wire.key.hex(), "backend": self.backend,
-            "store_host": self.launcher.store_host,
+            "key": self.wire.key.hex(), "backend": self.backend, "listen_addr": "127.0.0.1",
             "collective_timeout": self.collective_timeout, "rundir": self.rundir,
             "master_port": self.master_port,
             "cmd_addr": f"ipc://{self.rundir}/cmd", "events_addr": f"ipc://{self.rundir}/ev",
         }
+
+    def _launch_remote(self, timeout: float) -> None:
+        """Start (or wait for) an agent per host, connect, then configure each over its link.
+
+        Host 0's agent keeps the store (at the address it advertised, on the port it reserved),
+        and each host's ranks listen on the interface its agent advertised.
+        """
+        self.network = Network(self.ctx, self.wire.key, self.launcher.suspect_s, self.launcher.lost_s)
+        self.network.wake = self._wake
+        self.agents = self.launcher.launch(self.plans, self.network, timeout)
+        first = self.network.links[0]
+        store = [first.address, first.store_port]
+        for plan in self.plans:
+            link = self.network.links[plan.host]
+            config = {
+                "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks,
+                "dims": list(self.topology.dims), "backend": self.backend, "listen_addr": link.address,
+                "store": store, "serve_store": plan.host == 0, "master_port": first.store_port,
+                "collective_timeout": self.collective_timeout}
+            frames = self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: plan.ranks},
+                                    {"op": msg.AgentOp.CONFIGURE, "config": config})
+            with self._send_lock:
+                self.network.send(plan.host, b"", frames)
+
+    def _wake(self) -> None:
+        """Make the receiver poll new sockets now (it looks again every 250 ms anyway)."""
+        with self._send_lock:
+            if not self.stopped:
+                self._wake_send.send(b"poll")
 
     def wait_generation(self, generation: int, ranks: list[int], timeout: float, what: str) -> None:
         """Wait for ``ranks`` to report ready in ``generation``; a clear error otherwise."""
@@ -288,7 +327,17 @@ class Controller:
 
     def _send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str) -> None:
         """One message per rank, straight to its socket: on one host, relaying through the
-        agent would cost a process hop and a copy per request, and buy nothing."""
+        agent would cost a process hop and a copy per request, and buy nothing. To other
+        hosts, one message per host, which its agent fans out."""
+        if self.network is not None:
+            by_host: dict[int, list[int]] = {}
+            for r in ranks:
+                if self.ranks[r].state != "dead":
+                    by_host.setdefault(self.host_of[r], []).append(r)
+            with self._send_lock:
+                for host, host_ranks in by_host.items():
+                    self.network.send(host, encode_route(channel, host_ranks), frames)
+            return
         with self._send_lock:
             # A rank that died since the caller checked has no sockets: its death failed the run.
             live = [r for r in ranks if r in self._down]
@@ -306,9 +355,12 @@ class Controller:
         hosts = sorted({self.host_of[r] for r in ranks})
         with self._send_lock:
             for host in hosts:
+                if self.network is not None:
+                    self.network.send(host, b"", frames)
+                    continue
                 for attempt in range(200):
                     try:
-                        wire.send(self.cmd, frames, prefix=[f"agent:{host}".encode()], wait=True)
+                        wire.send(self.cmd, frames, prefix=[f"agent:{host}".encode(), b""], wait=True)
                         break
                     except zmq.ZMQError as exc:
                         # EHOSTUNREACH: the agent's connection is not up yet (start-up only).
@@ -411,13 +463,13 @@ class Controller:
     # -- receiving ---------------------------------------------------------------------------
 
     def _receive(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.events, zmq.POLLIN)
-        poller.register(self._wake_recv, zmq.POLLIN)
+        poller, version = self._poller(), -1
         next_check = 0.0
         while not self.stopped:
+            if self.network is not None and self.network.version != version:
+                poller, version = self._poller(), self.network.version
             ready = dict(poller.poll(250))
-            if self._wake_recv in ready:
+            if self._wake_recv in ready and self._wake_recv.recv() == b"stop":
                 break
             if self.events in ready:
                 while True:
@@ -425,16 +477,69 @@ class Controller:
                         frames = wire.recv(self.events, zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    try:
-                        self._handle(self.wire.unpack(frames))
-                    except wire.BadMessage:
-                        continue
-                    except Exception as exc:  # never let one bad message end the receiver
-                        _log(f"receiver: {type(exc).__name__}: {exc}")
+                    self._take(frames)
+            if self.network is not None:
+                for sock in self.network.sockets():
+                    if sock in ready:
+                        self.network.drain(sock, self._from_host)
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.25
                 self._check_agents()
+                if self.network is not None:
+                    self.network.tick(self._ping, self._host_lost)
+
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        for sock in (self.events, self._wake_recv, *(self.network.sockets() if self.network else ())):
+            poller.register(sock, zmq.POLLIN)
+        return poller
+
+    def _take(self, frames: list[Any]) -> wire.Message | None:
+        try:
+            message = self.wire.unpack(frames)
+            self._handle(message)
+            return message
+        except wire.BadMessage:
+            return None
+        except Exception as exc:  # never let one bad message end the receiver
+            _log(f"receiver: {type(exc).__name__}: {exc}")
+            return None
+
+    def _from_host(self, link: HostLink | None, frames: list[Any]) -> None:
+        """A message up a remote host's connection (``link`` None: an agent not placed yet,
+        which can only be joining)."""
+        if link is not None:
+            self._take(frames)
+            return
+        identity, frames = frames[0], frames[1:]
+        try:
+            message = self.wire.unpack(frames)
+        except wire.BadMessage:
+            return
+        if message.kind == msg.JOIN and self.network is not None:
+            self.network.on_join(identity.bytes, message.body())
+        else:
+            self.unknown_kinds[f"{message.kind} (before joining)"] += 1
+
+    def _ping(self) -> list[Any]:
+        return self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []},
+                              {"op": msg.AgentOp.PING, "sent": time.monotonic()})
+
+    def _on_host_beat(self, message: wire.Message) -> None:
+        if self.network is None or (link := self.network.links.get(message.header[msg.HOST])) is None:
+            return
+        body = message.body()
+        if body.get("stopped"):
+            link.state = "stopped"
+        elif "sent" in body:
+            link.rtt = time.monotonic() - body["sent"]
+
+    def _host_lost(self, link: HostLink) -> None:
+        """Nothing heard from ``link``'s agent for the loss timeout: its ranks are gone."""
+        cause = (f"host {link.name} lost: ranks {format_ranks(link.ranks)} (nothing heard from its "
+                 f"agent for {self.network.lost_s if self.network else 0:g} s)")
+        self._ranks_died([r for r in link.ranks if self.ranks[r].state != "dead"], {"cause": cause})
 
     def _handle(self, message: wire.Message) -> None:
         handler = self._handlers.get(message.kind)
@@ -477,7 +582,7 @@ class Controller:
         self._finish(header[msg.ID], rank, event, lost_group=header.get(msg.HAS_GROUP) is False)
 
     def _on_exit(self, message: wire.Message) -> None:
-        self._rank_died(message.header[msg.RANK], message.body())
+        self._ranks_died([message.header[msg.RANK]], message.body())
 
     def _on_hello(self, message: wire.Message) -> None:
         body = message.body()
@@ -542,36 +647,48 @@ class Controller:
         while len(self._late) > LATE_OUTPUT_RUNS:
             self._late.popitem(last=False)
 
-    def _rank_died(self, rank: int, body: dict[str, Any]) -> None:
+    def _ranks_died(self, ranks: list[int], body: dict[str, Any]) -> None:
+        """``ranks`` died together (a rank's exit, or a lost host): fail what waited on them,
+        free the ranks that ran beside them, and say how to bring them back."""
+        if not ranks:
+            return
         cause = body["cause"]
         detail = "\n".join(filter(None, [body.get("crash", "").strip()]))
         with self._lock:
-            state = self.ranks[rank]
-            state.state, state.cause, state.pid = "dead", cause, None
-            queue = self._queues[rank]
-            current = queue[0] if queue else None
-            waiting = [run for run in self._runs.values() if rank in run.pending]
-            queue.clear()
+            current = {}
+            for rank in ranks:
+                state = self.ranks[rank]
+                state.state, state.cause, state.pid = "dead", cause, None
+                queue = self._queues[rank]
+                current[rank] = queue[0] if queue else None
+                queue.clear()
+            waiting = [run for run in self._runs.values() if set(run.pending) & set(ranks)]
             self._generation_changed.notify_all()
         with self._send_lock:
-            self._disconnect_rank(rank)
+            for rank in ranks:
+                self._disconnect_rank(rank)
         for stream, text in body.get("output", {}).items():
             if text:
-                self._deliver(current, Output(rank, stream, text))
-        failure = RankFailure(rank, "RankDied", f"rank {rank} died: {cause}", died=cause, detail=detail)
-        stranded = sorted({r for run in waiting for r in run.pending if r != rank})
-        note = (f"rank {rank} died ({cause}). %mesh restart {rank} (mesh.restart([{rank}])) brings it "
-                f"back and re-creates the process group; the other ranks keep their variables.")
+                self._deliver(current[ranks[0]], Output(ranks[0], stream, text))
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+        note = (f"{who} died ({cause}). %mesh restart {','.join(map(str, ranks))} (mesh.restart({ranks})) "
+                f"brings {'it' if len(ranks) == 1 else 'them'} back and re-creates the process group; "
+                f"the other ranks keep their variables.")
+        stranded = sorted({r for run in waiting for r in run.pending if r not in ranks})
         if stranded and not self.stopped:
             note += (f" Rank(s) {format_ranks(stranded)} ran beside it: meshbook freed them from "
                      f"anything waiting on it.")
-            reason = f"meshbook aborted what this rank ran: rank {rank} died ({cause})"
+            reason = f"meshbook aborted what this rank ran: {who} died ({cause})"
             threading.Thread(target=self._free_stranded, args=(stranded, reason), daemon=True).start()
         for run in waiting:
             run.notes.append(note)
-            self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
+            for rank in ranks:
+                if rank in run.pending:
+                    failure = RankFailure(rank, "RankDied", f"rank {rank} died: {cause}", died=cause, detail=detail)
+                    self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
         for listener in self.death_listeners:
-            listener(rank, cause)
+            for rank in ranks:
+                listener(rank, cause)
 
     def _free_stranded(self, ranks: list[int], reason: str) -> None:
         """Ranks that were running beside a rank that died: the group is broken, so abort
@@ -611,12 +728,16 @@ class Controller:
         if self.stopped or not self.agents:
             return
         for host, agent in enumerate(self.agents):
-            if not agent.alive():
-                reason = f"host agent {host} died ({agent.exit_reason()})"
-                for r in self.plans[host].ranks:
-                    if self.ranks[r].state != "dead":
-                        self._rank_died(r, {"cause": reason})
-                self._mark_stopped(reason)
+            if agent.alive():
+                continue
+            ranks = [r for r in self.plans[host].ranks if self.ranks[r].state != "dead"]
+            if self.remote:  # the other hosts' ranks live on: the mesh is degraded, not stopped
+                if ranks:
+                    self._ranks_died(ranks, {"cause": agent.exit_reason()})
+                continue
+            reason = f"host agent {host} died ({agent.exit_reason()})"
+            self._ranks_died(ranks, {"cause": reason})
+            self._mark_stopped(reason)
 
     def _mark_stopped(self, reason: str) -> None:
         with self._lock:
@@ -634,11 +755,14 @@ class Controller:
             agents, self.agents = self.agents, []
         if already:
             return
+        if threading.current_thread() is not self._receiver:
+            with self._send_lock:
+                self._wake_send.send(b"stop")
+            self._receiver.join(5)
+        if self.network is not None:  # the receiver is gone: this thread owns the links now
+            self.network.stop_agents(self.wire, 5.0)
         for agent in agents:
             agent.terminate(5.0)
-        if threading.current_thread() is not self._receiver:
-            self._wake_send.send(b"stop")
-            self._receiver.join(5)
         with self._lock:
             runs = list(self._runs.values())
         for run in runs:
@@ -649,6 +773,8 @@ class Controller:
         for state in self.ranks.values():
             if state.state != "dead":
                 state.state, state.cause = "dead", "mesh stopped"
+        if self.network is not None:
+            self.network.close()
         rank_socks = [sock for socks in self._down.values() for sock in socks.values()]
         for sock in (self.cmd, self.events, self._wake_send, self._wake_recv, *rank_socks):
             sock.close(linger=0)
@@ -673,14 +799,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _runtime_base() -> str:
-    # ipc:// paths must stay under ~100 bytes; XDG_RUNTIME_DIR is private and short.
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base) and os.access(base, os.W_OK) and len(base) < 60:
-        return base
-    return tempfile.gettempdir()
 
 
 def _log(text: str) -> None:

@@ -15,7 +15,9 @@ Who sends what:
   generations), ``OUTPUT``, ``DISPLAY``, ``INPUT`` (a debugger prompt), ``DEBUG_END``,
   ``RESULT``, ``ERROR`` and ``HEARTBEAT``.
 * agent -> controller: ``AGENT`` (its ranks' pids), ``EXIT`` (a rank died), ``RESULT`` (of an
-  operation, e.g. a py-spy dump).
+  operation, e.g. a py-spy dump), ``HOST_BEAT`` (the answer to a ``PING``: the round trip and
+  liveness of a host across the network), ``JOIN`` (an agent started by an external launcher
+  announces itself).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ ERROR = "error"
 HEARTBEAT = "hb"
 AGENT = "agent"
 EXIT = "exit"
+HOST_BEAT = "host_beat"
+JOIN = "join"
 
 #: Requests that run user code: an irregular end of one triggers a step check.
 USER_KINDS = (EXEC, APPLY)
@@ -49,6 +53,9 @@ class AgentOp:
     SIGNAL = "signal"
     SPAWN = "spawn"
     PYSPY = "pyspy"
+    CONFIGURE = "configure"  # an agent on another host: its configuration, over the connection
+    PING = "ping"  # the controller's heartbeat to an agent on another host
+    STOP = "stop"  # end an agent on another host (a local one sees its stdin close)
 
 
 # -- channels: a rank binds one socket per channel -------------------------------------------
@@ -72,5 +79,11 @@ GENERATION = "generation"  # the process-group generation a READY / INIT_FAILED 
 
 #: How often a rank's control thread sends a heartbeat.
 HEARTBEAT_S = 0.5
+#: How often the controller pings an agent on another host.
+HOST_PING_S = 1.0
+#: A host not heard from for this long is "suspect" in the status...
+HOST_SUSPECT_S = 5.0
+#: ...and after this long "lost": its ranks are dead, and its agent stops them on its side.
+HOST_LOST_S = 15.0
 #: How far back a rank's sampling report (stragglers, waiting) looks.
 WINDOW_S = 10.0

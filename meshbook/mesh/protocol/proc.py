@@ -8,6 +8,7 @@ import ctypes.util
 import os
 import signal
 import sys
+import tempfile
 import time
 from typing import Iterator
 
@@ -41,6 +42,15 @@ def listen_only_on(address: str) -> None:
         if any(a.address == address for a in addresses):
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
             return
+
+
+def runtime_base() -> str:
+    """Where a process makes its private runtime directory: ``ipc://`` paths must stay under
+    ~100 bytes, and ``XDG_RUNTIME_DIR`` is private and short."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK) and len(base) < 60:
+        return base
+    return tempfile.gettempdir()
 
 
 def become_subreaper() -> None:

@@ -19,6 +19,8 @@ it has no handler for is counted in ``unknown_kinds`` and logged.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import queue
 import signal
@@ -60,9 +62,12 @@ class RankConfig:
     topology: Topology
     backend: str  # "gloo", or "cuda:nccl,cpu:gloo" on GPUs
     device_type: str  # "cpu" or "cuda"
-    store_host: str  # the address the ranks' torch.distributed endpoints listen on
-    rundir: str  # the mesh's private runtime directory, where its stores live
-    master_port: int  # torchrun's MASTER_PORT for scripts that read it (meshbook's store is a file)
+    listen_addr: str  # this host's address: its interface is the one torch.distributed listens on
+    #: The TCPStore of a mesh across hosts (its host 0's agent keeps it); None: a FileStore in
+    #: the private runtime directory, on one host.
+    store_addr: tuple[str, int] | None
+    rundir: str  # the private runtime directory of this host's part of the mesh
+    master_port: int  # torchrun's MASTER_PORT for scripts that read it
     generation: int
     collective_timeout: float
     key: bytes
@@ -193,8 +198,8 @@ class Worker:
         timeout = timedelta(seconds=cfg.collective_timeout)
         os.environ.update(torchrun.environment(
             self.rank, topo.world_size, cfg.local_rank, cfg.local_world_size, cfg.group_rank,
-            cfg.group_world_size, (cfg.store_host, cfg.master_port)))
-        store = dist.PrefixStore(f"gen{generation}", make_store(cfg, generation, timeout))
+            cfg.group_world_size, cfg.store_addr or (cfg.listen_addr, cfg.master_port)))
+        store = make_store(cfg, generation, timeout)
         self.init_group(cfg.backend, store=store, rank=self.rank, world_size=topo.world_size, timeout=timeout)
         device_mesh = init_device_mesh(cfg.device_type, topo.shape, mesh_dim_names=topo.names)
         self.generation = generation
@@ -443,16 +448,26 @@ def _has_process_group() -> bool:
 def make_store(cfg: RankConfig, generation: int, timeout: Any) -> Any:
     """The store where the ranks of process-group ``generation`` meet.
 
-    A file in the mesh's private (0700) runtime directory: only the mesh's own processes can
-    open it, where a ``TCPStore`` listens on every interface and lets anyone set and get its
-    keys. One file per generation, so ranks re-forked by a recovery never read the keys of
-    the group they replace.
+    On one host, a file in the mesh's private (0700) runtime directory: only the mesh's own
+    processes can open it, where a ``TCPStore`` listens on every interface and lets anyone set
+    and get its keys. One file per generation, so ranks re-forked by a recovery never read the
+    keys of the group they replace.
+
+    Across hosts, the ``TCPStore`` its host 0's agent keeps. torch's store authenticates no
+    one, so the keys of each generation live under a prefix derived from the mesh's secret
+    key: a peer that reaches the port can neither read nor plant the mesh's keys, since it
+    cannot name them.
     """
     import torch.distributed as dist
 
-    store = dist.FileStore(os.path.join(cfg.rundir, f"store-g{generation}"), cfg.topology.world_size)
-    store.set_timeout(timeout)
-    return store
+    if cfg.store_addr is None:
+        store = dist.FileStore(os.path.join(cfg.rundir, f"store-g{generation}"), cfg.topology.world_size)
+        store.set_timeout(timeout)
+        return dist.PrefixStore(f"gen{generation}", store)
+    host, port = cfg.store_addr
+    secret = hmac.new(cfg.key, b"store", hashlib.sha256).hexdigest()[:32]
+    client = dist.TCPStore(host, port, None, False, timeout)
+    return dist.PrefixStore(f"gen{generation}-{secret}", client)
 
 
 def _travelled_by_value(fn: FunctionType) -> bool:
@@ -527,7 +542,7 @@ def run_rank(cfg: RankConfig) -> None:
         import faulthandler
         faulthandler.enable(file=crash, all_threads=True)
         os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
-        proc.listen_only_on(cfg.store_host)
+        proc.listen_only_on(cfg.listen_addr)
         # The Flight Recorder tells which collectives a stuck rank waits in (hang diagnosis).
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         import torch

@@ -1,0 +1,213 @@
+"""How a host agent talks to its controller: locally over ipc, or over the network as a relay.
+
+Every message the controller sends an agent is ``[route, *message frames]``
+(:mod:`meshbook.mesh.protocol.routes`): an operation for the agent itself, or a message it
+relays, unchanged, to some of its ranks.
+
+* :class:`LocalLink`: the agent on the controller's host. Operations arrive on an ipc socket;
+  the controller sends to each rank directly and the ranks answer it directly (a relay on one
+  host buys nothing, see DESIGN.md "Wire").
+* :class:`RemoteLink`: an agent on another host. One Curve-encrypted TCP connection carries
+  everything: requests for its ranks arrive once per host and are fanned out here over ipc,
+  and whatever its ranks send goes back up the same connection, frames untouched (they are
+  signed by the ranks and checked by the controller). The controller pings it every second;
+  an agent that hears nothing from its controller for the grace period gives up, kills its
+  ranks and exits, so a lost notebook leaves nothing running on remote hosts either.
+
+:func:`listen` and :func:`join` make the connection for the two ways an agent is started:
+by the ``ssh`` launcher (the agent listens, the controller dials it: compute nodes often
+cannot reach the login node) or by any external launcher running the ``join`` command (the
+agent dials the controller with a one-time join key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from ..protocol import messages as msg
+from ..protocol import net, wire
+from ..protocol.remote import LISTENING, decode_route
+
+class LocalLink:
+    """Operations on an ipc DEALER, the agent's own events on an ipc PUSH."""
+
+    remote = False
+
+    def __init__(self, ctx: zmq.Context, cfg: dict[str, Any]) -> None:
+        self.cmd = ctx.socket(zmq.DEALER)
+        self.cmd.setsockopt(zmq.IDENTITY, f"agent:{cfg['host']}".encode())
+        self.cmd.connect(cfg["cmd_addr"])
+        self.up = ctx.socket(zmq.PUSH)
+        self.up.setsockopt(zmq.LINGER, 2000)
+        self.up.connect(cfg["events_addr"])
+        #: Where this host's ranks send what they emit: the controller itself.
+        self.rank_events = cfg["events_addr"]
+        self.last_heard = time.monotonic()
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.cmd]
+
+    def send(self, frames: list[Any]) -> None:
+        wire.send(self.up, frames)
+
+    def operations(self, sock: zmq.Socket) -> list[list[Any]]:
+        """The messages for the agent itself that ``sock`` has ready."""
+        out = []
+        while sock.poll(0):
+            route, *frames = wire.recv(sock)
+            out.append(frames)
+        return out
+
+    def connect_rank(self, rank: int, generation: int, rundir: str) -> None:
+        """Nothing to do: the controller connects to its ranks itself."""
+
+    def close(self) -> None:
+        for sock in (self.cmd, self.up):
+            sock.close(linger=2000)
+
+
+class RemoteLink:
+    """One Curve TCP connection to the controller, relaying for this host's ranks."""
+
+    remote = True
+
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, rundir: str) -> None:
+        self.ctx = ctx
+        self.sock = sock
+        self.rundir = rundir
+        #: What this host's ranks emit arrives here, and goes up the connection unchanged.
+        self.rank_events = f"ipc://{rundir}/ev"
+        self.relay = ctx.socket(zmq.PULL)
+        self.relay.setsockopt(zmq.RCVHWM, 0)
+        self.relay.bind(self.rank_events)
+        self.down: dict[int, dict[str, zmq.Socket]] = {}
+        self.last_heard = time.monotonic()
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.sock, self.relay]
+
+    def send(self, frames: list[Any]) -> None:
+        wire.send(self.sock, frames)
+
+    def operations(self, sock: zmq.Socket) -> list[list[Any]]:
+        """Relay what is ready on ``sock``; return the messages for the agent itself."""
+        out: list[list[Any]] = []
+        while sock.poll(0):
+            frames = wire.recv(sock)
+            if sock is self.relay:
+                self.sock.send_multipart(frames, copy=False)
+                continue
+            self.last_heard = time.monotonic()
+            route, *message = frames
+            if not route.bytes:
+                out.append(message)
+            else:
+                self._relay_down(route.bytes, message)
+        return out
+
+    def _relay_down(self, route: bytes, frames: list[Any]) -> None:
+        channel, ranks = decode_route(route)
+        socks = [self.down[r][channel] for r in ranks if r in self.down]
+        wire.fan_out(socks, [f.buffer if isinstance(f, zmq.Frame) else f for f in frames])
+
+    def connect_rank(self, rank: int, generation: int, rundir: str) -> None:
+        """Point ``rank``'s sockets at its process forked in ``generation`` (before the fork:
+        ZeroMQ queues what arrives until the rank binds)."""
+        for sock in self.down.pop(rank, {}).values():
+            sock.close(linger=0)
+        socks = {}
+        for channel in msg.CHANNELS:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 10)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
+            sock.connect(wire.rank_address(rundir, rank, generation, channel))
+            socks[channel] = sock
+        self.down[rank] = socks
+
+    def close(self) -> None:
+        for socks in self.down.values():
+            for sock in socks.values():
+                sock.close(linger=0)
+        self.relay.close(linger=0)
+        self.sock.close(linger=1000)
+
+
+# -- the two ways an agent on another host connects --------------------------------------------
+
+
+class Bootstrap:
+    """What a remote agent needs before it can talk to its controller: the mesh key, the Curve
+    keys, and how long it may go without hearing from the controller. It arrives on the ssh
+    session's stdin or in a join token, never on a command line."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.key = bytes.fromhex(data["key"])
+        self.server_public = data["server_public"].encode()
+        self.lost_s = float(data.get("lost_s", 15.0))
+        self.data = data
+
+
+def listen(ctx: zmq.Context, data: dict[str, Any]) -> tuple[zmq.Socket, net.ZapHandler]:
+    """Bind a Curve server socket only the controller's key may use, and say where on stdout."""
+    boot = Bootstrap(data)
+    allowlist = net.Allowlist({data["controller_public"].encode(): None})
+    zap = allowlist.serve(ctx)
+    sock = _link_socket(ctx)
+    net.curve_server(sock, net.Keys(boot.server_public, data["server_secret"].encode()))
+    address = advertised_address(data.get("controller_hint"))
+    bind = "127.0.0.1" if data.get("tunnel") else address
+    port = net.bind_in_range(sock, bind)
+    info = {"addr": address, "port": port, "pid": os.getpid(), "hostname": socket.gethostname(),
+            "store_port": net.free_port_in_range(address)}
+    sys.stdout.write(f"{LISTENING} {json.dumps(info)}\n")
+    sys.stdout.flush()
+    return sock, zap
+
+
+def join(ctx: zmq.Context, data: dict[str, Any]) -> zmq.Socket:
+    """Dial the controller with the join key and announce this host."""
+    sock = _link_socket(ctx)
+    sock.setsockopt(zmq.IDENTITY, os.urandom(8).hex().encode())
+    net.curve_client(sock, net.Keys.from_json(data["join"]), data["server_public"].encode())
+    host, port = data["controller"]
+    sock.connect(net.tcp_address(host, port))
+    address = net.route_to(host)
+    hello = wire.Wire(bytes.fromhex(data["key"])).pack(
+        {msg.KIND: msg.JOIN, msg.ID: None},
+        {"addr": address, "pid": os.getpid(), "hostname": socket.gethostname(),
+         "store_port": net.free_port_in_range(address)})
+    wire.send(sock, hello)
+    return sock
+
+
+def _link_socket(ctx: zmq.Context) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 1000)
+    return sock
+
+
+def advertised_address(hint: str | None = None) -> str:
+    """The address of the interface that routes to the controller.
+
+    Under ssh, ``SSH_CONNECTION`` names the address the client came from (the controller, or
+    the last jump host on its way): the interface routing there is the one the controller (or
+    the tunnel) reaches. Without it, the controller's address as the launcher knew it.
+    """
+    client = (os.environ.get("SSH_CONNECTION") or "").split()
+    peer = client[0] if client else hint
+    if not peer:
+        return "127.0.0.1"
+    try:
+        return net.route_to(peer)
+    except OSError:
+        return client[2] if len(client) > 2 else "127.0.0.1"

@@ -1,0 +1,257 @@
+"""The controller's side of a mesh across hosts: one Curve connection per remote host agent.
+
+Requests for the ranks of a remote host travel once per host, with a route naming the
+channel and ranks; the agent fans them out (:mod:`meshbook.mesh.agent.link`). What the ranks
+send comes back up the same connection, signed by the ranks, and goes through the
+controller's one handler table like local traffic.
+
+A ZeroMQ socket belongs to one thread at a time, and a connection both sends and receives, so
+every link socket is owned by the controller's receiver thread: other threads hand what they
+send to an in-process *outbox* that the receiver drains (one hop inside the process, a few
+microseconds, and big buffers still by reference).
+
+Liveness: the receiver pings every remote agent each second (:data:`~meshbook.mesh.protocol.messages.HOST_PING_S`)
+and times the answer; a host not heard from for 5 s is *suspect*, for 15 s *lost*
+(configurable): its ranks are dead and the runs that waited on them fail with
+"host NAME lost: ranks ...". The agent, hearing nothing for as long, stops its ranks.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from ..protocol import messages as msg
+from ..protocol import net, wire
+from ..protocol.text import format_ranks
+
+_HOST = struct.Struct("<I")
+
+
+@dataclass
+class HostLink:
+    """A remote host agent as the controller sees it."""
+
+    host: int
+    name: str  # what the user called it (the ssh host, or the joined host's name)
+    address: str  # the address the agent advertised: its interface that routes to us
+    ranks: list[int]
+    sock: zmq.Socket | None = None  # a DEALER we dialled (None: it joined our ROUTER)
+    identity: bytes = b""  # its routing id on the join ROUTER
+    agent_pid: int | None = None
+    hostname: str = ""
+    store_port: int = 0
+    last_heard: float = field(default_factory=time.monotonic)
+    last_ping: float = 0.0
+    rtt: float | None = None
+    state: str = "ok"  # ok | suspect | lost | stopped (it confirmed a stop)
+
+    def describe(self) -> str:
+        return f"host {self.name} ({self.address}): ranks {format_ranks(self.ranks)}"
+
+
+@dataclass(frozen=True)
+class Joined:
+    """An agent that joined, before the controller gave it a place in the mesh."""
+
+    identity: bytes
+    address: str
+    hostname: str
+    pid: int
+    store_port: int
+
+
+class Network:
+    """Curve keys, the allowlist, the links, and the outbox through which any thread sends."""
+
+    def __init__(self, ctx: zmq.Context, key: bytes, suspect_s: float = msg.HOST_SUSPECT_S,
+                 lost_s: float = msg.HOST_LOST_S) -> None:
+        self.ctx = ctx
+        self.key = key
+        self.suspect_s, self.lost_s = suspect_s, lost_s
+        self.server = net.Keys.new()  # the mesh's server key (agents listen with it)
+        self.me = net.Keys.new()  # the controller's own key: the only one a listening agent admits
+        self.links: dict[int, HostLink] = {}
+        self.router: zmq.Socket | None = None  # where joining agents dial in
+        self.joined: list[Joined] = []
+        self.joined_changed = threading.Condition()
+        self.allowlist = net.Allowlist({})
+        self._zap: net.ZapHandler | None = None
+        self._outbox_in = ctx.socket(zmq.PULL)
+        self._outbox_in.bind(f"inproc://outbox-{id(self)}")
+        self._outbox = ctx.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.SNDHWM, 0)
+        self._outbox.connect(f"inproc://outbox-{id(self)}")
+        #: Bumped when a socket is added, so the receiver polls it too; ``wake`` tells it now.
+        self.version = 0
+        self.wake: Callable[[], None] = lambda: None
+
+    # -- making links ----------------------------------------------------------------------------
+
+    def bootstrap(self, tunnel: bool = False) -> dict[str, Any]:
+        """What a listening agent is told on its ssh session's stdin (never on a command line)."""
+        return {"key": self.key.hex(), "server_public": self.server.public.decode(),
+                "server_secret": self.server.secret.decode(), "controller_public": self.me.public.decode(),
+                "lost_s": self.lost_s, "tunnel": tunnel}
+
+    def dial(self, host: int, name: str, ranks: list[int], info: dict[str, Any], address: str,
+             port: int) -> HostLink:
+        """Connect to a listening agent (Curve client with the controller's key)."""
+        sock = self.ctx.socket(zmq.DEALER)
+        for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000),
+                              (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000)):
+            sock.setsockopt(option, value)
+        net.curve_client(sock, self.me, self.server.public)
+        sock.connect(net.tcp_address(address, port))
+        link = HostLink(host, name, info["addr"], ranks, sock=sock, agent_pid=info.get("pid"),
+                        hostname=info.get("hostname", ""), store_port=int(info.get("store_port", 0)))
+        self._add(link)
+        return link
+
+    def open_join(self, address: str, hosts: int, timeout: float) -> dict[str, Any]:
+        """Listen for ``hosts`` joining agents; returns the token's content."""
+        join = net.Keys.new()
+        self.allowlist.allow(join.public, hosts)
+        self._zap = self.allowlist.serve(self.ctx)
+        router = self.ctx.socket(zmq.ROUTER)
+        for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000), (zmq.ROUTER_MANDATORY, 1)):
+            router.setsockopt(option, value)
+        net.curve_server(router, self.server)
+        port = net.bind_in_range(router, address)
+        self.router = router
+        self.version += 1
+        self.wake()
+        return {"controller": [address, port], "server_public": self.server.public.decode(),
+                "join": join.to_json(), "key": self.key.hex(), "lost_s": self.lost_s, "timeout": timeout}
+
+    def on_join(self, identity: bytes, body: dict[str, Any]) -> None:
+        with self.joined_changed:
+            if any(j.identity == identity for j in self.joined):
+                return
+            self.joined.append(Joined(identity, body["addr"], body["hostname"], int(body["pid"]),
+                                      int(body.get("store_port", 0))))
+            self.joined_changed.notify_all()
+
+    def adopt(self, host: int, joined: Joined, ranks: list[int]) -> HostLink:
+        link = HostLink(host, joined.hostname, joined.address, ranks, identity=joined.identity,
+                        agent_pid=joined.pid, hostname=joined.hostname, store_port=joined.store_port)
+        self._add(link)
+        return link
+
+    def _add(self, link: HostLink) -> None:
+        self.links[link.host] = link
+        self.version += 1
+        self.wake()
+
+    # -- sending (any thread, under the controller's send lock) ----------------------------------
+
+    def send(self, host: int, route: bytes, frames: list[Any]) -> None:
+        """Queue a message for ``host``'s agent: the receiver thread sends it."""
+        parts = [_HOST.pack(host), route, *frames]
+        if any(memoryview(f.buffer if isinstance(f, zmq.Frame) else f).nbytes >= wire.ZERO_COPY_MIN
+               for f in frames[1:]):
+            tracker = self._outbox.send_multipart(parts, copy=False, track=True)
+            tracker.wait()
+        else:
+            self._outbox.send_multipart(parts)
+
+    # -- the receiver thread's side ------------------------------------------------------------
+
+    def sockets(self) -> list[zmq.Socket]:
+        """Everything the receiver polls for the network."""
+        links = [link.sock for link in self.links.values() if link.sock is not None]
+        return [self._outbox_in, *links, *([self.router] if self.router is not None else [])]
+
+    def drain(self, sock: zmq.Socket, handle: Callable[[HostLink | None, list[Any]], None]) -> None:
+        """Handle what ``sock`` has ready: forward the outbox, or pass received messages on."""
+        while sock.poll(0):
+            frames = wire.recv(sock)
+            if sock is self._outbox_in:
+                self._forward(frames)
+            elif sock is self.router:
+                identity = frames[0].bytes
+                link = next((l for l in self.links.values() if l.identity == identity), None)
+                handle(self._heard(link), frames[1:])
+            else:
+                link = next(l for l in self.links.values() if l.sock is sock)
+                handle(self._heard(link), frames)
+
+    def _heard(self, link: HostLink | None) -> HostLink | None:
+        if link is not None:
+            link.last_heard = time.monotonic()
+            link.state = "ok" if link.state == "suspect" else link.state
+        return link
+
+    def _forward(self, parts: list[Any]) -> None:
+        head = parts[0]
+        (host,) = _HOST.unpack(head.bytes if isinstance(head, zmq.Frame) else head)
+        link = self.links.get(host)
+        if link is None or link.state == "lost":
+            return  # the host is gone: what waited for it has failed
+        frames = parts[1:]
+        try:
+            if link.sock is not None:
+                link.sock.send_multipart(frames, copy=False)
+            elif self.router is not None:
+                self.router.send_multipart([link.identity, *frames], copy=False)
+        except zmq.ZMQError:
+            pass  # EHOSTUNREACH: a joined agent reconnecting; its liveness check decides
+
+    def tick(self, ping: Callable[[], list[Any]], lost: Callable[[HostLink], None]) -> None:
+        """Ping every link that is due and mark the silent ones (receiver thread)."""
+        now = time.monotonic()
+        for link in list(self.links.values()):
+            if link.state in ("lost", "stopped"):
+                continue
+            silent = now - link.last_heard
+            if silent >= self.lost_s:
+                link.state = "lost"
+                lost(link)
+                continue
+            if silent >= self.suspect_s:
+                link.state = "suspect"
+            if now - link.last_ping >= msg.HOST_PING_S:
+                link.last_ping = now
+                self._forward([_HOST.pack(link.host), b"", *ping()])
+
+    def stop_agents(self, signer: wire.Wire, timeout: float) -> None:
+        """Tell every remote agent to stop its ranks and exit, and wait for each to confirm
+        (called once the receiver thread is gone, so this thread owns the sockets)."""
+        waiting = {l.host: l for l in self.links.values() if l.state in ("ok", "suspect")}
+        for link in waiting.values():
+            self._forward([_HOST.pack(link.host), b"", *signer.pack(
+                {msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []}, {"op": msg.AgentOp.STOP})])
+        poller = zmq.Poller()
+        for sock in self.sockets()[1:]:
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for sock in dict(poller.poll(left * 1000)):
+                self.drain(sock, lambda link, frames: self._confirmed(signer, link, frames, waiting))
+
+    @staticmethod
+    def _confirmed(signer: wire.Wire, link: HostLink | None, frames: list[Any],
+                   waiting: dict[int, HostLink]) -> None:
+        if link is None:
+            return
+        try:
+            message = signer.unpack(frames)
+        except wire.BadMessage:
+            return
+        if message.kind == msg.HOST_BEAT and message.body().get("stopped"):
+            link.state = "stopped"
+            waiting.pop(link.host, None)
+
+    def close(self) -> None:
+        socks = [self._outbox, self._outbox_in, *(l.sock for l in self.links.values() if l.sock is not None)]
+        if self.router is not None:
+            socks.append(self.router)
+        for sock in socks:
+            sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()

@@ -1,0 +1,286 @@
+"""Launchers for meshes across hosts: ``ssh`` (the system client) and ``join`` (any launcher).
+
+Both start one agent per host (``python -m meshbook.mesh.agent listen|join``) and hand the
+controller a connected link to each (:mod:`.hosts`); the controller then configures them.
+
+* :class:`SSH` runs the user's own ``ssh`` client, so ``~/.ssh/config`` (ProxyJump, keys, an
+  agent, ControlMaster) just works. The secrets go over the session's stdin, never on a
+  command line; the session stays open, so the agent also learns of a dead controller when
+  it closes. The agent listens and the controller dials it (compute nodes often cannot open
+  connections to a login node), directly at the address the agent advertised, or through an
+  ``ssh -L`` tunnel (``tunnel=True``) when the hosts are only reachable through ssh.
+* :class:`Join` prints one short command for any external launcher (a torchrun-style script,
+  a Kubernetes Job, mpirun) to run on every host, with a one-time token in a private file or
+  an environment variable, and waits until that many hosts joined. The joining agents dial
+  the controller: it must be reachable from the hosts, as torchrun's rendezvous endpoint is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import select
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+from ..protocol import messages as msg
+from ..protocol import net
+from ..protocol.errors import MeshError
+from ..protocol.remote import LISTENING, TOKEN_ENV, encode_token
+from .hosts import HostLink, Network
+from .launchers import AGENT_MODULE, HostPlan
+
+def plan_hosts(world_size: int, hosts: int | None, per_host: int | None, what: str) -> list[HostPlan]:
+    """Contiguous blocks of ranks, host by host (ranks 0-7 on the first of 8 per host)."""
+    if per_host is None:
+        if not hosts:
+            raise MeshError(f"{what}: say how many ranks go on each host (per_host=8, --per-host 8)")
+        per_host = math.ceil(world_size / hosts)
+    if per_host < 1:
+        raise MeshError(f"{what}: per_host={per_host}; give at least one rank per host")
+    needed = math.ceil(world_size / per_host)
+    if hosts is not None and needed != hosts:
+        raise MeshError(f"{what}: {world_size} ranks at {per_host} per host need {needed} host(s), "
+                        f"but {hosts} were given; change the number of ranks, per_host or the hosts")
+    return [HostPlan(h, list(range(h * per_host, min(world_size, (h + 1) * per_host)))) for h in range(needed)]
+
+
+class RemoteLauncher:
+    """What the launchers for other hosts share: liveness thresholds and planning."""
+
+    remote = True
+
+    def __init__(self, suspect_s: float | None, lost_s: float | None) -> None:
+        self.suspect_s = float(suspect_s if suspect_s is not None else
+                               os.environ.get("MESHBOOK_HOST_SUSPECT_S", msg.HOST_SUSPECT_S))
+        self.lost_s = float(lost_s if lost_s is not None else
+                            os.environ.get("MESHBOOK_HOST_LOST_S", msg.HOST_LOST_S))
+        if not 0 < self.suspect_s <= self.lost_s:
+            raise MeshError(f"host liveness: suspect after {self.suspect_s:g} s and lost after "
+                            f"{self.lost_s:g} s; give 0 < suspect_s <= lost_s")
+
+
+class SSH(RemoteLauncher):
+    """One agent per host, started through the system ``ssh`` client."""
+
+    def __init__(self, hosts: Sequence[str], per_host: int | None = None, python: str | None = None,
+                 ssh: str = "ssh", ssh_options: Sequence[str] = (), tunnel: bool = False,
+                 suspect_s: float | None = None, lost_s: float | None = None) -> None:
+        super().__init__(suspect_s, lost_s)
+        if isinstance(hosts, str):
+            hosts = [h for h in hosts.split(",") if h]
+        if not hosts:
+            raise MeshError("the ssh launcher needs hosts, e.g. SSH(['gpu1', 'gpu2']) or --hosts gpu1,gpu2")
+        self.hosts = list(hosts)
+        self.per_host = per_host
+        #: The Python on the hosts (default: the same path as this one, as on a shared install).
+        self.python = python or sys.executable
+        self.ssh = [ssh, "-T", "-o", "BatchMode=yes", *ssh_options]
+        self.tunnel = tunnel
+
+    def plan(self, world_size: int) -> list[HostPlan]:
+        return plan_hosts(world_size, len(self.hosts), self.per_host, "ssh launcher")
+
+    def launch(self, plans: list[HostPlan], network: Network, timeout: float) -> list["SshAgent"]:
+        boot = json.dumps(network.bootstrap(self.tunnel)) + "\n"
+        command = f"exec {shlex.quote(self.python)} -m {AGENT_MODULE} listen"
+        agents = [SshAgent(self.hosts[p.host], [*self.ssh, self.hosts[p.host], command]) for p in plans]
+        for agent in agents:
+            agent.send(boot)
+        deadline = time.monotonic() + timeout
+        for plan, agent in zip(plans, agents):
+            info = agent.wait_listening(deadline, self.python)
+            address, port = info["addr"], info["port"]
+            if self.tunnel:
+                port = agent.open_tunnel([*self.ssh, "-N", "-o", "ExitOnForwardFailure=yes"], info["port"])
+                address = "127.0.0.1"
+            network.dial(plan.host, agent.name, plan.ranks, info, address, port)
+        return agents
+
+
+class SshAgent:
+    """An agent started through ssh: the session stays open for the agent's whole life."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        fd, self.log = tempfile.mkstemp(prefix="meshbook-ssh-", suffix=".log")
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=fd, start_new_session=True)
+        finally:
+            os.close(fd)
+        self.tunnel: subprocess.Popen[bytes] | None = None
+        self._said: list[str] = []
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode())
+        self.proc.stdin.flush()
+
+    def wait_listening(self, deadline: float, python: str) -> dict[str, Any]:
+        """The agent's address, from the line it prints once it listens."""
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.fileno()
+        buffered = b""
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([out], [], [], min(left, 0.5))[0]:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            chunk = os.read(out, 65536)
+            if not chunk:
+                break
+            buffered += chunk
+            *lines, buffered = buffered.split(b"\n")
+            for line in lines:
+                text = line.decode(errors="replace")
+                if text.startswith(LISTENING):
+                    return json.loads(text[len(LISTENING):])  # type: ignore[no-any-return]
+                self._said.append(text)
+        self.terminate(2.0)
+        raise MeshError(f"could not start the agent on {self.name} through ssh "
+                        f"({self.exit_reason()}). Check that `ssh {self.name}` works without a "
+                        f"password prompt and that {python} there has meshbook installed (pass "
+                        f"python='/path/to/python' or --python)")
+
+    def open_tunnel(self, ssh: list[str], remote_port: int) -> int:
+        """Forward a local port to the agent's port on its own loopback; returns the local port."""
+        port = net.free_port_in_range("127.0.0.1")
+        self.tunnel = subprocess.Popen([*ssh, "-L", f"127.0.0.1:{port}:127.0.0.1:{remote_port}", self.name],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True)
+        return port
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exit_reason(self) -> str:
+        code = self.proc.poll()
+        what = ("running" if code is None else
+                f"the ssh session to {self.name} ended with exit code {code}")
+        try:
+            with open(self.log, errors="replace") as f:
+                tail = "\n".join([*self._said, f.read()]).strip()[-3000:]
+        except OSError:
+            tail = ""
+        return what + (f"; its output ends with:\n{tail}" if tail else "")
+
+    def terminate(self, timeout: float = 5.0) -> None:
+        """Close the session's stdin (the agent stops its ranks and exits); force it after ``timeout``."""
+        for proc in filter(None, (self.proc, self.tunnel)):
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.close()
+            except OSError:
+                pass
+        for proc in filter(None, (self.proc, self.tunnel)):
+            if proc is self.tunnel:
+                proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        try:
+            os.unlink(self.log)
+        except OSError:
+            pass
+
+
+class Join(RemoteLauncher):
+    """Hosts join by running one printed command (from any launcher) with a one-time token."""
+
+    def __init__(self, hosts: int | None = None, per_host: int | None = None, address: str | None = None,
+                 token_dir: str | None = None, announce: Callable[[str], None] | None = None,
+                 suspect_s: float | None = None, lost_s: float | None = None) -> None:
+        super().__init__(suspect_s, lost_s)
+        self.hosts, self.per_host = hosts, per_host
+        #: The address the hosts dial (default: this machine's address on its default route).
+        self.address = address
+        #: Where the token file goes: the home directory is what cluster hosts usually share.
+        self.token_dir = token_dir or os.path.join(os.path.expanduser("~"), ".meshbook")
+        self.announce = announce or (lambda text: print(text, flush=True))
+        self.token_path: str | None = None
+
+    def plan(self, world_size: int) -> list[HostPlan]:
+        return plan_hosts(world_size, self.hosts, self.per_host, "join launcher")
+
+    def launch(self, plans: list[HostPlan], network: Network, timeout: float) -> list["JoinedAgent"]:
+        address = self.address or default_address()
+        token = encode_token(network.open_join(address, len(plans), timeout))
+        self.token_path = self._write_token(token)
+        self.announce(self.instructions(len(plans)))
+        try:
+            joined = self._wait(network, len(plans), time.monotonic() + timeout)
+        finally:
+            self._remove_token()
+        for plan, agent in zip(plans, joined):
+            network.adopt(plan.host, agent, plan.ranks)
+        return [JoinedAgent(network.links[p.host]) for p in plans]
+
+    def instructions(self, hosts: int) -> str:
+        command = f"python -m {AGENT_MODULE} join"
+        return (f"Waiting for {hosts} host(s) to join. On each, run (with meshbook installed):\n"
+                f"  {command} --token-file {self.token_path}\n"
+                f"or, where that file is not shared, with the token in the environment:\n"
+                f"  {TOKEN_ENV}=\"$(cat {self.token_path})\" {command}\n"
+                f"The token is a secret (it admits {hosts} host(s) to this mesh, once): the file is "
+                f"readable by you only and is removed when the hosts have joined.")
+
+    def _write_token(self, token: str) -> str:
+        os.makedirs(self.token_dir, mode=0o700, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix="join-", suffix=".token", dir=self.token_dir)  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return path
+
+    def _remove_token(self) -> None:
+        if self.token_path is not None:
+            try:
+                os.unlink(self.token_path)
+            except OSError:
+                pass
+
+    @staticmethod
+    def _wait(network: Network, hosts: int, deadline: float) -> list[Any]:
+        with network.joined_changed:
+            while len(network.joined) < hosts:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    names = ", ".join(j.hostname for j in network.joined) or "none"
+                    raise MeshError(f"only {len(network.joined)} of {hosts} host(s) joined in time "
+                                    f"(joined: {names}); pass a larger timeout=, or check that the "
+                                    f"hosts can reach this machine")
+                network.joined_changed.wait(min(left, 0.25))
+            return sorted(network.joined, key=lambda j: (j.hostname, j.address))[:hosts]
+
+
+class JoinedAgent:
+    """An agent some other launcher started: known only through its connection."""
+
+    def __init__(self, link: HostLink) -> None:
+        self.link = link
+
+    def alive(self) -> bool:
+        return True  # its liveness is its heartbeat (see hosts.py): a silent host is lost there
+
+    def exit_reason(self) -> str:
+        return f"{self.link.describe()} is {self.link.state}"
+
+    def terminate(self, timeout: float = 5.0) -> None:
+        """Nothing to do: the controller told it to stop over its connection."""
+
+
+def default_address() -> str:
+    """This machine's address on its default route (what other hosts most likely reach)."""
+    try:
+        return net.route_to("192.0.2.1")  # TEST-NET-1: only the routing table is asked
+    except OSError:
+        return "127.0.0.1"

@@ -1,0 +1,43 @@
+"""What the controller and a host agent on another host agree on, besides messages.
+
+* Every message to an agent is ``[route, *message frames]``: an empty route is an operation
+  for the agent itself; otherwise the route names a channel and the ranks of that host the
+  agent relays the (unchanged, rank-signed) message to. One message per host, fanned out there.
+* A listening agent (started through ssh) prints one line, :data:`LISTENING` and a JSON
+  object (its address, port, pid), once the controller can dial it.
+* A joining agent (started by any launcher) reads a token, from a file or :data:`TOKEN_ENV`:
+  the controller's address, the Curve keys and the mesh key, base64 over JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from typing import Any
+
+LISTENING = "MESHBOOK-AGENT-LISTENING"
+TOKEN_ENV = "MESHBOOK_JOIN_TOKEN"
+
+
+def encode_route(channel: str, ranks: list[int]) -> bytes:
+    return channel.encode() + struct.pack(f"<{len(ranks)}I", *ranks)
+
+
+def decode_route(route: bytes) -> tuple[str, list[int]]:
+    return route[:1].decode(), list(struct.unpack(f"<{(len(route) - 1) // 4}I", route[1:]))
+
+
+def encode_token(data: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(data).encode()).decode()
+
+
+def decode_token(text: str) -> dict[str, Any]:
+    """The token's content; ValueError if it is not a whole meshbook join token."""
+    try:
+        data = json.loads(base64.urlsafe_b64decode(text.strip().encode()))
+        if not all(k in data for k in ("controller", "join", "key", "server_public")):
+            raise ValueError("fields missing")
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"not a meshbook join token ({exc})") from None
+    return data  # type: ignore[no-any-return]
