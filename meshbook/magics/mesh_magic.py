@@ -15,7 +15,17 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..mesh import CellSyntaxError, MeshError, RemoteError, parse_dims, parse_where, start, status_table
+from ..mesh import (
+    SSH,
+    CellSyntaxError,
+    Join,
+    MeshError,
+    RemoteError,
+    parse_dims,
+    parse_where,
+    start,
+    status_table,
+)
 from .base import command, describe, require_mesh, running_mesh
 from .data_commands import DataCommands, parse_size
 from .debug_commands import DebugCommands
@@ -125,15 +135,26 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @argument("--collective-timeout", type=float, default=300.0,
               help="seconds before a hung collective fails on its own (default 300)")
     @argument("--force", action="store_true", help="stop a running mesh and start a new one")
+    @argument("--hosts", help="start the ranks on these hosts through ssh: gpu1,gpu2 "
+                              "(your ~/.ssh/config applies)")
+    @argument("--per-host", type=int, help="ranks per host (default: ranks / hosts)")
+    @argument("--python", help="the Python on the hosts (default: this kernel's path)")
+    @argument("--tunnel", action="store_true",
+              help="reach the hosts' agents through ssh tunnels (hosts reachable only by ssh)")
+    @argument("--join", action="store_true",
+              help="print a command for any launcher to run on each host, and wait for them")
+    @argument("--join-address", help="--join: the address the hosts dial (default: this "
+                                     "machine's address on its default route)")
     @command
     def start(self, line: str) -> None:
-        """Start a mesh of ranks on this machine: %mesh start -n 4 --dims dp=2,tp=2"""
+        """Start a mesh: %mesh start -n 4 --dims dp=2,tp=2 (this machine),
+        %mesh start --hosts gpu1,gpu2 --per-host 8 (ssh), %mesh start --join -n 16 --per-host 8"""
         args = parse_argstring(self.start, line)
         if args.n is None and not args.dims:
             raise UsageError("say how many ranks: %mesh start -n 4 (or --dims dp=2,tp=2)")
         options = {"n": args.n, "dims": parse_dims(args.dims) if args.dims else None,
                    "backend": args.backend, "timeout": args.timeout,
-                   "collective_timeout": args.collective_timeout}
+                   "collective_timeout": args.collective_timeout, "launcher": _launcher(args)}
         running = running_mesh()
         if running is not None:
             if not args.force:
@@ -177,12 +198,16 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @magic_arguments(name="mesh status")
     @command
     def status(self, line: str) -> None:
-        """Show each rank: host, pid, device, coordinates and state."""
+        """Show each rank: host, pid, device, coordinates and state; for a mesh across hosts,
+        each host too: address, agent pid, ranks, round trip and last heartbeat."""
         parse_argstring(self.status, line)
         mesh = require_mesh()
         rows = [{"rank": s.rank, "host": s.hostname, "pid": s.pid or "-", "device": s.device,
                  **{k: v for k, v in mesh.topology.coords(s.rank).items()},
                  "state": s.state + (f" ({s.cause})" if s.cause else "")} for s in mesh.status()]
+        hosts = mesh.hosts()
+        if hosts:
+            print(status_table([h.row() for h in hosts]))
         print(f"{describe(mesh)}\n{status_table(rows)}")
 
     @magic_arguments(name="mesh on")
@@ -209,6 +234,22 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     def unload(self) -> None:
         if self._auto:
             self.off("")
+
+
+def _launcher(args: argparse.Namespace) -> Any:
+    """The launcher ``%mesh start``'s options ask for: local, ssh (--hosts) or join (--join)."""
+    if args.hosts and args.join:
+        raise UsageError("--hosts (ssh) and --join are two ways to start on other hosts: pick one")
+    if args.hosts:
+        return SSH(args.hosts.split(","), per_host=args.per_host, python=args.python, tunnel=args.tunnel)
+    if args.join:
+        return Join(per_host=args.per_host, address=args.join_address)
+    for flag in ("per_host", "python", "join_address"):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')} goes with --hosts or --join")
+    if args.tunnel:
+        raise UsageError("--tunnel goes with --hosts")
+    return "local"
 
 
 def _auto_mesh(lines: list[str]) -> list[str]:

@@ -217,7 +217,7 @@ class Agent:
             poller.register(sys.stdin.fileno(), zmq.POLLIN)
         poller.register(rfd, zmq.POLLIN)
         for rank in self.my_ranks:
-            self.spawn(rank, 0)
+            self.spawn(rank, self.cfg.get("generation", 0))
         self.emit(msg.AGENT, None, {"pid": os.getpid(), "hostname": socket.gethostname(),
                                   "pids": {r: p.pid for r, p in self.procs.items()}})
         lost_s = float(self.cfg.get("lost_s", 15.0))

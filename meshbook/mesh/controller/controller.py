@@ -102,6 +102,7 @@ class Controller:
         #: Ranks on other hosts: requests go once per host, through its agent (see hosts.py).
         self.remote = bool(getattr(launcher, "remote", False))
         self.network: Network | None = None
+        self._relaunching: set[int] = set()
         self._down: dict[int, dict[str, zmq.Socket]] = {}
         if not self.remote:
             for r in self.ranks:
@@ -201,19 +202,32 @@ class Controller:
         self.network = Network(self.ctx, self.wire.key, self.launcher.suspect_s, self.launcher.lost_s)
         self.network.wake = self._wake
         self.agents = self.launcher.launch(self.plans, self.network, timeout)
-        first = self.network.links[0]
-        store = [first.address, first.store_port]
         for plan in self.plans:
-            link = self.network.links[plan.host]
-            config = {
-                "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks,
-                "dims": list(self.topology.dims), "backend": self.backend, "listen_addr": link.address,
-                "store": store, "serve_store": plan.host == 0, "master_port": first.store_port,
-                "collective_timeout": self.collective_timeout}
-            frames = self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: plan.ranks},
-                                    {"op": msg.AgentOp.CONFIGURE, "config": config})
-            with self._send_lock:
-                self.network.send(plan.host, b"", frames)
+            self._configure(plan, 0)
+
+    def _configure(self, plan: HostPlan, generation: int) -> None:
+        """Send a remote agent its configuration: it forks its ranks into ``generation``."""
+        assert self.network is not None
+        link, store = self.network.links[plan.host], self.store_addr
+        assert store is not None
+        config = {
+            "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks, "generation": generation,
+            "dims": list(self.topology.dims), "backend": self.backend, "listen_addr": link.address,
+            "store": list(store), "serve_store": plan.host == 0, "master_port": store[1],
+            "collective_timeout": self.collective_timeout}
+        frames = self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: plan.ranks},
+                                {"op": msg.AgentOp.CONFIGURE, "config": config})
+        with self._send_lock:
+            self.network.send(plan.host, b"", frames)
+
+    @property
+    def store_addr(self) -> tuple[str, int] | None:
+        """Where the ranks of a mesh across hosts meet: host 0's agent keeps the store (None:
+        a file store on this host)."""
+        if self.network is None or 0 not in self.network.links:
+            return None
+        first = self.network.links[0]
+        return first.address, first.store_port
 
     def _wake(self) -> None:
         """Make the receiver poll new sockets now (it looks again every 250 ms anyway)."""
@@ -392,14 +406,38 @@ class Controller:
         if not ranks:
             return
         # Sockets first: a request sent once the rank is no longer "dead" goes to the new process.
-        with self._send_lock:
-            for r in ranks:
-                self._connect_rank(r, generation)
+        if not self.remote:  # a remote host's agent points its own sockets at the new ranks
+            with self._send_lock:
+                for r in ranks:
+                    self._connect_rank(r, generation)
         with self._lock:
             for r in ranks:
                 state = self.ranks[r]
                 state.state, state.cause, state.lost_namespace = "starting", "", True
-        self.agent_op(msg.AgentOp.SPAWN, ranks, generation=generation)
+        gone = self._hosts_gone(ranks)
+        for host in gone:
+            self._relaunch(self.plans[host], generation)
+        self.agent_op(msg.AgentOp.SPAWN, [r for r in ranks if self.host_of[r] not in gone], generation=generation)
+
+    def _hosts_gone(self, ranks: list[int]) -> list[int]:
+        """The hosts of ``ranks`` whose agent is gone (lost, or its process ended)."""
+        if self.network is None:
+            return []
+        hosts = sorted({self.host_of[r] for r in ranks})
+        return [h for h in hosts if self.network.links[h].state in ("lost", "stopped")
+                or not self.agents[h].alive()]
+
+    def _relaunch(self, plan: HostPlan, generation: int, timeout: float = 120.0) -> None:
+        """Start a new agent for a host whose agent is gone (``%mesh restart`` of its ranks);
+        the other hosts' ranks keep their variables."""
+        assert self.network is not None
+        self._relaunching.add(plan.host)  # its old agent's end is no news for _check_agents
+        try:
+            self.agents[plan.host].terminate(1.0)
+            self.agents[plan.host] = self.launcher.relaunch(plan, self.network, timeout)
+        finally:
+            self._relaunching.discard(plan.host)
+        self._configure(plan, generation)
 
     def current_request(self, rank: int) -> int | None:
         """The exec request ``rank`` is running now (the head of its queue)."""
@@ -468,6 +506,7 @@ class Controller:
         while not self.stopped:
             if self.network is not None and self.network.version != version:
                 poller, version = self._poller(), self.network.version
+                self.network.close_retired()
             ready = dict(poller.poll(250))
             if self._wake_recv in ready and self._wake_recv.recv() == b"stop":
                 break
@@ -728,7 +767,7 @@ class Controller:
         if self.stopped or not self.agents:
             return
         for host, agent in enumerate(self.agents):
-            if agent.alive():
+            if agent.alive() or host in self._relaunching:
                 continue
             ranks = [r for r in self.plans[host].ranks if self.ranks[r].state != "dead"]
             if self.remote:  # the other hosts' ranks live on: the mesh is degraded, not stopped

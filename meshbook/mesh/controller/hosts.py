@@ -54,6 +54,14 @@ class HostLink:
     def describe(self) -> str:
         return f"host {self.name} ({self.address}): ranks {format_ranks(self.ranks)}"
 
+    def row(self) -> dict[str, Any]:
+        """This host as a row of ``%mesh status``."""
+        heard = time.monotonic() - self.last_heard
+        return {"host": self.name, "address": self.address, "agent pid": self.agent_pid or "-",
+                "ranks": format_ranks(self.ranks),
+                "round trip": f"{self.rtt * 1000:.1f} ms" if self.rtt is not None else "-",
+                "last heartbeat": f"{heard:.1f} s ago", "state": self.state}
+
 
 @dataclass(frozen=True)
 class Joined:
@@ -81,6 +89,7 @@ class Network:
         self.joined: list[Joined] = []
         self.joined_changed = threading.Condition()
         self.allowlist = net.Allowlist({})
+        self._retired: list[zmq.Socket] = []
         self._zap: net.ZapHandler | None = None
         self._outbox_in = ctx.socket(zmq.PULL)
         self._outbox_in.bind(f"inproc://outbox-{id(self)}")
@@ -144,9 +153,17 @@ class Network:
         return link
 
     def _add(self, link: HostLink) -> None:
+        old = self.links.get(link.host)
+        if old is not None and old.sock is not None:
+            self._retired.append(old.sock)  # the receiver owns it: it closes it
         self.links[link.host] = link
         self.version += 1
         self.wake()
+
+    def close_retired(self) -> None:
+        """Close the sockets of replaced links (receiver thread, when it re-polls)."""
+        while self._retired:
+            self._retired.pop().close(linger=0)
 
     # -- sending (any thread, under the controller's send lock) ----------------------------------
 
@@ -251,6 +268,7 @@ class Network:
         socks = [self._outbox, self._outbox_in, *(l.sock for l in self.links.values() if l.sock is not None)]
         if self.router is not None:
             socks.append(self.router)
+        self.close_retired()
         for sock in socks:
             sock.close(linger=0)
         if self._zap is not None:

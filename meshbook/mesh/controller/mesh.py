@@ -27,6 +27,7 @@ from ..rank import ops
 from .controller import Controller, RankState
 from .data import DataOps
 from .debug import DebugOps
+from .hosts import HostLink
 from .launchers import Launcher, get_launcher
 from .memory import MemoryReport, memory_report
 from .metrics import MetricsHistory
@@ -217,6 +218,12 @@ class Mesh(DebugOps, DataOps):
     def status(self) -> list[RankState]:
         """Each rank's state: pid, host, device, idle/busy/dead, last heartbeat."""
         return [self.controller.ranks[r] for r in self._ranks]
+
+    def hosts(self) -> list[HostLink]:
+        """The hosts of a mesh across hosts (empty on one host): address, agent pid, ranks,
+        round trip, last heartbeat and state (ok, suspect, lost)."""
+        network = self.controller.network
+        return [network.links[h] for h in sorted(network.links)] if network is not None else []
 
     def interrupt(self, ranks: Sequence[int] | str | int | None = None) -> None:
         """SIGINT to the selected ranks: running user code raises ``KeyboardInterrupt``."""

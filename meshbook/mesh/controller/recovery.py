@@ -88,9 +88,10 @@ def _recover(controller: "Controller", restart: list[int], timeout: float) -> Re
     survivors = [r for r in controller.ranks if r not in restarted]
     # Whatever these ranks were running is aborted by what follows, collective or not.
     interrupted = [r for r in survivors if controller.current_request(r) is not None]
-    joined = controller.call(reinit, generation, ranks=survivors,
-                             what="re-create the process group") if survivors else None
+    # Re-forked first: a host re-formed elsewhere brings the store with it (across hosts).
     controller.respawn(restarted, generation)
+    joined = controller.call(reinit, generation, controller.store_addr, ranks=survivors,
+                             what="re-create the process group") if survivors else None
 
     def stuck() -> list[int]:
         return [r for r in survivors if controller.busy_with_other(r, joined.id)] if joined else []

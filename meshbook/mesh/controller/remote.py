@@ -87,20 +87,33 @@ class SSH(RemoteLauncher):
         return plan_hosts(world_size, len(self.hosts), self.per_host, "ssh launcher")
 
     def launch(self, plans: list[HostPlan], network: Network, timeout: float) -> list["SshAgent"]:
+        """Start every host's agent at once, then dial each as it says where it listens."""
         boot = json.dumps(network.bootstrap(self.tunnel)) + "\n"
         command = f"exec {shlex.quote(self.python)} -m {AGENT_MODULE} listen"
         agents = [SshAgent(self.hosts[p.host], [*self.ssh, self.hosts[p.host], command]) for p in plans]
-        for agent in agents:
-            agent.send(boot)
         deadline = time.monotonic() + timeout
-        for plan, agent in zip(plans, agents):
-            info = agent.wait_listening(deadline, self.python)
-            address, port = info["addr"], info["port"]
-            if self.tunnel:
-                port = agent.open_tunnel([*self.ssh, "-N", "-o", "ExitOnForwardFailure=yes"], info["port"])
-                address = "127.0.0.1"
-            network.dial(plan.host, agent.name, plan.ranks, info, address, port)
+        try:
+            for plan, agent in zip(plans, agents):
+                agent.send(boot)
+                self._dial(plan, agent, network, deadline)
+        except BaseException:
+            for agent in agents:
+                agent.terminate(1.0)
+            raise
         return agents
+
+    def relaunch(self, plan: HostPlan, network: Network, timeout: float) -> "SshAgent":
+        """A new agent for a host whose agent was lost (the same host, or the one that now
+        stands at its place in ``hosts``)."""
+        return self.launch([plan], network, timeout)[0]
+
+    def _dial(self, plan: HostPlan, agent: "SshAgent", network: Network, deadline: float) -> None:
+        info = agent.wait_listening(deadline, self.python)
+        address, port = info["addr"], info["port"]
+        if self.tunnel:
+            port = agent.open_tunnel([*self.ssh, "-N", "-o", "ExitOnForwardFailure=yes"], info["port"])
+            address = "127.0.0.1"
+        network.dial(plan.host, agent.name, plan.ranks, info, address, port)
 
 
 class SshAgent:
@@ -224,6 +237,11 @@ class Join(RemoteLauncher):
         for plan, agent in zip(plans, joined):
             network.adopt(plan.host, agent, plan.ranks)
         return [JoinedAgent(network.links[p.host]) for p in plans]
+
+    def relaunch(self, plan: HostPlan, network: Network, timeout: float) -> "JoinedAgent":
+        raise MeshError(f"host {network.links[plan.host].name} joined from an external launcher, "
+                        f"which meshbook cannot start again: stop this mesh and start a new one "
+                        f"(%mesh stop, then %mesh start --join ...)")
 
     def instructions(self, hosts: int) -> str:
         command = f"python -m {AGENT_MODULE} join"

@@ -104,8 +104,11 @@ def pending_collectives() -> tuple[Collective, ...]:
 # -- recovery (mesh/controller/recovery.py) -----------------------------------------------------
 
 
-def reinit(worker: "Worker", generation: int) -> None:
-    """Leave the old process group and join generation ``generation``'s (exec thread)."""
+def reinit(worker: "Worker", generation: int, store: tuple[str, int] | None = None) -> None:
+    """Leave the old process group and join generation ``generation``'s (exec thread), at
+    ``store`` when a mesh across hosts has its store somewhere new (its host was re-formed)."""
+    if store is not None:
+        worker.move_store(tuple(store))
     with worker.shielded():
         worker.reinit(generation)
 

@@ -169,6 +169,10 @@ class Worker:
         self.emit(msg.HELLO, None, {"pid": os.getpid(), "host": socket.gethostname()})
         self.reinit(cfg.generation)
 
+    def move_store(self, store: tuple[str, int]) -> None:
+        """Meet the other ranks at ``store`` from the next generation on (across hosts)."""
+        self.cfg = replace(self.cfg, store_addr=store)
+
     def reinit(self, generation: int) -> None:
         """Join process-group ``generation`` and tell the controller (start and recovery)."""
         try:
