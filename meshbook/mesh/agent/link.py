@@ -158,7 +158,7 @@ class Bootstrap:
 def listen(ctx: zmq.Context, data: dict[str, Any]) -> tuple[zmq.Socket, net.ZapHandler]:
     """Bind a Curve server socket only the controller's key may use, and say where on stdout."""
     boot = Bootstrap(data)
-    allowlist = net.Allowlist({data["controller_public"].encode(): None})
+    allowlist = net.Allowlist({data["controller_public"].encode()})
     zap = allowlist.serve(ctx)
     sock = _link_socket(ctx)
     net.curve_server(sock, net.Keys(boot.server_public, data["server_secret"].encode()))

@@ -545,19 +545,18 @@ class Controller:
             _log(f"receiver: {type(exc).__name__}: {exc}")
             return None
 
-    def _from_host(self, link: HostLink | None, frames: list[Any]) -> None:
+    def _from_host(self, link: HostLink | None, identity: bytes, frames: list[Any]) -> None:
         """A message up a remote host's connection (``link`` None: an agent not placed yet,
         which can only be joining)."""
         if link is not None:
             self._take(frames)
             return
-        identity, frames = frames[0], frames[1:]
         try:
             message = self.wire.unpack(frames)
         except wire.BadMessage:
             return
         if message.kind == msg.JOIN and self.network is not None:
-            self.network.on_join(identity.bytes, message.body())
+            self.network.on_join(identity, message.body())
         else:
             self.unknown_kinds[f"{message.kind} (before joining)"] += 1
 
@@ -578,7 +577,8 @@ class Controller:
         """Nothing heard from ``link``'s agent for the loss timeout: its ranks are gone."""
         cause = (f"host {link.name} lost: ranks {format_ranks(link.ranks)} (nothing heard from its "
                  f"agent for {self.network.lost_s if self.network else 0:g} s)")
-        self._ranks_died([r for r in link.ranks if self.ranks[r].state != "dead"], {"cause": cause})
+        self._ranks_died([r for r in link.ranks if self.ranks[r].state != "dead"],
+                         {"cause": cause, "lost_hosts": [link.address]})
 
     def _handle(self, message: wire.Message) -> None:
         handler = self._handlers.get(message.kind)
@@ -718,7 +718,8 @@ class Controller:
             note += (f" Rank(s) {format_ranks(stranded)} ran beside it: meshbook freed them from "
                      f"anything waiting on it.")
             reason = f"meshbook aborted what this rank ran: {who} died ({cause})"
-            threading.Thread(target=self._free_stranded, args=(stranded, reason), daemon=True).start()
+            threading.Thread(target=self._free_stranded, args=(stranded, reason, body.get("lost_hosts", [])),
+                             daemon=True).start()
         for run in waiting:
             run.notes.append(note)
             for rank in ranks:
@@ -729,13 +730,13 @@ class Controller:
             for rank in ranks:
                 listener(rank, cause)
 
-    def _free_stranded(self, ranks: list[int], reason: str) -> None:
+    def _free_stranded(self, ranks: list[int], reason: str, lost_hosts: list[str]) -> None:
         """Ranks that were running beside a rank that died: the group is broken, so abort
         their collectives now instead of letting them wait for the collective timeout."""
         if not self.recovery_lock.acquire(blocking=False):
             return  # a recovery (restart, the second interrupt) frees them and re-creates the group
         try:
-            abort(self, [r for r in ranks if self.ranks[r].state == "busy"], reason)
+            abort(self, [r for r in ranks if self.ranks[r].state == "busy"], reason, lost_hosts)
         except MeshError as exc:
             if not self.stopped:
                 _log(f"could not free rank(s) {format_ranks(ranks)}: {exc}")

@@ -88,7 +88,8 @@ class Network:
         self.router: zmq.Socket | None = None  # where joining agents dial in
         self.joined: list[Joined] = []
         self.joined_changed = threading.Condition()
-        self.allowlist = net.Allowlist({})
+        self.allowlist = net.Allowlist(set())
+        self._join_key: bytes | None = None
         self._retired: list[zmq.Socket] = []
         self._zap: net.ZapHandler | None = None
         self._outbox_in = ctx.socket(zmq.PULL)
@@ -125,7 +126,8 @@ class Network:
     def open_join(self, address: str, hosts: int, timeout: float) -> dict[str, Any]:
         """Listen for ``hosts`` joining agents; returns the token's content."""
         join = net.Keys.new()
-        self.allowlist.allow(join.public, hosts)
+        self._join_key = join.public
+        self.allowlist.allow(join.public)
         self._zap = self.allowlist.serve(self.ctx)
         router = self.ctx.socket(zmq.ROUTER)
         for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000), (zmq.ROUTER_MANDATORY, 1)):
@@ -145,6 +147,11 @@ class Network:
             self.joined.append(Joined(identity, body["addr"], body["hostname"], int(body["pid"]),
                                       int(body.get("store_port", 0))))
             self.joined_changed.notify_all()
+
+    def spend_token(self) -> None:
+        """The hosts have joined: a copy of the token opens nothing from now on."""
+        if self._join_key is not None:
+            self.allowlist.revoke(self._join_key)
 
     def adopt(self, host: int, joined: Joined, ranks: list[int]) -> HostLink:
         link = HostLink(host, joined.hostname, joined.address, ranks, identity=joined.identity,
@@ -184,8 +191,9 @@ class Network:
         links = [link.sock for link in self.links.values() if link.sock is not None]
         return [self._outbox_in, *links, *([self.router] if self.router is not None else [])]
 
-    def drain(self, sock: zmq.Socket, handle: Callable[[HostLink | None, list[Any]], None]) -> None:
-        """Handle what ``sock`` has ready: forward the outbox, or pass received messages on."""
+    def drain(self, sock: zmq.Socket, handle: Callable[[HostLink | None, bytes, list[Any]], None]) -> None:
+        """Handle what ``sock`` has ready: forward the outbox, or pass received messages on
+        with the link they came up (None: an agent that is joining, known by its routing id)."""
         while sock.poll(0):
             frames = wire.recv(sock)
             if sock is self._outbox_in:
@@ -193,10 +201,10 @@ class Network:
             elif sock is self.router:
                 identity = frames[0].bytes
                 link = next((l for l in self.links.values() if l.identity == identity), None)
-                handle(self._heard(link), frames[1:])
+                handle(self._heard(link), identity, frames[1:])
             else:
                 link = next(l for l in self.links.values() if l.sock is sock)
-                handle(self._heard(link), frames)
+                handle(self._heard(link), b"", frames)
 
     def _heard(self, link: HostLink | None) -> HostLink | None:
         if link is not None:
@@ -249,7 +257,7 @@ class Network:
         deadline = time.monotonic() + timeout
         while waiting and (left := deadline - time.monotonic()) > 0:
             for sock in dict(poller.poll(left * 1000)):
-                self.drain(sock, lambda link, frames: self._confirmed(signer, link, frames, waiting))
+                self.drain(sock, lambda link, _, frames: self._confirmed(signer, link, frames, waiting))
 
     @staticmethod
     def _confirmed(signer: wire.Wire, link: HostLink | None, frames: list[Any],

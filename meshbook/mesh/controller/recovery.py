@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..protocol import messages as msg
 from ..protocol.errors import MeshError
@@ -180,9 +180,11 @@ def _free_stopped_peers(controller: "Controller", run: "Run") -> None:
         abort(controller, list(reasons), reasons)
 
 
-def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int, str] = "") -> None:
+def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int, str] = "",
+          lost_hosts: Sequence[str] = ()) -> None:
     """Shut down the inter-rank connections of ``ranks``, while they still run the request
-    they run now: a collective blocked on them fails at once (with ``reason`` as its error)."""
+    they run now: a collective blocked on them fails at once (with ``reason`` as its error).
+    Connections to ``lost_hosts`` (addresses of hosts found lost) go too."""
     ranks = [r for r in ranks if controller.ranks[r].state != "dead"]
     if not ranks:
         return
@@ -193,7 +195,7 @@ def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int,
                             ranks=live, what="listening ports", channel=msg.CONTROL)
     asked.wait(5)
     ports = sorted({p for value in asked.values().values() for p in value})
-    controller.call(abort_collectives, stuck_in, ports, ranks=ranks, what="abort collectives",
+    controller.call(abort_collectives, stuck_in, ports, list(lost_hosts), ranks=ranks, what="abort collectives",
                     channel=msg.CONTROL).wait(5)
 
 

@@ -233,6 +233,7 @@ class Join(RemoteLauncher):
         try:
             joined = self._wait(network, len(plans), time.monotonic() + timeout)
         finally:
+            network.spend_token()
             self._remove_token()
         for plan, agent in zip(plans, joined):
             network.adopt(plan.host, agent, plan.ranks)
@@ -249,8 +250,8 @@ class Join(RemoteLauncher):
                 f"  {command} --token-file {self.token_path}\n"
                 f"or, where that file is not shared, with the token in the environment:\n"
                 f"  {TOKEN_ENV}=\"$(cat {self.token_path})\" {command}\n"
-                f"The token is a secret (it admits {hosts} host(s) to this mesh, once): the file is "
-                f"readable by you only and is removed when the hosts have joined.")
+                f"The token is a secret (it admits hosts to this mesh until {hosts} joined): the file "
+                f"is readable by you only, and is removed and revoked when the hosts have joined.")
 
     def _write_token(self, token: str) -> str:
         os.makedirs(self.token_dir, mode=0o700, exist_ok=True)

@@ -4,13 +4,13 @@ On one host everything travels over ``ipc://`` inside a private directory. Acros
 travels over ``tcp://``, and every such socket is encrypted and authenticated with CurveZMQ
 (libsodium, shipped with pyzmq). The side that binds is the Curve *server*, with the mesh's
 server key; a ZAP handler (:class:`Allowlist`) admits a connecting peer only if its public key
-is one the mesh made, which is stricter than admitting anyone who holds the server's public
+is one the mesh made for it, which is stricter than admitting anyone who holds the server's public
 key. The HMAC signature and the per-sender sequence numbers of :mod:`.wire` stay inside.
 
 Which way the connections go matters more than it seems: compute nodes often cannot open a
 connection to the login node where the notebook runs, so agents *listen* and the controller
 dials them (or an ``ssh -L`` tunnel does). An agent that joins from an external launcher dials
-the controller instead, with a one-time join key the allowlist admits for that many hosts.
+the controller instead, with a join key the allowlist admits until that many hosts joined.
 
 An agent advertises the address of the interface that routes to the controller, never
 ``gethostname()`` (which often resolves to 127.0.1.1), and the same interface is handed to
@@ -72,38 +72,30 @@ def curve_client(sock: zmq.Socket, mine: Keys, server_public: bytes) -> None:
 
 @dataclass
 class Allowlist:
-    """The ZAP handler of one ZeroMQ context: admits the listed public keys, refuses the rest.
+    """The ZAP handler's rule for one ZeroMQ context: admit the listed public keys only.
 
-    ``keys`` maps a z85 public key to how many distinct peers may use it (``None``: any number,
-    for the controller's own key). A limited key is the join key of an external launcher: the
-    first ``n`` peers (told apart by their routing id) that present it are admitted, and
-    admitted again when they reconnect after a network blip; a further peer is refused.
+    A listening agent lists the controller's key alone. A controller waiting for joining hosts
+    lists the join key until the hosts have joined, then revokes it: the token is spent, and a
+    copy of it found later opens nothing (ZAP cannot tell peers apart by more than their key
+    and address, so "once" is enforced by revoking, not by counting).
     """
 
-    keys: dict[bytes, int | None]
+    keys: set[bytes]
     admitted: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
-    _peers: dict[bytes, set[bytes]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def allow(self, key: bytes, peers: int | None = None) -> None:
+    def allow(self, key: bytes) -> None:
         with self._lock:
-            self.keys[key] = peers
+            self.keys.add(key)
 
     def revoke(self, key: bytes) -> None:
         with self._lock:
-            self.keys.pop(key, None)
+            self.keys.discard(key)
 
-    def decide(self, key: bytes, identity: bytes) -> bool:
+    def decide(self, key: bytes) -> bool:
         with self._lock:
-            if key not in self.keys:
-                return False
-            limit = self.keys[key]
-            seen = self._peers.setdefault(key, set())
-            if limit is not None and identity not in seen and len(seen) >= limit:
-                return False
-            seen.add(identity)
-            return True
+            return key in self.keys
 
     def serve(self, ctx: zmq.Context) -> "ZapHandler":
         """Start answering ZAP requests of ``ctx`` (before any Curve server socket binds)."""
@@ -146,10 +138,10 @@ class ZapHandler:
         envelope, request = frames[:split + 1], frames[split + 1:]
         if len(request) < 6:
             return
-        version, request_id, _domain, address, identity, mechanism = request[:6]
+        version, request_id, _domain, address, _identity, mechanism = request[:6]
         credentials = request[6:]
         admitted = (mechanism == b"CURVE" and len(credentials) == 1
-                    and self.allowlist.decide(z85.encode(credentials[0]), identity))
+                    and self.allowlist.decide(z85.encode(credentials[0])))
         peer = address.decode(errors="replace")
         (self.allowlist.admitted if admitted else self.allowlist.refused)[peer] += 1
         status = (b"200", b"OK") if admitted else (b"400", b"not one of this mesh's keys")

@@ -130,8 +130,10 @@ def listening_ports(worker: "Worker") -> list[int]:
                    if c.status == psutil.CONN_LISTEN})
 
 
-def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: list[int]) -> int:
-    """Shut down this rank's connections to other ranks' endpoints (control thread).
+def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: list[int],
+                      lost_hosts: list[str] = []) -> int:  # noqa: B006 - never mutated
+    """Shut down this rank's connections to other ranks' endpoints (control thread), and
+    every connection to ``lost_hosts`` (hosts whose ranks can no longer list their ports).
 
     A collective blocked on such a connection fails at once ("Connection closed by peer");
     the rank's other connections (the notebook's, the user's own) are left alone. Only done
@@ -150,7 +152,7 @@ def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: li
             break  # freed meanwhile: it may be building the new group's connections now
         if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.fd < 0:
             continue
-        if conn.raddr.port in peers or conn.laddr.port in own:
+        if conn.raddr.port in peers or conn.laddr.port in own or conn.raddr.ip in lost_hosts:
             try:
                 with socket.socket(fileno=os.dup(conn.fd)) as sock:
                     # The main thread may have closed that fd and reused its number for a new

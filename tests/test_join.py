@@ -1,0 +1,168 @@
+"""A mesh across hosts formed by the ``join`` launcher, on this machine's loopback.
+
+The "external launcher" here is the test itself: it runs the printed command, ``python -m
+meshbook.mesh.agent join``, once per host, exactly as a Kubernetes Job or mpirun would.
+Each agent is a real process talking to the controller over TCP with CurveZMQ; the ranks
+are real, and meet in the TCPStore of host 0's agent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import pytest
+import torch
+
+import meshbook
+from meshbook.mesh.protocol.remote import TOKEN_ENV
+
+
+class ExternalLauncher:
+    """Starts ``python -m meshbook.mesh.agent join`` per host when the mesh asks for hosts."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.announced = ""
+        self.token = ""
+
+    def announce(self, text: str, launcher: meshbook.Join, hosts: int) -> None:
+        self.announced = text
+        path = launcher.token_path
+        assert path is not None
+        self.token = open(path).read().strip()
+        self.mode = stat.S_IMODE(os.stat(path).st_mode)
+        command = re.search(r"^  (python -m \S+ join --token-file \S+)$", text, re.M)
+        assert command is not None, text
+        for _ in range(hosts):
+            self.procs.append(self.run_agent(["--token-file", path]))
+
+    def run_agent(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "meshbook.mesh.agent", "join", *args],
+                                env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+
+    def wait_all(self, timeout: float = 30.0) -> list[int]:
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                codes.append(-9)
+            if proc.stderr is not None:
+                proc.stderr.close()
+        return codes
+
+
+def start_joined(tmp_path: object, hosts: int = 2, per_host: int = 2, **kw: object) -> tuple[meshbook.Mesh, ExternalLauncher]:
+    outside = ExternalLauncher()
+    launcher = meshbook.Join(hosts=hosts, per_host=per_host, address="127.0.0.1", token_dir=str(tmp_path),
+                             **kw)  # type: ignore[arg-type]
+    launcher.announce = lambda text: outside.announce(text, launcher, hosts)
+    try:
+        mesh = meshbook.start(hosts * per_host, launcher=launcher, timeout=120)
+    except BaseException:
+        outside.wait_all(5)
+        raise
+    return mesh, outside
+
+
+@pytest.fixture(scope="module")
+def joined(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[meshbook.Mesh, ExternalLauncher]]:
+    mesh, outside = start_joined(tmp_path_factory.mktemp("join"))
+    try:
+        yield mesh, outside
+    finally:
+        mesh.stop()
+        assert outside.wait_all() == [0, 0], "every joined agent exits when the mesh stops"
+
+
+def test_joined_hosts_run_cells_and_collectives(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
+    mesh, outside = joined
+    assert "--token-file" in outside.announced and TOKEN_ENV in outside.announced
+    assert outside.mode == 0o600, "the token file is readable by its owner only"
+    assert not any(p.name.startswith("join-") for p in os.scandir(os.path.dirname(mesh.controller.launcher.token_path))), \
+        "the token file is removed once the hosts joined"
+    values = mesh.run("import os; (rank, os.environ['GROUP_RANK'], os.environ['LOCAL_RANK'])").result()
+    assert [values[r] for r in range(4)] == [(0, "0", "0"), (1, "0", "1"), (2, "1", "0"), (3, "1", "1")]
+    total = mesh.run("t = torch.ones(3) * (rank + 1)\ndist.all_reduce(t)\nt.tolist()").result()
+    assert set(map(tuple, total.values())) == {(10.0, 10.0, 10.0)}
+
+
+def test_push_and_pull_cross_the_network(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
+    mesh, _ = joined
+    data = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: travels as zero-copy frames
+    mesh.push(shared=data)
+    sums = mesh.run("float(shared.sum())").result()
+    assert set(sums.values()) == {float(data.sum())}
+    pulled = mesh.pull("shared", ranks=[3])
+    assert torch.equal(pulled[3], data)
+
+
+def test_status_shows_each_host(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
+    mesh, outside = joined
+    deadline = time.monotonic() + 10
+    while any(h.rtt is None for h in mesh.hosts()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    hosts = mesh.hosts()
+    assert [h.ranks for h in hosts] == [[0, 1], [2, 3]]
+    assert sorted(h.agent_pid for h in hosts) == sorted(p.pid for p in outside.procs)
+    for host in hosts:
+        row = host.row()
+        assert row["address"] == "127.0.0.1" and row["state"] == "ok" and row["round trip"].endswith(" ms")
+
+
+def test_interrupt_stops_remote_work(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
+    mesh, _ = joined
+    run = mesh.run("import time\nfor i in range(600):\n    time.sleep(0.1)")
+    time.sleep(1.0)
+    run.interrupt()
+    with pytest.raises(meshbook.RemoteError) as info:
+        run.result(timeout=30)
+    assert "KeyboardInterrupt" in str(info.value)
+    assert mesh.run("rank").result().values() is not None  # the mesh still answers
+
+
+def test_a_third_host_with_the_spent_token_is_refused(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
+    mesh, outside = joined
+    refused_before = sum(mesh.controller.network.allowlist.refused.values())
+    intruder = outside.run_agent([], env={TOKEN_ENV: outside.token})
+    try:
+        deadline = time.monotonic() + 20
+        while sum(mesh.controller.network.allowlist.refused.values()) == refused_before:
+            assert time.monotonic() < deadline, "the third host was never refused"
+            time.sleep(0.1)
+        assert len(mesh.hosts()) == 2
+    finally:
+        intruder.kill()
+        intruder.wait()
+        if intruder.stderr is not None:
+            intruder.stderr.close()
+
+
+def test_a_lost_host_fails_the_cell_and_keeps_the_kernel(tmp_path: object) -> None:
+    mesh, outside = start_joined(tmp_path, suspect_s=1, lost_s=3)
+    try:
+        mesh.run("x = rank").result()
+        frozen = mesh.hosts()[1]
+        os.kill(frozen.agent_pid, signal.SIGSTOP)  # the host stops answering
+        run = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+        with pytest.raises(meshbook.RemoteError) as info:
+            run.result(timeout=60)
+        assert "host " in str(info.value) and "lost: ranks 2,3" in str(info.value)
+        assert [h.state for h in mesh.hosts()] == ["ok", "lost"]
+        assert mesh.run("x", ranks=[0, 1]).result().values() is not None
+        with pytest.raises(meshbook.MeshError, match="external launcher"):
+            mesh.restart([2, 3])
+        os.kill(frozen.agent_pid, signal.SIGCONT)  # it finds its controller silent and exits
+    finally:
+        mesh.stop()
+        outside.wait_all()
