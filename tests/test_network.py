@@ -1,0 +1,129 @@
+"""The network wire's defences, against a real agent listening on TCP with CurveZMQ.
+
+The agent is started exactly as the ssh launcher starts one (``python -m meshbook.mesh.agent
+listen``, the bootstrap on its stdin), without ssh in between; the test plays the controller
+with the keys a real controller would make.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Iterator
+
+import psutil
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from meshbook.mesh.controller.hosts import Network
+from meshbook.mesh.controller.remote import SshAgent
+from meshbook.mesh.protocol import messages as msg
+from meshbook.mesh.protocol import net, wire
+
+
+class ListeningAgent:
+    """A listening agent and the controller's side of it, driven by hand."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.network = Network(self.ctx, b"k" * 32)
+        self.wire = wire.Wire(self.network.key)
+        self.agent = SshAgent("local", [sys.executable, "-m", "meshbook.mesh.agent", "listen"])
+        self.bootstrap = self.network.bootstrap()
+        self.agent.send(json.dumps(self.bootstrap) + "\n")
+        self.info = self.agent.wait_listening(time.monotonic() + 60, sys.executable)
+        self.address = net.tcp_address(self.info["addr"], self.info["port"])
+
+    def client(self, keys: net.Keys, server_public: bytes) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        net.curve_client(sock, keys, server_public)
+        return sock
+
+    def op(self, sock: zmq.Socket, frames: list[Any]) -> None:
+        sock.send_multipart([b"", *frames])
+
+    def replies(self, sock: zmq.Socket, seconds: float, until: str | None = None) -> list[wire.Message]:
+        """What the agent sends within ``seconds`` (or until a message of kind ``until``); the
+        agent gives up on a controller silent for 15 s, so waits stay shorter."""
+        out, deadline = [], time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if sock.poll(left * 1000):
+                out.append(self.wire.unpack(sock.recv_multipart()))
+                if out[-1].kind == until:
+                    break
+        return out
+
+    def close(self) -> None:
+        self.agent.terminate(5.0)
+        self.network.close()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def listening() -> Iterator[ListeningAgent]:
+    agent = ListeningAgent()
+    yield agent
+    agent.close()
+
+
+def handshake_outcome(sock: zmq.Socket, address: str, seconds: float = 10.0) -> str:
+    """Connect and report how the Curve handshake ended: "ok" or "refused"."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    sock.connect(address)
+    try:
+        if not monitor.poll(seconds * 1000):
+            return "no answer"
+        event = recv_monitor_message(monitor)["event"]
+        return "ok" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused"
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+
+
+def test_only_the_controllers_key_is_admitted(listening: ListeningAgent) -> None:
+    stranger = listening.client(net.Keys.new(), listening.network.server.public)
+    assert handshake_outcome(stranger, listening.address) == "refused", \
+        "a client holding the server's public key but not the controller's key is refused by ZAP"
+    controller = listening.client(listening.network.me, listening.network.server.public)
+    assert handshake_outcome(controller, listening.address) == "ok"
+    for sock in (stranger, controller):
+        sock.close(linger=0)
+
+
+def test_a_replayed_message_is_refused(listening: ListeningAgent) -> None:
+    sock = listening.client(listening.network.me, listening.network.server.public)
+    sock.connect(listening.address)
+    config = {"host": 0, "hosts": 1, "ranks": [0], "generation": 0, "dims": [["world", 1]],
+              "backend": "gloo", "listen_addr": listening.info["addr"],
+              "store": [listening.info["addr"], listening.info["store_port"]], "serve_store": True,
+              "master_port": listening.info["store_port"], "collective_timeout": 60.0}
+    listening.op(sock, listening.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: [0]},
+                                           {"op": msg.AgentOp.CONFIGURE, "config": config}))
+    ready = [m for m in listening.replies(sock, 12, until=msg.READY) if m.kind == msg.READY]
+    assert ready, "the configured agent's rank became ready"
+    ping = listening.wire.pack({msg.KIND: msg.OP, msg.ID: 7, msg.RANKS: []},
+                               {"op": msg.AgentOp.PING, "sent": 123.0})
+    listening.op(sock, ping)
+    listening.op(sock, ping)  # captured and sent again, by someone holding the keys
+    beats = [m for m in listening.replies(sock, 3) if m.kind == msg.HOST_BEAT and m.body().get("sent") == 123.0]
+    assert len(beats) == 1, "the replayed ping was dropped, not answered twice"
+    listening.op(sock, listening.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []},
+                                           {"op": msg.AgentOp.STOP}))
+    assert any(m.kind == msg.HOST_BEAT and m.body().get("stopped")
+               for m in listening.replies(sock, 10, until=msg.HOST_BEAT))
+    sock.close(linger=0)
+
+
+def test_secrets_never_appear_on_a_command_line(listening: ListeningAgent) -> None:
+    secrets = [listening.network.key.hex(), listening.bootstrap["server_secret"],
+               listening.network.me.secret.decode()]
+    seen = 0
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        seen += "meshbook.mesh.agent" in line
+        assert not any(secret in line for secret in secrets), f"a secret on the command line of {proc.pid}"
+    assert seen, "the agent was among the processes looked at"
