@@ -14,8 +14,13 @@ What the namespaces share with the machine, and how the rig makes up for it:
   the host, so ``gethostname()`` says ``h1``. As on many real machines (Debian's default
   ``/etc/hosts``), a host's own name resolves to ``127.0.1.1`` inside it, not to its address:
   code that advertises ``gethostname()`` to peers fails here as it would there. The other
-  hosts' names and ``controller`` resolve to their addresses inside the namespaces (an
-  ``/etc/netns/NS/hosts`` that ``ip netns exec`` mounts); the root namespace resolves none.
+  hosts' names and ``controller`` resolve to their addresses inside the namespaces (the
+  host's own ``hosts`` file is bind-mounted on ``/etc/hosts`` in a private mount namespace);
+  the root namespace resolves none of them.
+- ``/sys``: commands enter the network namespace with ``nsenter --net``, not ``ip netns
+  exec``, which remounts ``/sys`` and so hides the cgroup mounts that slurmd needs. The
+  namespace's interfaces are seen through netlink (``ip``, ``getifaddrs``), not
+  ``/sys/class/net``.
 - Process ids: the rig kills what it started by pid, then whatever is still inside its
   namespaces (``ip netns pids``): never by name, other test runs share the machine.
 
@@ -41,7 +46,6 @@ from typing import Any, Iterator, Sequence
 
 # 10.176.0.0/12 holds 4,096 /24s; a run takes the first free one from a pid-derived start.
 RIG_RANGE = ipaddress.ip_network("10.176.0.0/12")
-NETNS_ETC = Path("/etc/netns")
 _instances = itertools.count()
 
 
@@ -53,7 +57,7 @@ def missing() -> str | None:
     """Why network namespaces cannot be made here, or ``None``."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool in ("ip", "tc", "unshare", "hostname"):
+    for tool in ("ip", "tc", "nsenter", "unshare", "hostname"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (apt-get install iproute2 util-linux hostname)"
     probe = f"mb-probe-{os.getpid()}"
@@ -101,6 +105,10 @@ class Host:
     @property
     def tmpdir(self) -> Path:
         return self.root / "tmp"
+
+    @property
+    def hosts_file(self) -> Path:
+        return self.root / "hosts"
 
     def env(self) -> dict[str, str]:
         """What a process on this host must see instead of the machine's shared directories."""
@@ -187,10 +195,7 @@ class Hosts:
         lines = ["127.0.0.1 localhost", f"127.0.1.1 {host.name}",
                  f"{self.controller_addr} controller"]
         lines += [f"{other.addr} {other.name}" for other in self.hosts if other is not host]
-        etc = NETNS_ETC / host.ns
-        etc.mkdir(parents=True, exist_ok=True)
-        self.undo.callback(shutil.rmtree, etc, ignore_errors=True)
-        (etc / "hosts").write_text("\n".join(lines) + "\n")
+        host.hosts_file.write_text("\n".join(lines) + "\n")
 
     def remove_namespace(self, ns: str) -> None:
         """Kill what is still inside (started through ssh or Slurm, say), then delete it."""
@@ -226,10 +231,13 @@ class Hosts:
         return host if isinstance(host, Host) else self[host]
 
     def command(self, host: Host | str, argv: Sequence[str]) -> list[str]:
-        """``argv`` as run on ``host``: in its namespace, in a UTS namespace named after it."""
+        """``argv`` as run on ``host``: in its network namespace, with its hostname and its
+        ``/etc/hosts`` (in UTS and mount namespaces of its own; ``exec`` all the way down, so
+        the pid :meth:`popen` returns is ``argv``'s)."""
         host = self.host(host)
-        return ["ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', host.name, *argv]
+        return ["nsenter", f"--net=/run/netns/{host.ns}", "unshare", "--uts", "--mount",
+                "sh", "-c", 'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"',
+                host.name, str(host.hosts_file), *argv]
 
     def popen(self, host: Host | str, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` on ``host``; the rig kills it (by pid) on exit if still running.
@@ -363,5 +371,4 @@ def leftovers(tag: str) -> list[str]:
     found += [line.split()[0].split("@")[0] for line in links.splitlines()
               if line.startswith((f"mbr{tag}", f"mbv{tag}", f"mbp{tag}"))]
     found += [line for line in rules.splitlines() if f"meshbook-rig-{tag}" in line]
-    found += [str(NETNS_ETC / ns.name) for ns in NETNS_ETC.glob(f"mb-{tag}-*")]
     return found
