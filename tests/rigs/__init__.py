@@ -13,3 +13,21 @@ has ``missing()``, saying why the rig cannot run here (not root, a package absen
 tests to skip with that reason (in CI they fail instead). The fixtures are in
 ``tests/conftest.py``; the tests that use these rigs are marked ``hosts`` (``./dev hosts``).
 """
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import pytest
+
+
+def need(*checks: Callable[[], str | None]) -> None:
+    """Skip with the reason the first check gives, if any; in CI fail instead (CI installs
+    what the rigs need, so a rig that cannot run there is a broken CI, not a pass)."""
+    for missing in checks:
+        reason = missing()
+        if reason:
+            if os.environ.get("CI"):
+                pytest.fail(f"CI must run the rigs: {reason}")
+            pytest.skip(reason)

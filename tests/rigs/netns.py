@@ -16,7 +16,9 @@ What the namespaces share with the machine, and how the rig makes up for it:
   code that advertises ``gethostname()`` to peers fails here as it would there. The other
   hosts' names and ``controller`` resolve to their addresses inside the namespaces (the
   host's own ``hosts`` file is bind-mounted on ``/etc/hosts`` in a private mount namespace);
-  the root namespace resolves none of them.
+  the root namespace resolves none of them. There is no DNS on the hosts: their
+  ``/etc/resolv.conf`` names no server, so a name not in their hosts file fails at once
+  (the machine's resolver is unreachable from the namespaces, and would cost a timeout).
 - ``/sys``: commands enter the network namespace with ``nsenter --net``, not ``ip netns
   exec``, which remounts ``/sys`` and so hides the cgroup mounts that slurmd needs. The
   namespace's interfaces are seen through netlink (``ip``, ``getifaddrs``), not
@@ -68,6 +70,24 @@ def missing() -> str | None:
     return None
 
 
+def firewall_missing() -> str | None:
+    """Why :meth:`Hosts.block_new_connections_to_controller` cannot work here, or ``None``."""
+    return None if shutil.which("iptables") else "`iptables` is not installed (apt-get install iptables)"
+
+
+def delay_missing() -> str | None:
+    """Why :meth:`Hosts.delay` cannot work here (a kernel built without netem), or ``None``."""
+    probe = f"mb-probe-{os.getpid()}"
+    sh(["ip", "netns", "add", probe])
+    try:
+        tried = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo",
+                                "root", "netem", "delay", "1ms"], capture_output=True, text=True)
+    finally:
+        quiet(["ip", "netns", "del", probe])
+    return None if tried.returncode == 0 else \
+        f"this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM): {tried.stderr.strip()}"
+
+
 def sh(argv: Sequence[str], timeout: float = 30) -> str:
     """Run a setup command in the root namespace; its stdout, or :class:`RigError` saying why."""
     done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
@@ -109,6 +129,10 @@ class Host:
     @property
     def hosts_file(self) -> Path:
         return self.root / "hosts"
+
+    @property
+    def resolv_conf(self) -> Path:
+        return self.root / "resolv.conf"
 
     def env(self) -> dict[str, str]:
         """What a process on this host must see instead of the machine's shared directories."""
@@ -196,6 +220,7 @@ class Hosts:
                  f"{self.controller_addr} controller"]
         lines += [f"{other.addr} {other.name}" for other in self.hosts if other is not host]
         host.hosts_file.write_text("\n".join(lines) + "\n")
+        host.resolv_conf.write_text("# no DNS on the rig's hosts: names come from /etc/hosts\n")
 
     def remove_namespace(self, ns: str) -> None:
         """Kill what is still inside (started through ssh or Slurm, say), then delete it."""
@@ -232,12 +257,13 @@ class Hosts:
 
     def command(self, host: Host | str, argv: Sequence[str]) -> list[str]:
         """``argv`` as run on ``host``: in its network namespace, with its hostname and its
-        ``/etc/hosts`` (in UTS and mount namespaces of its own; ``exec`` all the way down, so
+        ``/etc/hosts`` and ``/etc/resolv.conf`` (in UTS and mount namespaces of its own; ``exec`` all the way down, so
         the pid :meth:`popen` returns is ``argv``'s)."""
         host = self.host(host)
         return ["nsenter", f"--net=/run/netns/{host.ns}", "unshare", "--uts", "--mount",
-                "sh", "-c", 'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"',
-                host.name, str(host.hosts_file), *argv]
+                "sh", "-c", 'mount --bind "$1" /etc/hosts && mount --bind "$2" /etc/resolv.conf '
+                '&& hostname "$0" && shift 2 && exec "$@"',
+                host.name, str(host.hosts_file), str(host.resolv_conf), *argv]
 
     def popen(self, host: Host | str, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` on ``host``; the rig kills it (by pid) on exit if still running.
@@ -288,8 +314,8 @@ class Hosts:
         registers with slurmctld) and ``srun`` (steps call back) do not survive this rule.
         Removed on exit.
         """
-        if shutil.which("iptables") is None:
-            raise RigError("`iptables` is not installed (apt-get install iptables)")
+        if firewall_missing():
+            raise RigError(firewall_missing())
         rule = ["INPUT", "-s", str(self.subnet), "-m", "conntrack", "--ctstate", "NEW",
                 "-m", "comment", "--comment", f"meshbook-rig-{self.tag}", "-j", "DROP"]
         sh(["iptables", "-I", *rule])

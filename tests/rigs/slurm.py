@@ -60,6 +60,7 @@ class Slurm:
         self.dir = hosts.dir / "slurm"
         self.conf = self.dir / "slurm.conf"
         self.munge_socket = self.dir / "munge" / "munge.socket"
+        self.jobs = self.dir / "jobs"
         self.daemons: list[subprocess.Popen[Any]] = []
 
     @property
@@ -74,6 +75,7 @@ class Slurm:
     def __enter__(self) -> Slurm:
         try:
             self.dir.mkdir(mode=0o700)
+            self.jobs.mkdir()
             self.start_munge()
             self.write_config(free_port(self.hosts.controller_addr))
             self.start_controller()
@@ -177,7 +179,9 @@ class Slurm:
 
     def run(self, argv: list[str], timeout: float = 60, check: bool = True,
             **kw: Any) -> subprocess.CompletedProcess[str]:
-        """A Slurm CLI run from the login node (the root namespace) against this cluster."""
+        """A Slurm CLI run from the login node (the root namespace) against this cluster, in
+        the rig's ``jobs`` directory (where ``sbatch`` leaves ``slurm-JOB.out`` by default)."""
+        kw.setdefault("cwd", self.jobs)
         done = subprocess.run(argv, env=self.env, capture_output=True, text=True,
                               timeout=timeout, **kw)
         if check and done.returncode != 0:
