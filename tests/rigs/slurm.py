@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from rigs.netns import Hosts, RigError, kill_pids, namespace_pids, sh
+from rigs.netns import Hosts, RigError, kill_pids, namespace_pids
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "slurmstepd")
 CLIS = ("sinfo", "sbatch", "srun", "squeue", "scancel", "salloc", "scontrol")
@@ -95,9 +95,9 @@ class Slurm:
 
     def close(self) -> None:
         """Cancel the jobs, stop slurmd and the job steps, slurmctld, munged; remove state."""
-        if self.daemons and self.daemons[-1].poll() is None:
-            self.run(["scancel", "--full", *self.job_ids()], check=False) if self.job_ids() \
-                else None
+        controller_up = len(self.daemons) > 1 and self.daemons[1].poll() is None
+        if controller_up and (jobs := self.job_ids()):
+            self.run(["scancel", "--full", *jobs], check=False)
         kill_pids([d.pid for d in reversed(self.daemons) if d.poll() is None] + self.steps())
         for proc in self.daemons:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -128,6 +128,7 @@ class Slurm:
                  munge / "munged.log", self.daemons[-1])
 
     def start_controller(self) -> None:
+        """slurmctld in the root namespace (``daemons[1]``, after munged)."""
         (self.dir / "state").mkdir()
         self.daemons.append(subprocess.Popen(
             [daemon("slurmctld"), "-D", "-i", "-f", str(self.conf)], env=self.env,
