@@ -40,7 +40,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +168,7 @@ class Hosts:
 
     def __enter__(self) -> Hosts:
         atexit.register(self.close)  # the last resort: an interpreter exiting mid-test
+        exit_on_sigterm()
         try:
             self.add_bridge()
             for index, name in enumerate(self.names):
@@ -329,6 +332,14 @@ class Hosts:
             sh([*inside, "replace", "dev", "eth0", "root", "netem", "delay", f"{ms}ms"])
         else:
             quiet([*inside, "del", "dev", "eth0", "root"])
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (a CI timeout, ``timeout``) exit through ``finally`` blocks and atexit, so
+    a killed test run still removes its rigs; by default SIGTERM ends Python without either."""
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def free_subnet(seed: int) -> ipaddress.IPv4Network:
