@@ -101,8 +101,8 @@ def _remote_vs_local(ctx: Context) -> Table:
         table.notes.append("over the network / local, in time: " + ", ".join(
             f"{key} {ratio(remote[key].median, local[key].median)}" for key in local))
     table.notes += [
-        ("median (p99) of the round trip; push: GB/s counting the tensor once per rank, "
-         "(median time of one push, which returns once every rank stored it)"),
+        ("median (p99) of the round trip; push: GB/s counting the tensor once per rank, and "
+         "in brackets the median time of one push (it returns once every rank stored it)"),
         (f"\"other hosts\": {len(HOSTS)} agents started through the ssh launcher with an ssh "
          f"that runs the command on this machine, each serving {RANKS // len(HOSTS)} real ranks; "
          f"requests go once per agent over its Curve TCP connection on loopback and the agent "
