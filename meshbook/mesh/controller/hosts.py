@@ -194,8 +194,13 @@ class Network:
     def drain(self, sock: zmq.Socket, handle: Callable[[HostLink | None, bytes, list[Any]], None]) -> None:
         """Handle what ``sock`` has ready: forward the outbox, or pass received messages on
         with the link they came up (None: an agent that is joining, known by its routing id)."""
-        while sock.poll(0):
-            frames = wire.recv(sock)
+        # Once per drain, not per message: 1,024 ranks on 128 hosts answer 8 to a link.
+        dialled = next((l for l in self.links.values() if l.sock is sock), None)
+        while True:
+            try:  # cheaper than asking sock.poll(0) before each message (a Poller each time)
+                frames = wire.recv(sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
             if sock is self._outbox_in:
                 self._forward(frames)
             elif sock is self.router:
@@ -203,8 +208,7 @@ class Network:
                 link = next((l for l in self.links.values() if l.identity == identity), None)
                 handle(self._heard(link), identity, frames[1:])
             else:
-                link = next(l for l in self.links.values() if l.sock is sock)
-                handle(self._heard(link), b"", frames)
+                handle(self._heard(dialled), b"", frames)
 
     def _heard(self, link: HostLink | None) -> HostLink | None:
         if link is not None:
