@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "start", "current", "prewarm", "Mesh", "Run", "RankValues", "Topology",
+    "meshes", "use", "mesh_named", "Actor", "endpoint", "ActorMesh", "ActorFuture", "SupervisionEvent",
+    "NoEndpointError",
     "Output", "Display", "Result", "Error", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
@@ -36,6 +38,9 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from .mesh import (
+        Actor,
+        ActorFuture,
+        ActorMesh,
         CellSyntaxError,
         Display,
         Error,
@@ -44,6 +49,7 @@ if TYPE_CHECKING:
         MeshStoppedError,
         MeshTimeout,
         MissingNameError,
+        NoEndpointError,
         Namespaces,
         Output,
         RankFailure,
@@ -55,12 +61,17 @@ if TYPE_CHECKING:
         SelectionError,
         SendError,
         ShapeError,
+        SupervisionEvent,
         TooLargeError,
         Topology,
         VarInfo,
         current,
+        endpoint,
+        mesh_named,
+        meshes,
         prewarm,
         start,
+        use,
     )
 
 

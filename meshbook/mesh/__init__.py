@@ -19,6 +19,10 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     # the Python API
     "start": "controller.mesh", "current": "controller.mesh", "Mesh": "controller.mesh",
+    "meshes": "controller.mesh", "use": "controller.mesh", "mesh_named": "controller.mesh",
+    **dict.fromkeys(["Actor", "endpoint", "ActorFuture", "SupervisionEvent", "NoEndpointError"],
+                    "protocol.actors"),
+    "ActorMesh": "controller.actors",
     "prewarm": "controller.launchers", "Run": "controller.run", "RemoteRef": "controller.data",
     "RankValues": "protocol.values", "Topology": "protocol.topology",
     "Namespaces": "protocol.namespaces", "VarInfo": "protocol.namespaces",
@@ -41,6 +45,8 @@ _WHERE = {
 
 __all__ = [
     "start", "current", "prewarm", "Mesh", "Run", "RankValues", "Topology",
+    "meshes", "use", "mesh_named", "Actor", "endpoint", "ActorMesh", "ActorFuture", "SupervisionEvent",
+    "NoEndpointError",
     "Output", "Display", "Result", "Error", "InputRequest", "DebugEnd", "Event", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
@@ -65,13 +71,24 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see
+    from .controller.actors import ActorMesh
     from .controller.data import RemoteRef
     from .controller.launchers import prewarm
     from .controller.memory import MemoryRow
-    from .controller.mesh import Mesh, add_start_listener, current, remove_start_listener, start
+    from .controller.mesh import (
+        Mesh,
+        add_start_listener,
+        current,
+        mesh_named,
+        meshes,
+        remove_start_listener,
+        start,
+        use,
+    )
     from .controller.render import EventRenderer, print_late, write_stream
     from .controller.run import Run
     from .controller.stragglers import DURATION_FACTOR, StragglerReport, slow_by_duration
+    from .protocol.actors import Actor, ActorFuture, NoEndpointError, SupervisionEvent, endpoint
     from .protocol.errors import (
         CellSyntaxError,
         MeshError,
