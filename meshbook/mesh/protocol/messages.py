@@ -13,7 +13,8 @@ Who sends what:
   (spawn an actor, or call one of its endpoints; main channel).
 * rank -> rank, on the target's ``MAIN`` channel, signed with the target mesh's key: ``PEER``
   (an endpoint call from an actor handle a rank holds), answered with ``RESULT``/``ERROR``
-  straight to the caller's reply socket named in ``REPLY_TO``.
+  straight to the caller's reply socket named in ``REPLY_TO``, after a ``RELEASED`` when the
+  target unmapped the shared memory of the call's arguments (the caller may reuse it).
 * controller -> agent: ``OP``, whose body names the operation (``AgentOp``).
 * rank -> controller: ``HELLO``, ``READY``, ``INIT_FAILED`` (start-up and new process-group
   generations), ``OUTPUT``, ``DISPLAY``, ``INPUT`` (a debugger prompt), ``DEBUG_END``,
@@ -44,6 +45,7 @@ AGENT = "agent"
 EXIT = "exit"
 ACTOR = "actor"
 PEER = "peer"
+RELEASED = "released"
 
 #: Requests that run user code: an irregular end of one triggers a step check.
 USER_KINDS = (EXEC, APPLY)

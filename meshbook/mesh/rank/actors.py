@@ -51,7 +51,7 @@ from ..protocol.actors import (
 )
 from ..protocol.cell import register_source
 from ..protocol.errors import MeshError, RankFailure, RemoteError
-from ..protocol.payload import pack
+from ..protocol.payload import SHARE_MIN, Payload, Segments, pickled
 from ..protocol.values import RankValues
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ class ActorHost:
         self.worker = worker
         self.actors: dict[str, Actor] = {}
         self._replies: dict[str, zmq.Socket] = {}  # a caller's reply address -> our PUSH to it
+        #: PEER request -> the note that its arguments' shared memory is unmapped again.
+        self._released: dict[int, list[Any]] = {}
         self._ctx: zmq.Context | None = None
         self.client: PeerClient | None = None
         _host = self
@@ -94,13 +96,18 @@ class ActorHost:
         method = getattr(type(actor), endpoint, None)
         if not getattr(method, ENDPOINT_MARK, False) and endpoint != "__supervise__":
             raise AttributeError(f"{type(actor).__qualname__} has no endpoint {endpoint!r}")
-        if "payload" in body:
-            values = body["payload"].load()
-            args, kwargs = values["args"], values["kwargs"]
-        else:
-            args, kwargs = body["args"], body["kwargs"]
-        with self.worker.user_code():
-            return getattr(actor, endpoint)(*args, **kwargs)
+        if "payload" not in body:
+            with self.worker.user_code():
+                return getattr(actor, endpoint)(*body["args"], **body["kwargs"])
+        values, release = body["payload"].open()
+        try:
+            with self.worker.user_code():
+                return getattr(actor, endpoint)(*values["args"], **values["kwargs"])
+        finally:
+            del values
+            if release():  # signed now, so it is numbered before the answer it precedes
+                note = {msg.KIND: msg.RELEASED, msg.ID: request, msg.RANK: self.worker.rank}
+                self._released[request] = self.worker.wire.pack(note)
 
     def spawn(self, body: dict[str, Any]) -> Peer:
         """Build this rank's instance of an actor; answer how other ranks reach it."""
@@ -124,7 +131,8 @@ class ActorHost:
         return actor is not None
 
     def reply(self, message: wire.Message, frames: list[Any]) -> None:
-        """Send the answer of a ``PEER`` call to the rank that made it (main thread)."""
+        """Send the answer of a ``PEER`` call to the rank that made it (main thread), after
+        saying whether the call's shared memory may be reused."""
         address, pid = message.header[msg.REPLY_TO]
         sock = self._replies.get(address)
         if sock is None:
@@ -132,6 +140,9 @@ class ActorHost:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(address)
+        note = self._released.pop(message.header[msg.ID], None)
+        if note is not None:
+            sock.send_multipart(note)
         tracker = sock.send_multipart(frames, copy=False, track=True)
         # The caller may change the tensors it gets: wait until ZeroMQ let go of ours, unless
         # the caller died meanwhile (then nothing will ever take them).
@@ -182,16 +193,20 @@ class _Link:
         self._send_lock = threading.Lock()
         self._read_lock = threading.Lock()
         self.pending: dict[int, PeerFuture] = {}
+        self.segments = Segments()
 
     def send(self, request: int, address: ActorAddress, endpoint: str, ranks: list[int],
              args: tuple[Any, ...], kwargs: dict[str, Any], one: bool) -> "PeerFuture":
         here = socket.gethostname()
         peers = {r: address.peers[r] for r in ranks}
         what = f"{address.name}.{endpoint}"
-        stack = contextlib.ExitStack()
-        payload = stack.enter_context(pack({"args": args, "kwargs": kwargs},
-                                           shared=all(p.host == here for p in peers.values()), what=what))
-        future = PeerFuture(self, request, peers, address, what, one, stack)
+        body, views, buffers = pickled({"args": args, "kwargs": kwargs}, what)
+        segment = None
+        if all(p.host == here for p in peers.values()) and sum(v.nbytes for v in views) >= SHARE_MIN:
+            payload, segment = self.segments.share(body, views)
+        else:
+            payload = Payload(body, buffers)
+        future = PeerFuture(self, request, peers, address, what, one, segment)
         self.pending[request] = future
         header = {msg.KIND: msg.PEER, msg.ID: request, msg.RANK: self.rank,
                   msg.REPLY_TO: (self.address, os.getpid())}
@@ -227,9 +242,12 @@ class _Link:
                     except wire.BadMessage:
                         continue
                     future = self.pending.get(message.header[msg.ID])
-                    if future is not None:
-                        failed = message.kind == msg.ERROR
-                        future.arrive(message.header[msg.RANK], message.body(), failed)
+                    if future is None:
+                        continue
+                    if message.kind == msg.RELEASED:
+                        future.released.add(message.header[msg.RANK])
+                    else:
+                        future.arrive(message.header[msg.RANK], message.body(), message.kind == msg.ERROR)
             for future in list(self.pending.values()):
                 future.check_alive()
         finally:
@@ -240,10 +258,13 @@ class PeerFuture(ActorFuture):
     """The answer to a rank-to-rank call (see :class:`~meshbook.mesh.protocol.actors.ActorFuture`)."""
 
     def __init__(self, link: _Link, request: int, peers: dict[int, Peer], address: ActorAddress,
-                 what: str, one: bool, stack: contextlib.ExitStack) -> None:
+                 what: str, one: bool, segment: int | None) -> None:
         super().__init__(what, one)
         self.link, self.request, self.peers, self.address = link, request, peers, address
-        self._stack = stack  # holds the shared memory of the arguments until every target answered
+        #: The shared memory of the arguments (held until every target answered), and the
+        #: targets that unmapped it again.
+        self.segment = segment
+        self.released: set[int] = set()
         self._arrived: list[tuple[int, Any]] = []
         self._failures: dict[int, RankFailure] = {}
         self._values: dict[int, Any] = {}
@@ -257,7 +278,8 @@ class PeerFuture(ActorFuture):
         self._arrived.append((rank, value))
         if self.done():
             self.link.pending.pop(self.request, None)
-            self._stack.close()
+            if self.segment is not None:
+                self.link.segments.give_back(self.segment, self.released == set(self.peers))
             if self._forgotten and self._failures:
                 print(f"meshbook: {self.what}.broadcast(...) failed:\n{self._error().render()}", file=sys.stderr)
 
