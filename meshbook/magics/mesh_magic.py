@@ -137,7 +137,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @argument("--timeout", type=float, default=120.0, help="seconds to wait for the ranks to start")
     @argument("--collective-timeout", type=float, default=300.0,
               help="seconds before a hung collective fails on its own (default 300)")
-    @argument("--name", help="name the mesh, to run several (%%mesh --mesh NAME, %mesh use NAME)")
+    @argument("--name", help="name the mesh, to run several (%%%%mesh --mesh NAME, "
+                                   "%%mesh use NAME)")
     @argument("--force", action="store_true", help="stop a running mesh (of that name) and start a new one")
     @command
     def start(self, line: str) -> None:
@@ -179,7 +180,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
               (f"; still running: {', '.join(left)} (%mesh use NAME picks one)" if left else ""))
 
     @magic_arguments(name="mesh use")
-    @argument("name", help="the mesh %%mesh cells and %mesh commands use from now on")
+    @argument("name", help="the mesh %%%%mesh cells and %%mesh commands use from now on")
     @command
     def use(self, line: str) -> None:
         """Pick the mesh that cells and commands use: %mesh use trainers"""
