@@ -128,6 +128,15 @@ def test_two_named_meshes_and_the_current_one(two: tuple[meshbook.Mesh, meshbook
     with pytest.raises(MeshError, match="no mesh named 'nope' is running.*trainers, generators"):
         meshbook.use("nope")
     assert dict(generators.run("x").result()) == {0: "generator", 1: "generator"}
+    first, second = meshbook.start(1), meshbook.start(1)  # unnamed: mesh, mesh2
+    try:
+        assert (first.name, second.name) == ("mesh", "mesh2") and meshbook.current() is second
+        second.stop()
+        with pytest.raises(MeshError, match="the current mesh 'mesh2' is stopped; running: trainers, generators, mesh"):
+            meshbook.current()
+    finally:
+        first.stop()
+        second.stop()
 
 
 def test_endpoints_every_way(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:

@@ -132,7 +132,8 @@ def mesh_named(name: str) -> "Mesh":
 def _new_name(name: str | None) -> str:
     running = meshes()
     if name is None:
-        return next(n for n in ("mesh", *(f"mesh{i}" for i in itertools.count(2))) if n not in running)
+        candidates = itertools.chain(["mesh"], (f"mesh{i}" for i in itertools.count(2)))
+        return next(n for n in candidates if n not in running)
     if not isinstance(name, str) or not name.replace("-", "_").isidentifier():
         raise MeshError(f"mesh name {name!r}: use letters, digits, '_' or '-', e.g. name='trainers'")
     if name in running:
