@@ -138,7 +138,8 @@ def _checks(lat: dict[tuple[str, int], Samples | None], moved: dict[str, dict[in
     for size in SIZES:
         ours = _median((moved.get("meshbook") or {}).get(size))
         theirs = _median((moved.get("Monarch") or {}).get(size))
+        shown = [throughput(size, t) if t else "-" for t in (ours, theirs)]
         checks.append(Check(f"actor-to-actor {mib(size)} >= 2 GB/s and faster than Monarch (issue 18)",
-                            f"{throughput(size, ours) if ours else '-'} vs {throughput(size, theirs) if theirs else '-'}",
+                            f"{shown[0]} vs {shown[1]}",
                             (size / ours >= 2e9 and (theirs is None or ours < theirs)) if ours else None))
     return checks

@@ -30,10 +30,10 @@ from ..protocol.errors import MeshError
 from ..protocol.limits import DEFAULT_MAX_BYTES
 from ..protocol.topology import DimSelector, Topology, resolve
 from ..rank import ops
+from .actors import ActorMesh, actor_meshes, spawn
 from .controller import Controller, RankState
 from .data import DataOps
 from .debug import DebugOps
-from .actors import ActorMesh, actor_meshes, spawn
 from .launchers import Launcher, get_launcher
 from .memory import MemoryReport, memory_report
 from .metrics import MetricsHistory

@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import zmq
 
@@ -194,7 +194,9 @@ class _Link:
         self._read_lock = threading.Lock()
         self.pending: dict[int, PeerFuture] = {}
         self.segments = Segments()
-
+        self.host = host
+        self._handlers: dict[str, Callable[[PeerFuture, wire.Message], None]] = {
+            msg.RESULT: self._on_answer, msg.ERROR: self._on_answer, msg.RELEASED: self._on_released}
     def send(self, request: int, address: ActorAddress, endpoint: str, ranks: list[int],
              args: tuple[Any, ...], kwargs: dict[str, Any], one: bool) -> "PeerFuture":
         here = socket.gethostname()
@@ -225,6 +227,14 @@ class _Link:
             sock.connect(address)
         return sock
 
+    @staticmethod
+    def _on_answer(future: "PeerFuture", message: wire.Message) -> None:
+        future.arrive(message.header[msg.RANK], message.body(), message.kind == msg.ERROR)
+
+    @staticmethod
+    def _on_released(future: "PeerFuture", message: wire.Message) -> None:
+        future.released.add(message.header[msg.RANK])
+
     def pump(self, timeout: float) -> None:
         """Take the answers that arrive within ``timeout`` s (one reader at a time), then fail
         the calls whose target died."""
@@ -241,13 +251,13 @@ class _Link:
                         message = self.wire.unpack(frames)
                     except wire.BadMessage:
                         continue
-                    future = self.pending.get(message.header[msg.ID])
-                    if future is None:
+                    handler = self._handlers.get(message.kind)
+                    if handler is None:
+                        self.host.worker.note_unknown(message.kind, "actor reply")
                         continue
-                    if message.kind == msg.RELEASED:
-                        future.released.add(message.header[msg.RANK])
-                    else:
-                        future.arrive(message.header[msg.RANK], message.body(), message.kind == msg.ERROR)
+                    future = self.pending.get(message.header[msg.ID])
+                    if future is not None:  # else: a call that already failed (its target died)
+                        handler(future, message)
             for future in list(self.pending.values()):
                 future.check_alive()
         finally:
