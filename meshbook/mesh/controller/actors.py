@@ -33,9 +33,8 @@ import linecache
 import os
 import sys
 import threading
-import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..protocol import messages as msg
 from ..protocol import wire
@@ -61,9 +60,6 @@ from .render import EventRenderer
 if TYPE_CHECKING:
     from .mesh import Mesh
 
-Supervisor = Callable[[SupervisionEvent], Any]
-
-
 @dataclass(eq=False)
 class ActorState:
     """One actor mesh: what it was spawned from, where its actors are, whether it failed."""
@@ -86,13 +82,20 @@ class ActorState:
         return self.mesh.controller
 
 
-#: Each controller's actor meshes by name (weakly: a stopped mesh's go with it).
-_actors: "weakref.WeakKeyDictionary[Controller, dict[str, ActorState]]" = weakref.WeakKeyDictionary()
+#: Each running controller's actor meshes by name (a stopped one's are dropped at the next
+#: look: the handles a user still holds keep theirs, and say the mesh is stopped).
+_actors: dict[Controller, dict[str, ActorState]] = {}
+
+
+def _registry() -> dict[Controller, dict[str, ActorState]]:
+    for controller in [c for c in _actors if c.stopped]:
+        del _actors[controller]
+    return _actors
 
 
 def actor_meshes(mesh: "Mesh") -> dict[str, "ActorMesh"]:
     """The actor meshes spawned on ``mesh``'s mesh, by name."""
-    return {name: ActorMesh(state) for name, state in _actors.get(mesh.controller, {}).items()}
+    return {name: ActorMesh(state) for name, state in _registry().get(mesh.controller, {}).items()}
 
 
 def spawn(mesh: "Mesh", name: str, cls: type, *args: Any, supervisor: Any = None, **kwargs: Any) -> "ActorMesh":
@@ -102,7 +105,7 @@ def spawn(mesh: "Mesh", name: str, cls: type, *args: Any, supervisor: Any = None
     _check_spawn(controller, name, cls, supervisor)
     state = ActorState(mesh, name, cls, args, dict(kwargs), supervisors=[supervisor] if supervisor else [])
     _spawn_on(state, mesh.ranks)
-    registry = _actors.setdefault(controller, {})
+    registry = _registry().setdefault(controller, {})
     if not registry:
         controller.add_death_listener(lambda rank, cause: _rank_died(controller, rank, cause))
     registry[name] = state
@@ -113,7 +116,7 @@ def _check_spawn(controller: Controller, name: str, cls: type, supervisor: Any) 
     if not isinstance(name, str) or not name.isidentifier():
         raise MeshError(f"actor name {name!r}: give a Python identifier (the actor is a variable of each "
                         f"rank's namespace under that name)")
-    if name in _actors.get(controller, {}):
+    if name in _registry().get(controller, {}):
         raise MeshError(f"an actor named {name!r} already lives on this mesh: pick another name")
     if not isinstance(cls, type) or not issubclass(cls, Actor):
         raise MeshError(f"spawn() needs a subclass of meshbook.Actor, got {cls!r}")
