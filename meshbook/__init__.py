@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "start", "current", "prewarm", "SSH", "Join", "Mesh", "Run", "RankValues", "Topology",
+    "meshes", "use", "mesh_named", "Actor", "endpoint", "ActorMesh", "ActorFuture", "SupervisionEvent",
+    "NoEndpointError",
     "Output", "Display", "Result", "Error", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
@@ -37,6 +39,9 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from .mesh import (
         SSH,
+        Actor,
+        ActorFuture,
+        ActorMesh,
         CellSyntaxError,
         Display,
         Error,
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
         MeshTimeout,
         MissingNameError,
         Namespaces,
+        NoEndpointError,
         Output,
         RankFailure,
         RankValues,
@@ -56,12 +62,17 @@ if TYPE_CHECKING:
         SelectionError,
         SendError,
         ShapeError,
+        SupervisionEvent,
         TooLargeError,
         Topology,
         VarInfo,
         current,
+        endpoint,
+        mesh_named,
+        meshes,
         prewarm,
         start,
+        use,
     )
 
 

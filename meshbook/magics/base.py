@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from ..mesh import Mesh, MeshError, current
+from ..mesh import Mesh, MeshError, current, mesh_named
 
 Command = Callable[[Any, str], Any]
 
@@ -28,7 +28,13 @@ def running_mesh() -> Mesh | None:
         return None
 
 
-def require_mesh() -> Mesh:
+def require_mesh(name: str | None = None) -> Mesh:
+    """The current mesh, or the running mesh ``name`` (``--mesh NAME``)."""
+    if name is not None:
+        try:
+            return mesh_named(name)
+        except MeshError as exc:
+            raise UsageError(str(exc)) from None
     mesh = running_mesh()
     if mesh is None:
         raise UsageError("no mesh is running: start one with %mesh start -n 4 "
@@ -37,4 +43,5 @@ def require_mesh() -> Mesh:
 
 
 def describe(mesh: Mesh) -> str:
-    return f"{mesh.world_size} ranks ({mesh.topology.describe()}, {mesh.status()[0].device or 'cpu'})"
+    named = "" if mesh.name == "mesh" else f"mesh {mesh.name!r}: "
+    return f"{named}{mesh.world_size} ranks ({mesh.topology.describe()}, {mesh.status()[0].device or 'cpu'})"

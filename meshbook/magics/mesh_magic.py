@@ -21,10 +21,12 @@ from ..mesh import (
     Join,
     MeshError,
     RemoteError,
+    meshes,
     parse_dims,
     parse_where,
     start,
     status_table,
+    use,
 )
 from .base import command, describe, require_mesh, running_mesh
 from .data_commands import DataCommands, parse_size
@@ -39,12 +41,15 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        self._start_args: dict[str, Any] | None = None
+        #: How each mesh was started with %mesh start, by name (what %mesh restart repeats).
+        self._start_args: dict[str, dict[str, Any]] = {}
         self._auto = False
 
     # -- the magic ---------------------------------------------------------------------------
 
     @magic_arguments(name="%mesh")
+    @argument("--mesh", "-m", dest="mesh_name", help="run on the mesh of this name (default: the current "
+                                                     "one, see %%mesh use)")
     @argument("--ranks", "-r", help="ranks to run on: 0,2 or 0-3 (default: all)")
     @argument("--where", "-w", help="select ranks by mesh coordinates: dp=0 or dp=0,tp=0-1")
     @argument("--timeout", "-t", type=float,
@@ -84,7 +89,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
 
     def _cell(self, line: str, cell: str) -> Any:
         args = parse_argstring(self.mesh, line)
-        mesh = require_mesh()
+        mesh = require_mesh(args.mesh_name)
         where = parse_where(args.where) if args.where else None
         run = mesh.run(cell, args.ranks, where=where, first_line=args.first_line,
                        name=self.shell.execution_count,
@@ -134,7 +139,6 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @argument("--timeout", type=float, default=120.0, help="seconds to wait for the ranks to start")
     @argument("--collective-timeout", type=float, default=300.0,
               help="seconds before a hung collective fails on its own (default 300)")
-    @argument("--force", action="store_true", help="stop a running mesh and start a new one")
     @argument("--hosts", help="start the ranks on these hosts through ssh: gpu1,gpu2 "
                               "(your ~/.ssh/config applies)")
     @argument("--per-host", type=int, help="ranks per host (default: ranks / hosts)")
@@ -145,6 +149,9 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
               help="print a command for any launcher to run on each host, and wait for them")
     @argument("--join-address", help="--join: the address the hosts dial (default: this "
                                      "machine's address on its default route)")
+    @argument("--name", help="name the mesh, to run several (%%%%mesh --mesh NAME, "
+                                   "%%mesh use NAME)")
+    @argument("--force", action="store_true", help="stop a running mesh (of that name) and start a new one")
     @command
     def start(self, line: str) -> None:
         """Start a mesh: %mesh start -n 4 --dims dp=2,tp=2 (this machine),
@@ -154,28 +161,45 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
             raise UsageError("say how many ranks: %mesh start -n 4 (or --dims dp=2,tp=2)")
         options = {"n": args.n, "dims": parse_dims(args.dims) if args.dims else None,
                    "backend": args.backend, "timeout": args.timeout,
-                   "collective_timeout": args.collective_timeout, "launcher": _launcher(args)}
-        running = running_mesh()
+                   "collective_timeout": args.collective_timeout, "name": args.name,
+                   "launcher": _launcher(args)}
+        # Unnamed: one mesh at a time, as ever. Named: another mesh beside the running ones.
+        running = meshes().get(args.name) if args.name else running_mesh()
         if running is not None:
             if not args.force:
                 raise UsageError(f"a mesh is already running ({running!r}); %mesh stop it first, "
-                                 f"or use %mesh start --force to replace it")
+                                 f"use %mesh start --force to replace it, or --name another one")
             running.stop()
         mesh = start(**options)
-        self._start_args = options
+        self._start_args[mesh.name] = dict(options, name=mesh.name)
         print(f"started {describe(mesh)}")
 
     @magic_arguments(name="mesh stop")
+    @argument("name", nargs="?", help="the mesh to stop (default: the current one)")
+    @argument("--all", action="store_true", dest="every", help="stop every running mesh")
     @command
     def stop(self, line: str) -> None:
         """Stop the mesh: every rank and its host agent exit; namespaces are lost."""
-        parse_argstring(self.stop, line)
-        mesh = running_mesh()
-        if mesh is None:
+        args = parse_argstring(self.stop, line)
+        chosen = list(meshes().values()) if args.every else \
+            [require_mesh(args.name)] if args.name else [m for m in [running_mesh()] if m is not None]
+        if not chosen:
             print("no mesh is running")
             return
-        mesh.stop()
-        print("mesh stopped")
+        for mesh in chosen:
+            mesh.stop()
+        left = meshes()
+        print("mesh stopped" if len(chosen) == 1 and chosen[0].name == "mesh" and not left else
+              f"stopped {', '.join(m.name for m in chosen)}" +
+              (f"; still running: {', '.join(left)} (%mesh use NAME picks one)" if left else ""))
+
+    @magic_arguments(name="mesh use")
+    @argument("name", help="the mesh %%%%mesh cells and %%mesh commands use from now on")
+    @command
+    def use(self, line: str) -> None:
+        """Pick the mesh that cells and commands use: %mesh use trainers"""
+        args = parse_argstring(self.use, line)
+        print(f"now using {describe(use(args.name))}")
 
     @magic_arguments(name="mesh restart")
     @argument("ranks", nargs="?",
@@ -187,28 +211,36 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
         if args.ranks:
             self.restart_ranks(args.ranks)
             return
-        if self._start_args is None:
-            raise UsageError("nothing to restart: start a mesh with %mesh start first")
         mesh = running_mesh()
+        options = self._start_args.get(mesh.name) if mesh is not None else \
+            next(reversed(self._start_args.values()), None)
+        if options is None:
+            raise UsageError("nothing to restart: start a mesh with %mesh start first")
         if mesh is not None:
             mesh.stop()
-        mesh = start(**self._start_args)
+        mesh = start(**options)
         print(f"restarted {describe(mesh)}")
 
     @magic_arguments(name="mesh status")
     @command
     def status(self, line: str) -> None:
-        """Show each rank: host, pid, device, coordinates and state; for a mesh across hosts,
-        each host too: address, agent pid, ranks, round trip and last heartbeat."""
+        """Show each mesh's ranks: host, pid, device, coordinates and state; its actors; and
+        for a mesh across hosts, each host: address, agent pid, ranks, round trip, last heartbeat."""
         parse_argstring(self.status, line)
-        mesh = require_mesh()
-        rows = [{"rank": s.rank, "host": s.hostname, "pid": s.pid or "-", "device": s.device,
-                 **{k: v for k, v in mesh.topology.coords(s.rank).items()},
-                 "state": s.state + (f" ({s.cause})" if s.cause else "")} for s in mesh.status()]
-        hosts = mesh.hosts()
-        if hosts:
-            print(status_table([h.row() for h in hosts]))
-        print(f"{describe(mesh)}\n{status_table(rows)}")
+        current = require_mesh()
+        running = meshes()
+        for mesh in running.values():
+            rows = [{"rank": s.rank, "host": s.hostname, "pid": s.pid or "-", "device": s.device,
+                     **{k: v for k, v in mesh.topology.coords(s.rank).items()},
+                     "state": s.state + (f" ({s.cause})" if s.cause else "")} for s in mesh.status()]
+            hosts = mesh.hosts()
+            if hosts:
+                print(status_table([h.row() for h in hosts]))
+            mark = " (current)" if mesh.controller is current.controller and len(running) > 1 else ""
+            actors = [f"{a.name} ({a.cls_name}{', failed: ' + a.failed if a.failed else ''})"
+                      for a in mesh.actors().values()]
+            print(f"{describe(mesh)}{mark}\n{status_table(rows)}" +
+                  (f"\nactors: {', '.join(actors)}" if actors else ""))
 
     @magic_arguments(name="mesh on")
     @command

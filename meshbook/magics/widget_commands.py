@@ -17,9 +17,10 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
 
 from ..kernel import cell_allows_stdin
-from ..mesh import DURATION_FACTOR, Mesh, Run
+from ..mesh import DURATION_FACTOR, Mesh, Run, meshes
 from ..widgets import CellStatusView, Dashboard
 from ..widgets.dashboard import REFRESH_S
 from .base import command, require_mesh
@@ -46,13 +47,20 @@ class WidgetCommands:
     @magic_arguments(name="mesh dashboard")
     @argument("--refresh", type=float, default=REFRESH_S,
               help=f"seconds between updates (default {REFRESH_S:g})")
+    @argument("--mesh", "-m", dest="mesh_name", help="only the mesh of this name (default: every running mesh)")
     @command
-    def dashboard(self, line: str) -> Dashboard:
+    def dashboard(self, line: str) -> Dashboard | None:
         """Show a live panel of the ranks: state, CPU, memory with sparklines, stragglers."""
         args = parse_argstring(self.dashboard, line)
         if args.refresh <= 0:
             raise UsageError(f"--refresh {args.refresh:g}: give seconds between updates, e.g. 0.5")
-        return Dashboard(require_mesh(), refresh=args.refresh)
+        current = require_mesh(args.mesh_name)
+        running = meshes()
+        if args.mesh_name or len(running) < 2:
+            return Dashboard(current, refresh=args.refresh)
+        for mesh in running.values():  # a section per mesh, each its own live panel
+            display(Dashboard(mesh, refresh=args.refresh))
+        return None
 
     @magic_arguments(name="mesh memory")
     @command

@@ -19,8 +19,12 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     # the Python API
     "start": "controller.mesh", "current": "controller.mesh", "Mesh": "controller.mesh",
-    "prewarm": "controller.launchers", "SSH": "controller.remote", "Join": "controller.remote",
-    "Run": "controller.run", "RemoteRef": "controller.data",
+    "SSH": "controller.remote", "Join": "controller.remote",
+    "meshes": "controller.mesh", "use": "controller.mesh", "mesh_named": "controller.mesh",
+    **dict.fromkeys(["Actor", "endpoint", "ActorFuture", "SupervisionEvent", "NoEndpointError"],
+                    "protocol.actors"),
+    "ActorMesh": "controller.actors",
+    "prewarm": "controller.launchers", "Run": "controller.run", "RemoteRef": "controller.data",
     "RankValues": "protocol.values", "Topology": "protocol.topology",
     "Namespaces": "protocol.namespaces", "VarInfo": "protocol.namespaces",
     **dict.fromkeys(["Output", "Display", "Result", "Error", "InputRequest", "DebugEnd", "Event"],
@@ -42,6 +46,8 @@ _WHERE = {
 
 __all__ = [
     "start", "current", "prewarm", "SSH", "Join", "Mesh", "Run", "RankValues", "Topology",
+    "meshes", "use", "mesh_named", "Actor", "endpoint", "ActorMesh", "ActorFuture", "SupervisionEvent",
+    "NoEndpointError",
     "Output", "Display", "Result", "Error", "InputRequest", "DebugEnd", "Event", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
@@ -66,14 +72,25 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see
+    from .controller.actors import ActorMesh
     from .controller.data import RemoteRef
     from .controller.launchers import prewarm
     from .controller.memory import MemoryRow
-    from .controller.mesh import Mesh, add_start_listener, current, remove_start_listener, start
     from .controller.remote import SSH, Join
+    from .controller.mesh import (
+        Mesh,
+        add_start_listener,
+        current,
+        mesh_named,
+        meshes,
+        remove_start_listener,
+        start,
+        use,
+    )
     from .controller.render import EventRenderer, print_late, write_stream
     from .controller.run import Run
     from .controller.stragglers import DURATION_FACTOR, StragglerReport, slow_by_duration
+    from .protocol.actors import Actor, ActorFuture, NoEndpointError, SupervisionEvent, endpoint
     from .protocol.errors import (
         CellSyntaxError,
         MeshError,

@@ -106,7 +106,7 @@ class Dashboard(HTMLPanel):
 
     def _title(self) -> str:
         state = "mesh stopped" if self.mesh.stopped else "closed" if self._stop.is_set() else "live"
-        return f"meshbook: {len(self.rows)} ranks ({self.mesh.topology.describe()}), {state}"
+        return f"meshbook: {_named(self.mesh)}{len(self.rows)} ranks ({self.mesh.topology.describe()}), {state}"
 
     def _render(self, report: StragglerReport) -> str:
         gpu = any(row["cuda_allocated"] is not None for row in self.rows)
@@ -118,6 +118,10 @@ class Dashboard(HTMLPanel):
         near = [row["rank"] for row in self.rows if row["near_limit"]]
         if near:
             notes.append(f"near the memory limit: rank(s) {format_ranks(near)}")
+        actors = self.mesh.actors() if not self.mesh.stopped else {}
+        if actors:
+            notes.append("actors: " + ", ".join(f"{a.name} ({a.cls_name}{', failed' if a.failed else ''})"
+                                                for a in actors.values()))
         return html.panel(self._title(), html.table(headers, table), notes)
 
     def _cells(self, row: dict[str, Any], gpu: bool) -> list[str]:
@@ -142,8 +146,13 @@ class Dashboard(HTMLPanel):
 
     def text(self) -> str:
         """Deterministic: what the panel is, never its changing numbers."""
-        return (f"meshbook dashboard: {len(self.rows)} ranks ({self.mesh.topology.describe()}); "
+        return (f"meshbook dashboard: {_named(self.mesh)}{len(self.rows)} ranks ({self.mesh.topology.describe()}); "
                 f"%mesh memory and %mesh stragglers print the same as text")
+
+
+def _named(mesh: Mesh) -> str:
+    """``mesh 'trainers': `` when the notebook named its mesh (several may run)."""
+    return "" if mesh.name == "mesh" else f"mesh {mesh.name!r}: "
 
 
 def _background(row: dict[str, Any]) -> str:

@@ -74,7 +74,9 @@ class RankState:
 
 class Controller:
     def __init__(self, topology: Topology, launcher: Launcher, backend: str = "auto",
-                 collective_timeout: float = 300.0) -> None:
+                 collective_timeout: float = 300.0, name: str = "mesh") -> None:
+        #: The mesh's name in this notebook (``start(name=...)``, ``%mesh use NAME``).
+        self.name = name
         self.topology = topology
         self.backend = backend
         self.collective_timeout = collective_timeout
@@ -448,6 +450,10 @@ class Controller:
         """What ``request`` is, when it is meshbook's own work rather than user code ("")."""
         run = self._runs.get(request) if request is not None else None
         return run.what if run is not None and run.kind == msg.CALL else ""
+
+    def queued(self, rank: int) -> int:
+        """How many requests ``rank``'s main thread has not finished (the running one included)."""
+        return len(self._queues[rank])
 
     def busy_with_other(self, rank: int, request: int) -> bool:
         """Is ``rank`` still running something queued before ``request``?"""

@@ -12,10 +12,16 @@
 A :class:`Mesh` is a *view*: a set of ranks of one running mesh. :meth:`Mesh.slice` returns
 another view of the same ranks' processes, so ``mesh.slice(dp=0).run(...)`` runs on half the
 mesh and the namespaces it touches are the same ones the full mesh sees.
+
+A notebook may run several meshes, each under a name (``start(4, name="trainers")``; an
+unnamed one is ``mesh``, then ``mesh2``...). :func:`current` is the one ``%%mesh`` cells use:
+the last started, or the one picked with :func:`use` (``%mesh use NAME``); :func:`meshes` lists
+the running ones. Actors (:meth:`Mesh.spawn`) are in :mod:`.actors`.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Mapping, Sequence
 
 from ..protocol import messages as msg
@@ -24,6 +30,7 @@ from ..protocol.errors import MeshError
 from ..protocol.limits import DEFAULT_MAX_BYTES
 from ..protocol.topology import DimSelector, Topology, resolve
 from ..rank import ops
+from .actors import ActorMesh, actor_meshes, spawn
 from .controller import Controller, RankState
 from .data import DataOps
 from .debug import DebugOps
@@ -40,7 +47,8 @@ MEASURE_TIMEOUT_S = 2.0
 
 def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
           launcher: str | Launcher = "local", timeout: float = 120.0,
-          collective_timeout: float = 300.0, max_result_bytes: int = DEFAULT_MAX_BYTES) -> "Mesh":
+          collective_timeout: float = 300.0, max_result_bytes: int = DEFAULT_MAX_BYTES,
+          name: str | None = None) -> "Mesh":
     """Start a mesh of ranks and return it once torch.distributed is ready on every rank.
 
     ``n`` ranks, or named ``dims`` whose product is the world size (``{"dp": 2, "tp": 2}``);
@@ -49,17 +57,20 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
     rank when CUDA is present. ``collective_timeout`` bounds how long a collective may hang
     before it fails on its own. A result bigger than ``max_result_bytes`` (2 GiB, like
     ``pull``'s ``max_bytes``) stays on its rank as ``_``; ``run(max_bytes=...)`` overrides it.
+    ``name`` names the mesh among this notebook's meshes (default ``mesh``, then ``mesh2``...);
+    the new mesh becomes the current one.
     """
+    name = _new_name(name)
     topology = Topology.create(n, dims)
     if backend not in ("auto", "gloo", "nccl") and ":" not in backend:
         raise MeshError(f"backend {backend!r}: use 'auto', 'gloo', 'nccl' or a torch backend "
                         f"string like 'cuda:nccl,cpu:gloo'")
-    controller = Controller(topology, get_launcher(launcher), backend, collective_timeout)
+    controller = Controller(topology, get_launcher(launcher), backend, collective_timeout, name)
     controller.max_result_bytes = max_result_bytes
     controller.launch(timeout)
     mesh = Mesh(controller, list(range(topology.world_size)))
     global _current
-    _current = mesh
+    _current = _meshes[name] = mesh
     for listener in list(_start_listeners):
         listener(mesh)
     return mesh
@@ -79,14 +90,57 @@ def remove_start_listener(listener: Callable[["Mesh"], None]) -> None:
     if listener in _start_listeners:
         _start_listeners.remove(listener)
 _current: "Mesh | None" = None
+#: This process's meshes by name, in start order (stopped ones are dropped when next looked at).
+_meshes: dict[str, "Mesh"] = {}
+
+
+def meshes() -> dict[str, "Mesh"]:
+    """The running meshes of this process by name, in the order they started."""
+    for name in [n for n, m in _meshes.items() if m.stopped]:
+        del _meshes[name]
+    return dict(_meshes)
 
 
 def current() -> "Mesh":
-    """The most recently started mesh (by ``start()`` or ``%mesh start``), if still running."""
+    """The mesh ``%%mesh`` cells run on: the last started, or the one picked with :func:`use`."""
     if _current is None or _current.stopped:
+        running = meshes()
+        if _current is not None and running:
+            raise MeshError(f"the current mesh {_current.name!r} is stopped; running: {', '.join(running)}. "
+                            f"Pick one with meshbook.use(NAME) (%mesh use NAME)")
         raise MeshError("no mesh is running: start one with meshbook.start(4) "
                         "(or %mesh start -n 4 in a notebook)")
     return _current
+
+
+def use(name: str) -> "Mesh":
+    """Make the running mesh ``name`` the current one (``%mesh use NAME``) and return it."""
+    global _current
+    _current = mesh_named(name)
+    return _current
+
+
+def mesh_named(name: str) -> "Mesh":
+    """The running mesh called ``name``."""
+    running = meshes()
+    if name not in running:
+        names = ", ".join(running) or "none"
+        raise MeshError(f"no mesh named {name!r} is running (running: {names}); start it with "
+                        f"meshbook.start(..., name={name!r})")
+    return running[name]
+
+
+def _new_name(name: str | None) -> str:
+    running = meshes()
+    if name is None:
+        candidates = itertools.chain(["mesh"], (f"mesh{i}" for i in itertools.count(2)))
+        return next(n for n in candidates if n not in running)
+    if not isinstance(name, str) or not name.replace("-", "_").isidentifier():
+        raise MeshError(f"mesh name {name!r}: use letters, digits, '_' or '-', e.g. name='trainers'")
+    if name in running:
+        raise MeshError(f"a mesh named {name!r} is already running: stop it first "
+                        f"(meshbook.mesh_named({name!r}).stop()), or pick another name")
+    return name
 
 
 class Mesh(DebugOps, DataOps):
@@ -97,6 +151,11 @@ class Mesh(DebugOps, DataOps):
         self._ranks = ranks
 
     # -- shape -------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The mesh's name in this notebook (``start(name=...)``)."""
+        return self.controller.name
 
     @property
     def ranks(self) -> list[int]:
@@ -177,6 +236,18 @@ class Mesh(DebugOps, DataOps):
         return self.controller.call(fn, *args, ranks=self.select(ranks), what=what or _name_of(fn),
                                     channel=msg.CONTROL if control else msg.MAIN, **kwargs)
 
+    # -- actors ------------------------------------------------------------------------------
+
+    def spawn(self, name: str, cls: type, *args: Any, supervisor: Any = None, **kwargs: Any) -> ActorMesh:
+        """Build ``cls(*args, **kwargs)`` (a :class:`meshbook.Actor`) on every rank of this view,
+        as actor ``name``; each rank's namespace sees it under that name. ``supervisor`` (a
+        function, or an actor mesh with ``__supervise__``) receives its failure events."""
+        return spawn(self, name, cls, *args, supervisor=supervisor, **kwargs)
+
+    def actors(self) -> dict[str, ActorMesh]:
+        """The actor meshes spawned on this mesh, by name."""
+        return actor_meshes(self)
+
     # -- observing ---------------------------------------------------------------------------
 
     def memory(self) -> MemoryReport:
@@ -242,7 +313,8 @@ class Mesh(DebugOps, DataOps):
     def __repr__(self) -> str:
         state = "stopped" if self.stopped else "running"
         view = "" if len(self._ranks) == self.world_size else f", ranks {self._ranks}"
-        return f"<Mesh {self.topology.describe()}{view}: {state}>"
+        named = "" if self.name == "mesh" else f"{self.name!r} "
+        return f"<Mesh {named}{self.topology.describe()}{view}: {state}>"
 
 
 def _describe_code(code: str) -> str:

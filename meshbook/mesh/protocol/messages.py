@@ -9,7 +9,12 @@ Who sends what:
 * controller -> rank, on the rank's ``MAIN`` channel (its main thread, in order): ``EXEC``
   (cell code), ``APPLY`` (a notebook function), ``CALL`` (a rank operation of
   :mod:`meshbook.mesh.rank.ops`); on its ``CONTROL`` channel (its control thread, answered
-  while the main thread is busy): ``CALL`` and ``INPUT`` (a line for its debugger).
+  while the main thread is busy): ``CALL`` and ``INPUT`` (a line for its debugger); ``ACTOR``
+  (spawn an actor, or call one of its endpoints; main channel).
+* rank -> rank, on the target's ``MAIN`` channel, signed with the target mesh's key: ``PEER``
+  (an endpoint call from an actor handle a rank holds), answered with ``RESULT``/``ERROR``
+  straight to the caller's reply socket named in ``REPLY_TO``, after a ``RELEASED`` when the
+  target unmapped the shared memory of the call's arguments (the caller may reuse it).
 * controller -> agent: ``OP``, whose body names the operation (``AgentOp``).
 * rank -> controller: ``HELLO``, ``READY``, ``INIT_FAILED`` (start-up and new process-group
   generations), ``OUTPUT``, ``DISPLAY``, ``INPUT`` (a debugger prompt), ``DEBUG_END``,
@@ -42,6 +47,9 @@ AGENT = "agent"
 EXIT = "exit"
 HOST_BEAT = "host_beat"
 JOIN = "join"
+ACTOR = "actor"
+PEER = "peer"
+RELEASED = "released"
 
 #: Requests that run user code: an irregular end of one triggers a step check.
 USER_KINDS = (EXEC, APPLY)
@@ -74,6 +82,7 @@ RANKS = "ranks"  # the ranks an agent operation is for
 DURATION = "t"  # seconds the rank spent on the request
 HAS_GROUP = "pg"  # False: the rank lost its process group (a step check follows)
 GENERATION = "generation"  # the process-group generation a READY / INIT_FAILED is about
+REPLY_TO = "reply"  # where a rank-to-rank (PEER) call is answered
 
 # -- heartbeats ------------------------------------------------------------------------------
 

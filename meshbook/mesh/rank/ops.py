@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..protocol import messages as msg
+from ..protocol.actors import ActorAddress
 from ..protocol.cell import stack_frames
 from ..protocol.namespaces import VarInfo, describe, inventory, local_shard
 from ..protocol.payload import Payload
@@ -301,3 +302,20 @@ def _onto(device: Any, value: Any) -> Any:
     if isinstance(value, torch.nn.Module):
         return value.to(device)
     return value
+
+
+# -- actors (mesh/controller/actors.py) -------------------------------------------------------
+
+
+def drop_actor(worker: "Worker", name: str) -> bool:
+    """Forget actor ``name`` on this rank (a spawn that failed on other ranks is undone)."""
+    return worker.actors.drop(name)
+
+
+def actor_handle(address: ActorAddress) -> Any:
+    """Rebuild an actor handle that arrived in a rank's arguments: the notebook's handle
+    pickles to this function (by reference) and its address, and the rank's handle calls the
+    actors straight from this rank."""
+    from .actors import RemoteActor  # only on a rank that receives a handle
+
+    return RemoteActor(address)

@@ -30,6 +30,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
+from functools import partial
 from types import FunctionType
 from typing import Any, Callable
 
@@ -43,6 +44,7 @@ from ..protocol.errors import RankFailure, SendError
 from ..protocol.limits import KeptOnRank
 from ..protocol.topology import Topology
 from . import torchrun
+from .actors import ActorHost
 from .memory import memory_probe
 from .sampling import MainThreadSampler
 from .streams import FdPump, RankStream, install_thread_tagging
@@ -111,8 +113,14 @@ class Worker:
         self.abort_reasons: dict[int, str] = {}
         #: Messages of a kind no handler takes, by kind (each is logged too).
         self.unknown_kinds: Counter[str] = Counter()
+        #: This rank's actors (spawned, called from the notebook and from other ranks).
+        self.actors = ActorHost(self)
         self._main_handlers: dict[str, Callable[[dict[str, Any], int], Any]] = {
-            msg.EXEC: self._exec, msg.APPLY: self._apply, msg.CALL: self._call}
+            msg.EXEC: self._exec, msg.APPLY: self._apply, msg.CALL: self._call,
+            msg.ACTOR: self.actors.serve, msg.PEER: self.actors.serve}
+        #: Where the answer to a request goes when not to the controller, by kind: a
+        #: rank-to-rank actor call is answered straight to its caller.
+        self._reply_routes: dict[str, Callable[[wire.Message, list[Any]], None]] = {msg.PEER: self.actors.reply}
         self._control_handlers: dict[str, Callable[[wire.Message], None]] = {
             msg.CALL: self._control_call, msg.INPUT: self._control_input}
         self._noted_in: int | None = None
@@ -238,6 +246,8 @@ class Worker:
         handler = self._main_handlers.get(message.kind)
         if handler is None:
             self.note_unknown(message.kind, "main")
+        route = self._reply_routes.get(message.kind)
+        reply = partial(route, message) if route is not None else None
         self.request = request
         self.started_at = time.monotonic()
         try:
@@ -256,9 +266,9 @@ class Worker:
             reason = self.abort_reasons.pop(request, "")
             if reason:
                 failure = replace(failure, type_name="CollectiveAborted", message=reason)
-            self._finish(request, failure=failure)
+            self._finish(request, failure=failure, reply=reply)
         else:
-            self._finish(request, value=value)
+            self._finish(request, value=value, reply=reply)
 
     def _exec(self, body: dict[str, Any], request: int) -> Any:
         filename = cell_filename(body.get("name", request))
@@ -266,7 +276,7 @@ class Worker:
         cell = compile_cell(source, filename, first)
         register_source(filename, source, first)
         ns = self.namespace
-        with self._user_code():
+        with self.user_code():
             exec(cell.body, ns)
             value = eval(cell.last_expr, ns) if cell.last_expr is not None else None
         if value is not None:
@@ -277,11 +287,11 @@ class Worker:
         fn = body["fn"]
         if isinstance(fn, FunctionType) and _travelled_by_value(fn):
             fn = self._rebind(fn)
-        with self._user_code():
+        with self.user_code():
             return fn(*body["args"], **body["kwargs"])
 
     def _call(self, body: dict[str, Any], request: int) -> Any:
-        with self._user_code():
+        with self.user_code():
             return body["fn"](self, *body["args"], **body["kwargs"])
 
     def note_unknown(self, kind: str, channel: str) -> None:
@@ -299,7 +309,7 @@ class Worker:
         new.__kwdefaults__ = fn.__kwdefaults__
         return new
 
-    def _user_code(self) -> "_Interruptible":
+    def user_code(self) -> "_Interruptible":
         return _Interruptible(self, True)
 
     def shielded(self) -> "_Interruptible":
@@ -307,7 +317,8 @@ class Worker:
         into a new process group, or past a step check without its verdict, is out of step."""
         return _Interruptible(self, False)
 
-    def _finish(self, request: int, value: Any = None, failure: RankFailure | None = None) -> None:
+    def _finish(self, request: int, value: Any = None, failure: RankFailure | None = None,
+                reply: Callable[[list[Any]], None] | None = None) -> None:
         duration = time.monotonic() - self.started_at
         self.stdout.flush()
         self.stderr.flush()
@@ -327,10 +338,18 @@ class Worker:
                     f"sent to the notebook: {exc}. It is kept on the rank as `_`; return something "
                     f"picklable, e.g. a tensor, a number or a dict of them")
             else:
-                with self._out_lock:
-                    wire.send(self._out, frames, wait=True)
+                self._answer(frames, reply)
                 return
-        self.emit(msg.ERROR, request, failure, **header)
+        self._answer(self.wire.pack({msg.KIND: msg.ERROR, msg.ID: request, msg.RANK: self.rank, **header},
+                                    failure), reply)
+
+    def _answer(self, frames: list[Any], reply: Callable[[list[Any]], None] | None) -> None:
+        """A request's answer: to the controller, or where its kind's reply route says."""
+        if reply is not None:
+            reply(frames)
+            return
+        with self._out_lock:
+            wire.send(self._out, frames, wait=True)
 
     def note_once(self, key: str, text: str) -> None:
         """Print ``text`` to the cell once per request (a loop calling init_process_group...)."""

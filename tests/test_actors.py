@@ -1,0 +1,312 @@
+"""Actor meshes and several meshes in one process: real ranks, real rank-to-rank calls.
+
+The actor classes below are module-level, as in a notebook, and travel by value (this module
+is registered with cloudpickle: the ranks cannot import it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import cloudpickle
+import pytest
+import torch
+
+import meshbook
+from meshbook import MeshError, RemoteError
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class Policy(meshbook.Actor):
+    def __init__(self, hidden: int) -> None:
+        torch.manual_seed(1000 + self.rank)  # every rank starts with other weights
+        self.model = torch.nn.Linear(hidden, hidden)
+        self.loads = 0
+
+    @meshbook.endpoint
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(x)
+
+    @meshbook.endpoint
+    def load(self, state: dict[str, torch.Tensor]) -> int:
+        self.model.load_state_dict(state)
+        self.loads += 1
+        return self.loads
+
+    @meshbook.endpoint
+    def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    @meshbook.endpoint
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @meshbook.endpoint
+    def where(self) -> tuple[int, dict[str, int]]:
+        return self.rank, self.coords
+
+
+class Trainer(meshbook.Actor):
+    """Trains its replica (data parallel over its mesh) and pushes the weights to the generators."""
+
+    def __init__(self, hidden: int) -> None:
+        torch.manual_seed(0)  # the same start on every trainer rank
+        self.model = torch.nn.Linear(hidden, hidden)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    @meshbook.endpoint
+    def step(self, rollouts: list[torch.Tensor]) -> float:
+        import torch.distributed as dist
+
+        batch = torch.cat(rollouts)[self.rank::self.world_size]
+        loss = self.model(batch).pow(2).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        for p in self.model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= self.world_size
+        self.opt.step()
+        return loss.item()
+
+    @meshbook.endpoint
+    def sync(self, generators: object) -> list[int]:
+        """Push the weights to every generator, rank to rank (never through the notebook)."""
+        return sorted(generators.load.call(self.model.state_dict()).result().values())  # type: ignore[attr-defined]
+
+    @meshbook.endpoint
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(x)
+
+    @meshbook.endpoint
+    def ask(self, generators: object, seconds: float) -> object:
+        return generators.nap.call(seconds).result()  # type: ignore[attr-defined]
+
+
+class Supervisor(meshbook.Actor):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    @meshbook.endpoint
+    def __supervise__(self, event: meshbook.SupervisionEvent) -> None:
+        self.events.append(str(event))
+
+    @meshbook.endpoint
+    def seen(self) -> list[str]:
+        return self.events
+
+
+@pytest.fixture(scope="module")
+def two() -> Iterator[tuple[meshbook.Mesh, meshbook.Mesh]]:
+    trainers = meshbook.start(dims={"dp": 2}, name="trainers")
+    generators = meshbook.start(2, name="generators")
+    yield trainers, generators
+    trainers.stop()
+    generators.stop()
+
+
+def test_two_named_meshes_and_the_current_one(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    trainers, generators = two
+    assert list(meshbook.meshes()) == ["trainers", "generators"]
+    assert meshbook.current().name == "generators"  # the last started
+    assert meshbook.use("trainers").controller is trainers.controller
+    assert meshbook.current().name == "trainers"
+    assert trainers.controller.rundir != generators.controller.rundir
+    trainers.run("x = 'trainer'").result()
+    generators.run("x = 'generator'").result()
+    assert dict(trainers.run("x").result()) == {0: "trainer", 1: "trainer"}
+    with pytest.raises(MeshError, match="a mesh named 'trainers' is already running"):
+        meshbook.start(1, name="trainers")
+    with pytest.raises(MeshError, match="no mesh named 'nope' is running.*trainers, generators"):
+        meshbook.use("nope")
+    assert dict(generators.run("x").result()) == {0: "generator", 1: "generator"}
+    first, second = meshbook.start(1), meshbook.start(1)  # unnamed: mesh, mesh2
+    try:
+        assert (first.name, second.name) == ("mesh", "mesh2") and meshbook.current() is second
+        second.stop()
+        with pytest.raises(MeshError, match="the current mesh 'mesh2' is stopped; running: trainers, generators, mesh"):
+            meshbook.current()
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_endpoints_every_way(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    _, generators = two
+    policy = generators.spawn("policy", Policy, 4)
+    try:
+        x = torch.ones(2, 4)
+        values = policy.generate.call(x).result(timeout=60)
+        assert values.ranks == [0, 1] and not torch.equal(values[0], values[1])
+        assert torch.equal(policy.slice(rank=1).generate.call_one(x).result(), values[1])
+        assert any(torch.equal(policy.generate.choose(x).result(), v) for v in values.values())
+        streamed = dict(policy.generate.stream(x))
+        assert streamed.keys() == {0, 1} and torch.equal(streamed[0], values[0])
+        assert dict(policy.where.call().result()) == {0: (0, {"world": 0}), 1: (1, {"world": 1})}
+        assert policy.generate.broadcast(x) is None
+        # The actor is a variable of the rank's namespace, and who() lists it.
+        assert dict(generators.run("type(policy).__name__").result()) == {0: "Policy", 1: "Policy"}
+        assert "policy" in repr(generators.who())
+        assert generators.actors()["policy"].ranks == [0, 1]
+        assert asyncio.run(_awaited(policy.slice(rank=0).where.call_one())) == (0, {"world": 0})
+    finally:
+        generators.run("del policy").result()
+
+
+async def _awaited(future: meshbook.ActorFuture) -> object:
+    return await future
+
+
+def test_choose_picks_the_least_busy_rank(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    _, generators = two
+    napper = generators.spawn("napper", Policy, 2)
+    busy = napper.slice(rank=0).nap.call_one(3.0)  # rank 0 is busy for a while
+    picked = {napper.nap.choose(0.0).result() for _ in range(4)}
+    assert picked == {1}
+    assert busy.result() == 0
+
+
+def test_endpoint_error_fails_that_call_only_with_its_own_lines(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    _, generators = two
+    failing = generators.spawn("failing", Policy, 2)
+    with pytest.raises(RemoteError) as info:
+        failing.fail.call("bad batch").result()
+    line = inspect.getsourcelines(Policy.fail)[1] + 2  # the raise, in this file
+    text = info.value.render()
+    assert text.startswith("[0,1] ValueError: bad batch")
+    assert f"{__file__}:{line}, in fail" in text and "raise ValueError(message)" in text
+    assert failing.where.call().result().ranks == [0, 1]  # the actors live on
+
+
+def test_bad_input_is_a_clear_error_and_leaves_the_meshes_alone(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    _, generators = two
+
+    class Locked(meshbook.Actor):
+        lock = threading.Lock()
+
+        @meshbook.endpoint
+        def ping(self) -> int:
+            return 1
+
+    with pytest.raises(MeshError, match="the actor class .*Locked cannot be sent.*lock"):
+        generators.spawn("locked", Locked)
+    with pytest.raises(MeshError, match="needs a subclass of meshbook.Actor"):
+        generators.spawn("plain", dict)
+    with pytest.raises(MeshError, match="give a Python identifier"):
+        generators.spawn("not a name", Policy, 2)
+    bad = generators.spawn("bad", Policy, 2)
+    with pytest.raises(MeshError, match="a mesh named|already lives on this mesh"):
+        generators.spawn("bad", Policy, 2)
+    with pytest.raises(MeshError, match="has no endpoint 'train'; its endpoints: fail, generate, load"):
+        bad.train.call()
+    assert not hasattr(bad, "train")
+    with pytest.raises(MeshError, match="argument 1 .*cannot be pickled"):
+        bad.generate.call(threading.Lock())
+    with pytest.raises(MeshError, match="call_one\\(\\) needs a single actor"):
+        bad.generate.call_one(torch.ones(2))
+    assert dict(bad.where.call().result()) == {0: (0, {"world": 0}), 1: (1, {"world": 1})}
+
+
+def test_broadcast_failure_is_raised_by_the_next_call(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    _, generators = two
+    caster = generators.spawn("caster", Policy, 2)
+    caster.fail.broadcast("lost update")
+    time.sleep(0.5)
+    with pytest.raises(RemoteError, match="lost update") as info:
+        caster.where.call().result()
+    assert "earlier caster.fail.broadcast" in str(info.value)
+    assert caster.where.call().result().ranks == [0, 1]  # said once
+
+
+def test_rl_weight_sync_rank_to_rank(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    """Trainers push weights to the generators each step, rollouts come back to the notebook."""
+    trainers, generators = two
+    gens = generators.spawn("gens", Policy, 8)
+    trainer = trainers.spawn("trainer", Trainer, 8)
+    probe = torch.randn(3, 8)
+    for step in range(3):
+        rollouts = [gens.generate.choose(torch.randn(4, 8)).result() for _ in range(4)]
+        assert trainer.step.call(rollouts).result().ranks == [0, 1]
+        replicas = trainer.reference.call(probe).result()
+        assert torch.equal(replicas[0], replicas[1])  # one replicated model, data parallel
+        assert trainer.slice(rank=0).sync.call_one(gens).result() == [step + 1, step + 1]
+        for out in gens.generate.call(probe).result().values():
+            assert torch.equal(out, replicas[0])
+
+
+def test_large_tensors_travel_rank_to_rank_through_shared_memory(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    """16 MiB arguments go through a shared segment, written over by the next call only once
+    every target let go of it: a tensor an actor keeps is never overwritten."""
+    trainers, generators = two
+
+    class Summer(meshbook.Actor):
+        @meshbook.endpoint
+        def total(self, t: torch.Tensor) -> float:
+            return float(t.sum())
+
+        @meshbook.endpoint
+        def keep(self, t: torch.Tensor) -> float:
+            self.kept = t
+            return float(t.sum())
+
+        @meshbook.endpoint
+        def kept_total(self) -> float:
+            return float(self.kept.sum())
+
+    summer = generators.spawn("summer", Summer)
+    trainers.push(summer=summer)
+    n = 1 << 22
+    code = ("sums = [summer.total.call(torch.full((N,), float(i))).result()[1] for i in (1, 2, 3)]\n"
+            "sums.append(summer.keep.call(torch.ones(N)).result()[0])\n"
+            "sums.append(summer.total.call(torch.full((N,), 5.0)).result()[0])\n"
+            "sums + [summer.kept_total.call().result()[0]]")
+    trainers.push(N=n)
+    sums = trainers.run(code, ranks=[1]).result()[1]
+    assert sums == [float(n), 2.0 * n, 3.0 * n, float(n), 5.0 * n, float(n)]
+
+
+def test_supervision_rank_death_respawn(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    trainers, _ = two
+    spare = meshbook.start(2, name="spare")
+    try:
+        events: list[meshbook.SupervisionEvent] = []
+        watcher = trainers.spawn("watcher", Supervisor)
+        sleepy = spare.spawn("sleepy", Policy, 2, supervisor=events.append)
+        spare.spawn("watched", Policy, 2, supervisor=watcher)
+        pending = sleepy.nap.call(30)
+        asked = trainers.spawn("asker", Trainer, 2).slice(rank=0).ask.call_one(sleepy.slice(rank=1), 30)
+        time.sleep(1.0)
+        spare.kill([1])
+        with pytest.raises(RemoteError, match="rank 1 died: SIGKILL"):
+            pending.result(timeout=30)
+        with pytest.raises(RemoteError, match="rank 1 of mesh 'spare' died"):
+            asked.result(timeout=30)  # the rank-to-rank call failed too
+        with pytest.raises(MeshError, match=r"actor 'sleepy' failed: rank 1 died \(SIGKILL\).*respawn"):
+            sleepy.where.call()
+        _until(lambda: events and watcher.seen.call().result()[0])
+        assert [(e.mesh, e.actor, e.rank) for e in events] == [("spare", "sleepy", 1)]
+        assert "actor 'watched' on mesh 'spare' failed: rank 1 died" in watcher.seen.call().result()[0][0]
+        with pytest.raises(MeshError, match="still dead: restart them first"):
+            sleepy.respawn()
+        spare.restart([1])
+        sleepy.respawn()
+        assert dict(sleepy.where.call().result()) == {0: (0, {"world": 0}), 1: (1, {"world": 1})}
+    finally:
+        spare.stop()
+    with pytest.raises(MeshError, match="stopped"):
+        sleepy.where.call()
+
+
+def _until(predicate: object, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
