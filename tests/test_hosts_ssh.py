@@ -1,0 +1,65 @@
+"""Meshes across hosts started through a real sshd, on network namespaces as hosts.
+
+Each namespace is a host with its own address and hostname (which resolves to 127.0.1.1, as
+on Debian: an agent that advertised its hostname would be unreachable); the controller stays
+in the root namespace, the "login node". These tests need root and ``ip netns`` (the
+``hosts`` marker; ``./dev hosts`` runs them).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from rigs import sshd
+
+import meshbook
+
+pytestmark = pytest.mark.hosts
+
+
+def ssh_mesh(ssh_hosts: sshd.Sshd, **kw: object) -> meshbook.Mesh:
+    launcher = meshbook.SSH(ssh_hosts.aliases, per_host=2, python=sys.executable,
+                            ssh_options=["-F", str(ssh_hosts.ssh_config)], **kw)  # type: ignore[arg-type]
+    return meshbook.start(4, launcher=launcher, timeout=120)
+
+
+def test_two_hosts_end_to_end_when_hosts_cannot_dial_the_controller(ssh_hosts: sshd.Sshd) -> None:
+    hosts = ssh_hosts.hosts
+    hosts.block_new_connections_to_controller()  # compute nodes cannot reach the login node
+    mesh = ssh_mesh(ssh_hosts)
+    try:
+        names = mesh.run("import socket; socket.gethostname()").result()
+        assert [names[r] for r in range(4)] == ["h1", "h1", "h2", "h2"]
+        total = mesh.run("t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\nt.tolist()").result()
+        assert set(map(tuple, total.values())) == {(10.0, 10.0)}
+        assert [h.address for h in mesh.hosts()] == [hosts["h1"].addr, hosts["h2"].addr]
+        env = mesh.run("import os; os.environ.get('GLOO_SOCKET_IFNAME')").result()
+        assert set(env.values()) == {"eth0"}, "gloo listens on the interface that routes to the controller"
+    finally:
+        mesh.stop()
+
+
+def test_a_host_cut_off_is_lost_and_restarted(ssh_hosts: sshd.Sshd) -> None:
+    hosts = ssh_hosts.hosts
+    mesh = ssh_mesh(ssh_hosts)
+    try:
+        mesh.run("kept = rank * 10").result()
+        started = time.monotonic()
+        hosts.link_down(hosts["h2"])
+        run = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+        with pytest.raises(meshbook.RemoteError) as info:
+            run.result(timeout=60)
+        assert "host h2 lost: ranks 2,3" in str(info.value)
+        assert time.monotonic() - started < 30, "lost after 15 s of silence, then the cell fails"
+        assert [h.state for h in mesh.hosts()] == ["ok", "lost"]
+        assert mesh.run("kept", ranks=[0, 1]).result().values() is not None
+        hosts.link_up(hosts["h2"])
+        mesh.restart([2, 3])  # a new agent on h2; ranks 0 and 1 keep their variables
+        kept = mesh.run("kept if rank < 2 else None").result()
+        assert [kept[r] for r in range(4)] == [0, 10, None, None]
+        total = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result()
+        assert set(total.values()) == {4.0}
+    finally:
+        mesh.stop()
