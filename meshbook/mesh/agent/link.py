@@ -122,15 +122,7 @@ class RemoteLink:
         ZeroMQ queues what arrives until the rank binds)."""
         for sock in self.down.pop(rank, {}).values():
             sock.close(linger=0)
-        socks = {}
-        for channel in msg.CHANNELS:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RECONNECT_IVL, 10)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
-            sock.connect(wire.rank_address(rundir, rank, generation, channel))
-            socks[channel] = sock
-        self.down[rank] = socks
+        self.down[rank] = wire.connect_rank(self.ctx, rundir, rank, generation)
 
     def close(self) -> None:
         for socks in self.down.values():

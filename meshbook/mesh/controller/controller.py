@@ -323,17 +323,7 @@ class Controller:
         waits for, or races with, the rank's start-up.
         """
         self._disconnect_rank(rank)
-        socks = {}
-        for channel in msg.CHANNELS:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            # Retry every 10 ms until the rank binds, never backing off: a backed-off retry
-            # would hold the first request for up to the back-off after the rank is ready.
-            sock.setsockopt(zmq.RECONNECT_IVL, 10)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
-            sock.connect(wire.rank_address(self.rundir, rank, generation, channel))
-            socks[channel] = sock
-        self._down[rank] = socks
+        self._down[rank] = wire.connect_rank(self.ctx, self.rundir, rank, generation)
 
     def _disconnect_rank(self, rank: int) -> None:
         """Drop a rank's sockets with whatever they still held for it (the runs that waited on

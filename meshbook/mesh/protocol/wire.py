@@ -262,6 +262,23 @@ def rank_address(rundir: str, rank: int, generation: int, channel: str) -> str:
     return f"ipc://{rundir}/r{rank}g{generation}{channel}"
 
 
+def connect_rank(ctx: zmq.Context, rundir: str, rank: int, generation: int) -> dict[str, zmq.Socket]:
+    """PUSH sockets to each channel of ``rank`` forked in ``generation``, made before the rank
+    exists: ZeroMQ queues what is sent until the rank binds, so a request never waits for, or
+    races with, its start-up."""
+    socks = {}
+    for channel in ("x", "c"):  # the MAIN and CONTROL channels of protocol.messages
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        # Retry every 10 ms until the rank binds, never backing off: a backed-off retry
+        # would hold the first request for up to the back-off after the rank is ready.
+        sock.setsockopt(zmq.RECONNECT_IVL, 10)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
+        sock.connect(rank_address(rundir, rank, generation, channel))
+        socks[channel] = sock
+    return socks
+
+
 def _is_big(frames: list[Any]) -> bool:
     return any(memoryview(_buffer(f)).nbytes >= ZERO_COPY_MIN for f in frames[1:])
 
