@@ -17,7 +17,7 @@ tests to skip with that reason (in CI they fail instead). The fixtures are in
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, TypeVar
 
 import pytest
 
@@ -31,3 +31,28 @@ def need(*checks: Callable[[], str | None]) -> None:
             if os.environ.get("CI"):
                 pytest.fail(f"CI must run the rigs: {reason}")
             pytest.skip(reason)
+
+
+R = TypeVar("R", bound="Rig")
+
+
+class Rig:
+    """A context manager that starts what :meth:`open` starts and always closes it (:meth:`close`),
+    even when starting fails halfway (close undoes whatever was done)."""
+
+    def open(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: R) -> R:
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from rigs import Rig
+
 # 10.176.0.0/12 holds 4,096 /24s; a run takes the first free one from a pid-derived start.
 RIG_RANGE = ipaddress.ip_network("10.176.0.0/12")
 _instances = itertools.count()
@@ -141,7 +143,7 @@ class Host:
         return {"XDG_RUNTIME_DIR": str(self.runtime_dir), "TMPDIR": str(self.tmpdir)}
 
 
-class Hosts:
+class Hosts(Rig):
     """``n`` namespace-hosts on a bridge; a context manager that removes all of it on exit.
 
     ``hosts.controller_addr`` is the root namespace's address on the bridge (where a
@@ -166,22 +168,14 @@ class Hosts:
 
     # -- setup and teardown ---------------------------------------------------------------
 
-    def __enter__(self) -> Hosts:
+    def open(self) -> None:
         atexit.register(self.close)  # the last resort: an interpreter exiting mid-test
         exit_on_sigterm()
-        try:
-            self.add_bridge()
-            for index, name in enumerate(self.names):
-                self.hosts.append(self.add_host(index, name))
-            for host in self.hosts:
-                self.write_hosts_file(host)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.add_bridge()
+        for index, name in enumerate(self.names):
+            self.hosts.append(self.add_host(index, name))
+        for host in self.hosts:
+            self.write_hosts_file(host)
 
     def close(self) -> None:
         """Kill every process the rig started, then undo every change it made (reverse order)."""

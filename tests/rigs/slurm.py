@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from rigs import Rig
 from rigs.netns import Hosts, RigError, kill_pids, namespace_pids
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "slurmstepd")
@@ -46,7 +47,7 @@ def missing() -> str | None:
     return None
 
 
-class Slurm:
+class Slurm(Rig):
     """A Slurm cluster whose nodes are the hosts of ``hosts`` (node names = host names).
 
     A context manager: on entry, every daemon is started and the nodes are idle; on exit,
@@ -72,26 +73,18 @@ class Slurm:
     def nodes(self) -> list[str]:
         return [host.name for host in self.hosts]
 
-    def __enter__(self) -> Slurm:
-        try:
-            self.dir.mkdir(mode=0o700)
-            self.jobs.mkdir()
-            self.start_munge()
-            self.write_config(free_port(self.hosts.controller_addr))
-            self.start_controller()
-            for host in self.hosts:
-                self.daemons.append(self.hosts.popen(
-                    host, [daemon("slurmd"), "-D", "-N", host.name, "-f", str(self.conf)],
-                    env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL))
-            self.wait_idle()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def open(self) -> None:
+        self.dir.mkdir(mode=0o700)
+        self.jobs.mkdir()
+        self.start_munge()
+        self.write_config(free_port(self.hosts.controller_addr))
+        self.start_controller()
+        for host in self.hosts:
+            self.daemons.append(self.hosts.popen(
+                host, [daemon("slurmd"), "-D", "-N", host.name, "-f", str(self.conf)],
+                env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL))
+        self.wait_idle()
 
     def close(self) -> None:
         """Cancel the jobs, stop slurmd and the job steps, slurmctld, munged; remove state."""

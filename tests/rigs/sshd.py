@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from rigs import Rig
 from rigs.netns import Host, Hosts, RigError, kill_pids, sh
 
 # sshd refuses to start without its privilege separation directory (a fixed path).
@@ -39,7 +40,7 @@ def missing() -> str | None:
     return None
 
 
-class Sshd:
+class Sshd(Rig):
     """One sshd per host of ``hosts``; a context manager that stops each by pid on exit."""
 
     def __init__(self, hosts: Hosts, user: str = "root") -> None:
@@ -55,23 +56,15 @@ class Sshd:
         """The ``Host`` names of :attr:`ssh_config`, one per host (``["h1", "h2"]``)."""
         return [host.name for host in self.hosts]
 
-    def __enter__(self) -> Sshd:
-        try:
-            self.dir.mkdir(mode=0o700)
-            PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)  # shared with any system sshd: kept
-            keygen(self.key)
-            shutil.copy(self.key.with_suffix(".pub"), self.dir / "authorized_keys")
-            self.ssh_config.write_text(self.client_config())
-            self.daemons = [self.start(host) for host in self.hosts]
-            for host, daemon in zip(self.hosts, self.daemons):
-                wait_accepting(host, daemon, self.dir / f"sshd-{host.name}.log")
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def open(self) -> None:
+        self.dir.mkdir(mode=0o700)
+        PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)  # shared with any system sshd: kept
+        keygen(self.key)
+        shutil.copy(self.key.with_suffix(".pub"), self.dir / "authorized_keys")
+        self.ssh_config.write_text(self.client_config())
+        self.daemons = [self.start(host) for host in self.hosts]
+        for host, daemon in zip(self.hosts, self.daemons):
+            wait_accepting(host, daemon, self.dir / f"sshd-{host.name}.log")
 
     def close(self) -> None:
         """Stop each sshd and every session it started (by pid, sessions first)."""
