@@ -341,28 +341,34 @@ class Controller:
                 if self.ranks[r].state != "dead":
                     by_host.setdefault(self.host_of[r], []).append(r)
             with self._send_lock:
-                for host, host_ranks in by_host.items():
-                    self.network.send(host, encode_route(channel, host_ranks), frames)
+                sent = [(host_ranks, self.network.send(host, encode_route(channel, host_ranks), frames))
+                        for host, host_ranks in by_host.items()]
+            for host_ranks, tracker in sent:
+                self._wait_sent(tracker, host_ranks)
             return
         with self._send_lock:
             # A rank that died since the caller checked has no sockets: its death failed the run.
             live = [r for r in ranks if r in self._down]
             trackers = wire.fan_out([self._down[r][channel] for r in live], frames)
         for rank, tracker in zip(live, trackers):
-            # Big buffers: return once every rank has them, so the caller may change its
-            # tensors; a rank that died meanwhile never will (its run fails on its death).
-            while not tracker.done and self.ranks[rank].state != "dead" and not self.stopped:
-                try:
-                    tracker.wait(0.1)
-                except zmq.NotDone:
-                    pass
+            self._wait_sent(tracker, [rank])
+
+    def _wait_sent(self, tracker: zmq.MessageTracker | None, ranks: list[int]) -> None:
+        """Big buffers: return once they left for ``ranks``, so the caller may change its
+        tensors; ranks that died meanwhile never will (their runs fail on their death)."""
+        while (tracker is not None and not tracker.done and not self.stopped
+               and any(self.ranks[r].state != "dead" for r in ranks)):
+            try:
+                tracker.wait(0.1)
+            except zmq.NotDone:
+                pass
 
     def _send_to_hosts(self, frames: list[Any], ranks: list[int]) -> None:
         hosts = sorted({self.host_of[r] for r in ranks})
         with self._send_lock:
             for host in hosts:
                 if self.network is not None:
-                    self.network.send(host, b"", frames)
+                    self.network.send(host, b"", frames)  # small: an operation for the agent
                     continue
                 for attempt in range(200):
                     try:
@@ -513,16 +519,19 @@ class Controller:
                     except zmq.Again:
                         break
                     self._take(frames)
-            if self.network is not None:
-                for sock in self.network.sockets():
-                    if sock in ready:
-                        self.network.drain(sock, self._from_host)
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + 0.25
-                self._check_agents()
+            try:
                 if self.network is not None:
-                    self.network.tick(self._ping, self._host_lost)
+                    for sock in self.network.sockets():
+                        if sock in ready:
+                            self.network.drain(sock, self._from_host)
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + 0.25
+                    self._check_agents()
+                    if self.network is not None:
+                        self.network.tick(self._ping, self._host_lost)
+            except Exception as exc:  # the receiver must outlive any one failure
+                _log(f"receiver: {type(exc).__name__}: {exc}")
 
     def _poller(self) -> zmq.Poller:
         poller = zmq.Poller()

@@ -174,15 +174,16 @@ class Network:
 
     # -- sending (any thread, under the controller's send lock) ----------------------------------
 
-    def send(self, host: int, route: bytes, frames: list[Any]) -> None:
-        """Queue a message for ``host``'s agent: the receiver thread sends it."""
+    def send(self, host: int, route: bytes, frames: list[Any]) -> zmq.MessageTracker | None:
+        """Queue a message for ``host``'s agent: the receiver thread sends it. With big
+        buffers, returns a tracker, done once they left for the network (wait for it outside
+        the send lock: the receiver may need that lock before it gets to them)."""
         parts = [_HOST.pack(host), route, *frames]
         if any(memoryview(f.buffer if isinstance(f, zmq.Frame) else f).nbytes >= wire.ZERO_COPY_MIN
                for f in frames[1:]):
-            tracker = self._outbox.send_multipart(parts, copy=False, track=True)
-            tracker.wait()
-        else:
-            self._outbox.send_multipart(parts)
+            return self._outbox.send_multipart(parts, copy=False, track=True)
+        self._outbox.send_multipart(parts)
+        return None
 
     # -- the receiver thread's side ------------------------------------------------------------
 
