@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from kernels import Kernel
 from rigs import sshd
 
 import meshbook
@@ -63,3 +64,37 @@ def test_a_host_cut_off_is_lost_and_restarted(ssh_hosts: sshd.Sshd) -> None:
         assert set(total.values()) == {4.0}
     finally:
         mesh.stop()
+
+
+def test_from_a_notebook(ssh_hosts: sshd.Sshd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mesh across hosts driven from a real kernel; a host cut off fails its cell and the
+    kernel carries on. (ssh reads the config of the user's passwd home, not $HOME, so the
+    rig's config is given as the launcher's ssh options.)"""
+    monkeypatch.setenv("MESHBOOK_HOST_SUSPECT_S", "2")
+    monkeypatch.setenv("MESHBOOK_HOST_LOST_S", "6")
+    kernel = Kernel()
+    try:
+        kernel.ok(f"import meshbook\n%load_ext meshbook\nmesh = meshbook.start(4, launcher=meshbook.SSH("
+                  f"['h1', 'h2'], python={sys.executable!r}, ssh_options=['-F', {str(ssh_hosts.ssh_config)!r}]))")
+        reply = kernel.ok("%%mesh\nt = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()")
+        assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[0-3] 10.0"
+        status = kernel.ok("%mesh status").stream()
+        for host in ssh_hosts.hosts:
+            assert host.addr in status, status
+        ssh_hosts.hosts.link_down(ssh_hosts.hosts["h2"])
+        failed = kernel.execute("%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()", timeout=90)
+        assert failed.status == "error" and "host h2 lost: ranks 2,3" in failed.error_text
+        assert kernel.value("1 + 1") == 2
+        assert "lost" in kernel.ok("%mesh status").stream()
+        kernel.ok("%mesh stop")
+    finally:
+        kernel.close()
+
+
+def test_a_host_that_cannot_start_an_agent_says_why(ssh_hosts: sshd.Sshd) -> None:
+    launcher = meshbook.SSH(["h1"], python="/nonexistent/python", ssh_options=["-F", str(ssh_hosts.ssh_config)])
+    with pytest.raises(meshbook.MeshError) as info:
+        meshbook.start(2, launcher=launcher, timeout=60)
+    text = str(info.value)
+    assert "could not start the agent on h1" in text and "/nonexistent/python" in text
+    assert "No such file" in text or "not found" in text, "ssh's own words are quoted"

@@ -155,9 +155,11 @@ class SshAgent:
                 if text.startswith(LISTENING):
                     return json.loads(text[len(LISTENING):])  # type: ignore[no-any-return]
                 self._said.append(text)
-        self.terminate(2.0)
+        self.terminate(2.0, keep_log=True)
+        reason = self.exit_reason()
+        self._remove_log()
         raise MeshError(f"could not start the agent on {self.name} through ssh "
-                        f"({self.exit_reason()}). Check that `ssh {self.name}` works without a "
+                        f"({reason}). Check that `ssh {self.name}` works without a "
                         f"password prompt and that {python} there has meshbook installed (pass "
                         f"python='/path/to/python' or --python)")
 
@@ -183,7 +185,7 @@ class SshAgent:
             tail = ""
         return what + (f"; its output ends with:\n{tail}" if tail else "")
 
-    def terminate(self, timeout: float = 5.0) -> None:
+    def terminate(self, timeout: float = 5.0, keep_log: bool = False) -> None:
         """Close the session's stdin (the agent stops its ranks and exits); force it after ``timeout``."""
         for proc in filter(None, (self.proc, self.tunnel)):
             try:
@@ -201,6 +203,10 @@ class SshAgent:
                 proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        if not keep_log:
+            self._remove_log()
+
+    def _remove_log(self) -> None:
         try:
             os.unlink(self.log)
         except OSError:
