@@ -13,7 +13,7 @@ import time
 
 import pytest
 from kernels import Kernel
-from rigs import sshd
+from rigs import netns, sshd
 
 import meshbook
 
@@ -98,3 +98,27 @@ def test_a_host_that_cannot_start_an_agent_says_why(ssh_hosts: sshd.Sshd) -> Non
     text = str(info.value)
     assert "could not start the agent on h1" in text and "/nonexistent/python" in text
     assert "No such file" in text or "not found" in text, "ssh's own words are quoted"
+
+
+def test_twenty_ms_of_latency_breaks_nothing(ssh_hosts: sshd.Sshd) -> None:
+    if netns.delay_missing():  # not in CI's kind of kernel either: netem is a kernel option
+        pytest.skip(netns.delay_missing())
+    hosts = ssh_hosts.hosts
+    for host in hosts:
+        hosts.delay(host, 20)  # every packet a host sends waits 20 ms
+    mesh = ssh_mesh(ssh_hosts)
+    try:
+        total = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result()
+        assert set(total.values()) == {4.0}
+        deadline = time.monotonic() + 10
+        while any(h.rtt is None for h in mesh.hosts()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(h.rtt is not None and h.rtt > 0.015 and h.state == "ok" for h in mesh.hosts())
+        run = mesh.run("import time\ntime.sleep(600)")
+        time.sleep(1)
+        run.interrupt()
+        with pytest.raises(meshbook.RemoteError, match="KeyboardInterrupt"):
+            run.result(timeout=30)
+        assert set(mesh.run("rank % 2").result().values()) == {0, 1}
+    finally:
+        mesh.stop()
