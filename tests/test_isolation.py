@@ -56,9 +56,14 @@ def stranger() -> Iterator[str]:
 
 def attempts(user: str, targets: list[tuple[str, object]]) -> dict[str, str]:
     """Try each target as ``user``: "reached", or the error that stopped the attempt."""
+    return run_as(user, PROBE, targets)
+
+
+def run_as(user: str, probe: str, argument: object) -> dict[str, str]:
+    """Run the Python ``probe`` as ``user`` with ``argument`` (JSON); its JSON answer."""
     for python in (sys.executable, "/usr/bin/python3"):
         try:
-            done = subprocess.run([python, "-c", PROBE, json.dumps(targets)], user=user,
+            done = subprocess.run([python, "-c", probe, json.dumps(argument)], user=user,
                                   capture_output=True, text=True, timeout=60, cwd="/")
         except PermissionError:
             continue
@@ -122,3 +127,37 @@ def test_a_re_forked_rank_0_joins_the_new_generations_store(mesh2: meshbook.Mesh
     code = "x = torch.ones(1)\ndist.all_reduce(x)\nx.item()"
     assert dict(mesh2.run(code).result(timeout=60)) == {0: 2.0, 1: 2.0}
     assert os.path.exists(os.path.join(mesh2.controller.rundir, "store-g1"))
+
+
+SECRETS_PROBE = """
+import json, sys
+secrets, pids = json.loads(sys.argv[1])
+seen = {}
+for pid in pids:
+    for part in ("cmdline", "environ"):
+        try:
+            with open(f"/proc/{pid}/{part}", "rb") as f:
+                text = f.read().decode(errors="replace")
+            seen[f"{pid}/{part}"] = "secret" if any(s in text for s in secrets) else "clean"
+        except OSError as exc:
+            seen[f"{pid}/{part}"] = type(exc).__name__
+print(json.dumps(seen))
+"""
+
+
+def test_another_user_reads_no_secret_of_a_mesh_across_hosts(stranger: str, tmp_path: object) -> None:
+    """Agents that joined with the token in their environment (the join command's second
+    form): their command lines hold no secret, and their environment is closed to others."""
+    from test_join import start_joined
+
+    mesh, outside = start_joined(tmp_path, token_in_env=True)
+    try:
+        secrets = [mesh.controller.wire.key.hex(), outside.token]
+        pids = [p.pid for p in outside.procs]
+        pids += [c.pid for p in pids for c in psutil.Process(p).children(recursive=True)]
+        seen = run_as(stranger, SECRETS_PROBE, [secrets, pids])
+        assert len(pids) == 6 and all(seen[f"{pid}/cmdline"] == "clean" for pid in pids), seen
+        assert all(seen[f"{pid}/environ"] == "PermissionError" for pid in pids), seen
+    finally:
+        mesh.stop()
+        outside.wait_all()

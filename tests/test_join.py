@@ -27,7 +27,8 @@ from meshbook.mesh.protocol.remote import TOKEN_ENV
 class ExternalLauncher:
     """Starts ``python -m meshbook.mesh.agent join`` per host when the mesh asks for hosts."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_in_env: bool = False) -> None:
+        self.token_in_env = token_in_env
         self.procs: list[subprocess.Popen[bytes]] = []
         self.announced = ""
         self.token = ""
@@ -41,7 +42,8 @@ class ExternalLauncher:
         command = re.search(r"^  (python -m \S+ join --token-file \S+)$", text, re.M)
         assert command is not None, text
         for _ in range(hosts):
-            self.procs.append(self.run_agent(["--token-file", path]))
+            self.procs.append(self.run_agent([], env={TOKEN_ENV: self.token}) if self.token_in_env
+                              else self.run_agent(["--token-file", path]))
 
     def run_agent(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-m", "meshbook.mesh.agent", "join", *args],
@@ -62,8 +64,9 @@ class ExternalLauncher:
         return codes
 
 
-def start_joined(tmp_path: object, hosts: int = 2, per_host: int = 2, **kw: object) -> tuple[meshbook.Mesh, ExternalLauncher]:
-    outside = ExternalLauncher()
+def start_joined(tmp_path: object, hosts: int = 2, per_host: int = 2, token_in_env: bool = False,
+                 **kw: object) -> tuple[meshbook.Mesh, ExternalLauncher]:
+    outside = ExternalLauncher(token_in_env)
     launcher = meshbook.Join(hosts=hosts, per_host=per_host, address="127.0.0.1", token_dir=str(tmp_path),
                              **kw)  # type: ignore[arg-type]
     launcher.announce = lambda text: outside.announce(text, launcher, hosts)
