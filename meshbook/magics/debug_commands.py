@@ -52,9 +52,10 @@ class DebugCommands:
         require_mesh().kill(args.ranks)
         print(f"killed rank(s) {args.ranks}; %mesh restart {args.ranks} brings them back")
 
-    def restart_ranks(self, ranks: str) -> None:
-        """%mesh restart RANKS: re-fork those ranks, keep every other rank's variables."""
-        print(require_mesh().restart(ranks).render())
+    def restart_ranks(self, ranks: str, on: str | None = None) -> None:
+        """%mesh restart RANKS [--on HOST]: re-fork those ranks, keep every other rank's
+        variables (ranks of a lost host: on a new agent there, or on HOST)."""
+        print(require_mesh().restart(ranks, on=on).render())
 
     @magic_arguments(name="mesh debug")
     @argument("rank", type=int, help="the rank whose last exception to debug")

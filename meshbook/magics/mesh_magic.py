@@ -204,13 +204,17 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @magic_arguments(name="mesh restart")
     @argument("ranks", nargs="?",
               help="restart only these ranks (0,2): the others keep their variables")
+    @argument("--on", help="the ranks of a lost host: start their agent on this host instead (ssh)")
     @command
     def restart(self, line: str) -> None:
-        """Restart the mesh (fresh namespaces), or only some ranks: %mesh restart 1"""
+        """Restart the mesh (fresh namespaces), or only some ranks: %mesh restart 1;
+        the ranks of a lost host elsewhere: %mesh restart 8-15 --on gpu3"""
         args = parse_argstring(self.restart, line)
         if args.ranks:
-            self.restart_ranks(args.ranks)
+            self.restart_ranks(args.ranks, args.on)
             return
+        if args.on:
+            raise UsageError("--on goes with the ranks of a lost host: %mesh restart 8-15 --on gpu3")
         mesh = running_mesh()
         options = self._start_args.get(mesh.name) if mesh is not None else \
             next(reversed(self._start_args.values()), None)

@@ -425,6 +425,14 @@ class Controller:
         return [h for h in hosts if self.network.links[h].state in ("lost", "stopped")
                 or not self.agents[h].alive()]
 
+    def move_lost_host(self, ranks: list[int], host_name: str) -> None:
+        """Start the agent of the lost host of ``ranks`` on ``host_name`` at the next restart."""
+        gone = self._hosts_gone(ranks)
+        if len(gone) != 1 or not hasattr(self.launcher, "replace"):
+            raise MeshError(f"restart ... on {host_name!r}: give the ranks of exactly one lost host of a "
+                            f"mesh started through ssh (lost hosts of these ranks: {len(gone)})")
+        self.launcher.replace(gone[0], host_name)
+
     def _relaunch(self, plan: HostPlan, generation: int, timeout: float = 120.0) -> None:
         """Start a new agent for a host whose agent is gone (``%mesh restart`` of its ranks);
         the other hosts' ranks keep their variables."""

@@ -73,10 +73,15 @@ class DebugOps:
         """SIGKILL ranks (their variables are lost); ``restart`` brings them back."""
         self.controller.kill(self.select(ranks))
 
-    def restart(self, ranks: Sequence[int] | str | int, timeout: float = 120.0) -> Recovery:
+    def restart(self, ranks: Sequence[int] | str | int, timeout: float = 120.0, on: str | None = None) -> Recovery:
         """Re-fork ``ranks`` under the same rank ids and re-create the process group on all
-        ranks; every other rank keeps its variables. Frees ranks stuck waiting for them."""
-        return recover(self.controller, self.select(ranks), timeout)
+        ranks; every other rank keeps its variables. Frees ranks stuck waiting for them.
+
+        Ranks of a lost host get a new agent on that host, or on host ``on`` (ssh launcher)."""
+        chosen = self.select(ranks)
+        if on is not None:
+            self.controller.move_lost_host(chosen, on)
+        return recover(self.controller, chosen, timeout)
 
     def recover(self, timeout: float = 120.0) -> Recovery:
         """Free every stuck rank, restarting as few as possible (usually none), and

@@ -102,6 +102,10 @@ class SSH(RemoteLauncher):
             raise
         return agents
 
+    def replace(self, host: int, name: str) -> None:
+        """Host ``host``'s agent starts on ``name`` from now on (its old host is lost)."""
+        self.hosts[host] = name
+
     def relaunch(self, plan: HostPlan, network: Network, timeout: float) -> "SshAgent":
         """A new agent for a host whose agent was lost (the same host, or the one that now
         stands at its place in ``hosts``)."""
