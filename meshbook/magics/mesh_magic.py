@@ -268,8 +268,10 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
             mark = " (current)" if mesh.controller is current.controller and len(running) > 1 else ""
             actors = [f"{a.name} ({a.cls_name}{', failed: ' + a.failed if a.failed else ''})"
                       for a in mesh.actors().values()]
+            lease = mesh.controller.lease
             print(f"{describe(mesh)}{mark}\n{status_table(rows)}" +
-                  (f"\nactors: {', '.join(actors)}" if actors else ""))
+                  (f"\nactors: {', '.join(actors)}" if actors else "") +
+                  (f"\nkept as {lease.id}: outlives this kernel (%mesh list shows its lease)" if lease else ""))
 
     @magic_arguments(name="mesh on")
     @command

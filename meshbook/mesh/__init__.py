@@ -47,7 +47,8 @@ _WHERE = {
 
 __all__ = [
     "start", "current", "prewarm", "SSH", "Join", "Mesh", "Run", "RankValues", "Topology",
-    "meshes", "use", "mesh_named", "attach", "list_meshes", "Actor", "endpoint", "ActorMesh", "ActorFuture", "SupervisionEvent",
+    "meshes", "use", "mesh_named", "attach", "list_meshes", "Actor", "endpoint", "ActorMesh", "ActorFuture",
+    "SupervisionEvent",
     "NoEndpointError",
     "Output", "Display", "Result", "Error", "InputRequest", "DebugEnd", "Event", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",

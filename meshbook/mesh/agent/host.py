@@ -15,7 +15,9 @@ of configuration on stdin (the mesh key never appears on a command line), then:
 * never outlives the controller: stdin is a pipe from the controller, and EOF on it (the
   controller died, however it died) kills every rank and ends the agent. ``PR_SET_PDEATHSIG``
   (SIGTERM, which the agent catches to clean up) backs this up where the launcher allows it,
-  and ranks die with the agent the same way;
+  and ranks die with the agent the same way. The one exception is a kept mesh's agent
+  (``lease_s`` in its bootstrap): it outlives the kernel until its lease runs out, answers the
+  controller of the newest epoch only, and removes the mesh file when it ends;
 * leaves nothing behind: it is a child subreaper, so whatever a rank starts stays in its tree
   however it detaches (``setsid``, a double fork), and on its way out it kills every
   descendant. Its log lives in the mesh's runtime directory, which it removes when the

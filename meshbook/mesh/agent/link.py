@@ -12,7 +12,8 @@ relays, unchanged, to some of its ranks.
   and whatever its ranks send goes back up the same connection, frames untouched (they are
   signed by the ranks and checked by the controller). The controller pings it every second;
   an agent that hears nothing from its controller for the grace period gives up, kills its
-  ranks and exits, so a lost notebook leaves nothing running on remote hosts either.
+  ranks and exits, so a lost notebook leaves nothing running on remote hosts either (a kept
+  mesh's grace is its lease, and a new controller may attach with a newer epoch).
 
 :func:`listen` and :func:`join` make the connection for the two ways an agent is started:
 by the ``ssh`` launcher (the agent listens, the controller dials it: compute nodes often
