@@ -81,13 +81,17 @@ def test_attaching_fences_the_first_controller_off() -> None:
     second = None
     try:
         first.run("x = 40 + rank").result()
+        first.controller.kill([1])
+        first.restart([1])  # generation 1: the agent's store, as a new kernel finds it
+        first.run("x = 40 + rank", ranks=[1]).result()
         second = meshbook.attach(first.controller.lease.id, name="second")
-        assert dict(second.run("x").result()) == {0: 40, 1: 41}
+        assert [(s.state, s.generation) for s in second.status()] == [("idle", 1)] * 2
+        assert dict(second.run("t = torch.ones(1); dist.all_reduce(t); x + t.item()").result()) == {0: 42, 1: 43}
         with pytest.raises(meshbook.MeshError, match="attached by another kernel"):
             first.run("x").result()
         with pytest.raises(meshbook.MeshError, match=f"%mesh attach {first.controller.lease.id}"):
             first.run("x")
-        assert dict(second.run("x + 1").result()) == {0: 41, 1: 42}, "the fenced one stopped nothing"
+        assert dict(second.run("x").result()) == {0: 40, 1: 41}, "the fenced one stopped nothing"
     finally:
         (second or first).stop()
 

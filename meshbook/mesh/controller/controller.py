@@ -699,11 +699,13 @@ class Controller:
                 self._adopt_ranks(body)
 
     def _adopt_ranks(self, body: dict[str, Any]) -> None:
-        """An agent's answer to ATTACH: its ranks as they are (caller holds the lock)."""
-        for r, generation in body["generations"].items():
+        """An agent's answer to ATTACH: its ranks as they are (caller holds the lock). An agent
+        knows the generation each rank was forked into; a restart moves every live rank into
+        the new one, so the newest is every rank's."""
+        self.generation = max([self.generation, *body["generations"].values()])
+        for r in body["generations"]:
             state = self.ranks[int(r)]
-            state.generation, state.state, state.hostname = generation, "idle", body["hostname"]
-            self.generation = max(self.generation, generation)
+            state.generation, state.state, state.hostname = self.generation, "idle", body["hostname"]
         for r in body["dead"]:
             state = self.ranks[int(r)]
             state.state, state.cause = "dead", "died while no kernel was attached"
