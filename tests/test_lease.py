@@ -105,3 +105,27 @@ def test_keep_takes_durations_and_says_what_it_wants() -> None:
         meshbook.start(2, keep="1h", launcher=meshbook.SSH(["gpu1"]))
     with pytest.raises(meshbook.MeshError, match="%mesh list"):
         meshbook.attach("nosuchmesh")
+
+
+def test_a_kernel_attached_over_is_told_so_in_its_next_cell() -> None:
+    first, second = Kernel(), Kernel()
+    agent = None
+    try:
+        first.ok("import meshbook\n%load_ext meshbook\n%mesh start -n 2 --keep 10m")
+        first.ok("%%mesh\nx = rank")
+        mesh_id = first.value("meshbook.current().controller.lease.id")
+        agent = first.value("meshbook.current().controller.agents[0].proc.pid")
+        second.ok(f"import meshbook\n%load_ext meshbook\n%mesh attach {mesh_id}")
+        reply = first.execute("%%mesh\nx")
+        assert reply.status == "error", reply.content
+        assert "attached by another kernel" in reply.error_text + reply.stream("stderr"), reply.error_text
+        assert f"%mesh attach {mesh_id}" in first.execute("%%mesh\nx").content["evalue"]
+        assert "[1] 1" in str(second.ok("%%mesh\nx").of_type("execute_result"))
+        second.ok("%mesh stop")
+        assert wait_gone([agent], 10.0) == []
+    finally:
+        for kernel in (first, second):
+            kernel.close()
+        if agent is not None and psutil.pid_exists(agent):
+            os.kill(agent, signal.SIGTERM)  # a failed test: end the kept agent it started
+            wait_gone([agent], 10.0)

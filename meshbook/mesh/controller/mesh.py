@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..protocol import messages as msg
 from ..protocol.cell import cell_filename, compile_cell
-from ..protocol.errors import MeshError
+from ..protocol.errors import MeshError, MeshStoppedError
 from ..protocol.limits import DEFAULT_MAX_BYTES
 from ..protocol.topology import DimSelector, Topology, resolve
 from ..rank import ops
@@ -132,6 +132,8 @@ def meshes() -> dict[str, "Mesh"]:
 
 def current() -> "Mesh":
     """The mesh ``%%mesh`` cells run on: the last started, or the one picked with :func:`use`."""
+    if _current is not None and _current.controller.fenced:
+        raise MeshStoppedError(_current.controller.fenced)  # until another mesh is started or attached
     if _current is None or _current.stopped:
         running = meshes()
         if _current is not None and running:
