@@ -48,6 +48,7 @@ def test_a_kept_mesh_survives_its_kernel_and_a_new_kernel_attaches_it(how: str) 
                                               for line in listed.splitlines()), listed
         assert second.value(f"[r.lease_left() > 0 for r in meshbook.list_meshes() if r.id == {mesh_id!r}]") == [True]
         assert "attached" in second.ok(f"%mesh attach {mesh_id}").stream()
+        assert f"kept as {mesh_id}" in second.ok("%mesh status").stream()
         out = second.ok("%%mesh --ordered\nprint(marker, x.sum().item())").stream()
         assert "rank 0 kept 0.0" in out and "rank 1 kept 2.0" in out, out
         assert sorted(second.value("[s.pid for s in meshbook.current().status()]")) == sorted(pids[1:])
