@@ -9,7 +9,7 @@ listening on its own loopback address (Linux routes all of 127/8 to loopback), w
 * makes its connection with the real link code: :func:`meshbook.mesh.agent.link.listen`, the
   Curve server key of the mesh, a ZAP allowlist that admits the controller's key only, the
   ``LISTENING`` line the ssh launcher reads;
-* takes the controller's messages in the real format (``[route, *signed frames]``, routes as
+* takes the controller's messages in the real format (``[epoch, route, *signed frames]``, routes as
   :mod:`meshbook.mesh.protocol.remote` encodes them), checks their signature once, and
   answers the agent operations a remote agent answers (configure, ping, stop);
 * answers a request for its ranks with one ``RESULT`` per rank, each signed with the mesh
@@ -67,7 +67,7 @@ class StandIn:
                 self._take(wire.recv(self.sock))
 
     def _take(self, frames: list[Any]) -> None:
-        route, *message = frames
+        _, route, *message = frames  # [epoch, route, *message]
         try:
             request = self.checker.unpack(message)
         except wire.BadMessage:

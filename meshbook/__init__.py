@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "start", "current", "prewarm", "SSH", "Join", "Mesh", "Run", "RankValues", "Topology",
-    "meshes", "use", "mesh_named", "Actor", "endpoint", "ActorMesh", "ActorFuture", "SupervisionEvent",
+    "meshes", "use", "mesh_named", "attach", "list_meshes", "Actor", "endpoint", "ActorMesh", "ActorFuture",
+    "SupervisionEvent",
     "NoEndpointError",
     "Output", "Display", "Result", "Error", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
@@ -66,8 +67,10 @@ if TYPE_CHECKING:
         TooLargeError,
         Topology,
         VarInfo,
+        attach,
         current,
         endpoint,
+        list_meshes,
         mesh_named,
         meshes,
         prewarm,

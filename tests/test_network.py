@@ -21,6 +21,7 @@ from meshbook.mesh.controller.hosts import Network
 from meshbook.mesh.controller.remote import SshAgent
 from meshbook.mesh.protocol import messages as msg
 from meshbook.mesh.protocol import net, wire
+from meshbook.mesh.protocol.remote import encode_epoch
 
 
 class ListeningAgent:
@@ -42,8 +43,19 @@ class ListeningAgent:
         net.curve_client(sock, keys, server_public)
         return sock
 
-    def op(self, sock: zmq.Socket, frames: list[Any]) -> None:
-        sock.send_multipart([b"", *frames])
+    def op(self, sock: zmq.Socket, frames: list[Any], epoch: int = 0) -> None:
+        sock.send_multipart([encode_epoch(epoch), b"", *frames])
+
+    def configure(self, sock: zmq.Socket, epoch: int = 0) -> None:
+        """Configure the agent with one rank and wait until it is ready."""
+        config = {"host": 0, "hosts": 1, "ranks": [0], "generation": 0, "dims": [["world", 1]],
+                  "backend": "gloo", "listen_addr": self.info["addr"],
+                  "store": [self.info["addr"], self.info["store_port"]], "serve_store": True,
+                  "master_port": self.info["store_port"], "collective_timeout": 60.0}
+        self.op(sock, self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: [0]},
+                                     {"op": msg.AgentOp.CONFIGURE, "config": config}), epoch)
+        ready = [m for m in self.replies(sock, 12, until=msg.READY) if m.kind == msg.READY]
+        assert ready, "the configured agent's rank became ready"
 
     def replies(self, sock: zmq.Socket, seconds: float, until: str | None = None) -> list[wire.Message]:
         """What the agent sends within ``seconds`` (or until a message of kind ``until``); the
@@ -97,14 +109,7 @@ def test_only_the_controllers_key_is_admitted(listening: ListeningAgent) -> None
 def test_a_replayed_message_is_refused(listening: ListeningAgent) -> None:
     sock = listening.client(listening.network.me, listening.network.server.public)
     sock.connect(listening.address)
-    config = {"host": 0, "hosts": 1, "ranks": [0], "generation": 0, "dims": [["world", 1]],
-              "backend": "gloo", "listen_addr": listening.info["addr"],
-              "store": [listening.info["addr"], listening.info["store_port"]], "serve_store": True,
-              "master_port": listening.info["store_port"], "collective_timeout": 60.0}
-    listening.op(sock, listening.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: [0]},
-                                           {"op": msg.AgentOp.CONFIGURE, "config": config}))
-    ready = [m for m in listening.replies(sock, 12, until=msg.READY) if m.kind == msg.READY]
-    assert ready, "the configured agent's rank became ready"
+    listening.configure(sock)
     ping = listening.wire.pack({msg.KIND: msg.OP, msg.ID: 7, msg.RANKS: []},
                                {"op": msg.AgentOp.PING, "sent": 123.0})
     listening.op(sock, ping)
@@ -116,6 +121,32 @@ def test_a_replayed_message_is_refused(listening: ListeningAgent) -> None:
     assert any(m.kind == msg.HOST_BEAT and m.body().get("stopped")
                for m in listening.replies(sock, 10, until=msg.HOST_BEAT))
     sock.close(linger=0)
+
+
+def test_an_older_epoch_is_refused_and_told_it_is_fenced(listening: ListeningAgent) -> None:
+    """Two controllers with the mesh's keys (a kept mesh attached by a second kernel): the
+    agent answers the newest epoch only, and tells the older one it was fenced off."""
+    old, new = (listening.client(listening.network.me, listening.network.server.public) for _ in range(2))
+    for sock in (old, new):
+        sock.connect(listening.address)
+    ping = lambda sent: listening.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []},  # noqa: E731
+                                           {"op": msg.AgentOp.PING, "sent": sent})
+    listening.configure(old, epoch=1)
+    listening.op(old, ping(1.0), epoch=1)
+    assert [m.body()["sent"] for m in listening.replies(old, 10, until=msg.HOST_BEAT)
+            if m.kind == msg.HOST_BEAT] == [1.0]
+    listening.op(new, ping(2.0), epoch=2)
+    assert [m.body()["sent"] for m in listening.replies(new, 10, until=msg.HOST_BEAT)
+            if m.kind == msg.HOST_BEAT] == [2.0]
+    listening.op(old, ping(3.0), epoch=1)
+    fenced = [m for m in listening.replies(old, 10, until=msg.FENCED) if m.kind == msg.FENCED]
+    assert [m.body() for m in fenced] == [{"epoch": 2}], "refused, and told why"
+    listening.op(new, ping(4.0), epoch=2)
+    assert [m.body()["sent"] for m in listening.replies(new, 10, until=msg.HOST_BEAT)
+            if m.kind == msg.HOST_BEAT] == [4.0]
+    assert listening.replies(old, 1) == [], "nothing goes to the older controller but that it is fenced"
+    for sock in (old, new):
+        sock.close(linger=0)
 
 
 def test_secrets_never_appear_on_a_command_line(listening: ListeningAgent) -> None:

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from ..mesh import Mesh, MeshError, current, mesh_named
+from ..mesh import Mesh, MeshError, MeshStoppedError, current, mesh_named
 
 Command = Callable[[Any, str], Any]
 
@@ -35,11 +35,13 @@ def require_mesh(name: str | None = None) -> Mesh:
             return mesh_named(name)
         except MeshError as exc:
             raise UsageError(str(exc)) from None
-    mesh = running_mesh()
-    if mesh is None:
+    try:
+        return current()
+    except MeshStoppedError as exc:  # another kernel attached the current (kept) mesh
+        raise UsageError(str(exc)) from None
+    except MeshError:
         raise UsageError("no mesh is running: start one with %mesh start -n 4 "
-                         "(or %mesh start --dims dp=2,tp=2)")
-    return mesh
+                         "(or %mesh start --dims dp=2,tp=2)") from None
 
 
 def describe(mesh: Mesh) -> str:

@@ -21,6 +21,8 @@ from ..mesh import (
     Join,
     MeshError,
     RemoteError,
+    attach,
+    list_meshes,
     meshes,
     parse_dims,
     parse_where,
@@ -152,17 +154,21 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @argument("--name", help="name the mesh, to run several (%%%%mesh --mesh NAME, "
                                    "%%mesh use NAME)")
     @argument("--force", action="store_true", help="stop a running mesh (of that name) and start a new one")
+    @argument("--keep", metavar="DURATION",
+              help="keep the mesh (ranks and variables) after this kernel dies or restarts, for up to "
+                   "DURATION (8h, 30m, 1h30m) after it was last heard; %%mesh attach ID takes it back")
     @command
     def start(self, line: str) -> None:
         """Start a mesh: %mesh start -n 4 --dims dp=2,tp=2 (this machine),
-        %mesh start --hosts gpu1,gpu2 --per-host 8 (ssh), %mesh start --join -n 16 --per-host 8"""
+        %mesh start --hosts gpu1,gpu2 --per-host 8 (ssh), %mesh start --join -n 16 --per-host 8,
+        %mesh start -n 4 --keep 8h (outlives the kernel)"""
         args = parse_argstring(self.start, line)
         if args.n is None and not args.dims:
             raise UsageError("say how many ranks: %mesh start -n 4 (or --dims dp=2,tp=2)")
         options = {"n": args.n, "dims": parse_dims(args.dims) if args.dims else None,
                    "backend": args.backend, "timeout": args.timeout,
                    "collective_timeout": args.collective_timeout, "name": args.name,
-                   "launcher": _launcher(args)}
+                   "launcher": _launcher(args), "keep": args.keep}
         # Unnamed: one mesh at a time, as ever. Named: another mesh beside the running ones.
         running = meshes().get(args.name) if args.name else running_mesh()
         if running is not None:
@@ -172,7 +178,30 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
             running.stop()
         mesh = start(**options)
         self._start_args[mesh.name] = dict(options, name=mesh.name)
-        print(f"started {describe(mesh)}")
+        lease = mesh.controller.lease
+        print(f"started {describe(mesh)}" + (
+            f"; kept as {lease.id} for {args.keep} after this kernel was last heard: after a restart, "
+            f"%mesh attach {lease.id}" if lease is not None else ""))
+
+    @magic_arguments(name="mesh list")
+    @command
+    def list_(self, line: str) -> None:
+        """List the kept meshes you can attach: id, launcher, hosts, ranks, age, lease left."""
+        parse_argstring(self.list_, line)
+        rows = [record.row() for record in list_meshes()]
+        print(status_table(rows) if rows else "no kept mesh (start one with %mesh start -n 4 --keep 8h)")
+
+    @magic_arguments(name="mesh attach")
+    @argument("id", help="the mesh's id, from %%mesh list")
+    @argument("--name", help="its name in this notebook (default: the one it was started with)")
+    @argument("--timeout", type=float, default=60.0, help="seconds to wait for its agents to answer")
+    @command
+    def attach(self, line: str) -> None:
+        """Take back a kept mesh after a kernel restart: %mesh attach ID (same ranks, same variables)"""
+        args = parse_argstring(self.attach, line)
+        mesh = attach(args.id, name=args.name, timeout=args.timeout)
+        print(f"attached {describe(mesh)}: kept mesh {args.id}; any other kernel attached to it is "
+              f"fenced off")
 
     @magic_arguments(name="mesh stop")
     @argument("name", nargs="?", help="the mesh to stop (default: the current one)")
@@ -243,8 +272,10 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
             mark = " (current)" if mesh.controller is current.controller and len(running) > 1 else ""
             actors = [f"{a.name} ({a.cls_name}{', failed: ' + a.failed if a.failed else ''})"
                       for a in mesh.actors().values()]
+            lease = mesh.controller.lease
             print(f"{describe(mesh)}{mark}\n{status_table(rows)}" +
-                  (f"\nactors: {', '.join(actors)}" if actors else ""))
+                  (f"\nactors: {', '.join(actors)}" if actors else "") +
+                  (f"\nkept as {lease.id}: outlives this kernel (%mesh list shows its lease)" if lease else ""))
 
     @magic_arguments(name="mesh on")
     @command

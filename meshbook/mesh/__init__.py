@@ -21,6 +21,7 @@ _WHERE = {
     "start": "controller.mesh", "current": "controller.mesh", "Mesh": "controller.mesh",
     "SSH": "controller.remote", "Join": "controller.remote",
     "meshes": "controller.mesh", "use": "controller.mesh", "mesh_named": "controller.mesh",
+    "attach": "controller.mesh", "list_meshes": "controller.mesh",
     **dict.fromkeys(["Actor", "endpoint", "ActorFuture", "SupervisionEvent", "NoEndpointError"],
                     "protocol.actors"),
     "ActorMesh": "controller.actors",
@@ -46,7 +47,8 @@ _WHERE = {
 
 __all__ = [
     "start", "current", "prewarm", "SSH", "Join", "Mesh", "Run", "RankValues", "Topology",
-    "meshes", "use", "mesh_named", "Actor", "endpoint", "ActorMesh", "ActorFuture", "SupervisionEvent",
+    "meshes", "use", "mesh_named", "attach", "list_meshes", "Actor", "endpoint", "ActorMesh", "ActorFuture",
+    "SupervisionEvent",
     "NoEndpointError",
     "Output", "Display", "Result", "Error", "InputRequest", "DebugEnd", "Event", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
@@ -80,6 +82,8 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .controller.mesh import (
         Mesh,
         add_start_listener,
+        attach,
+        list_meshes,
         current,
         mesh_named,
         meshes,

@@ -15,7 +15,9 @@ of configuration on stdin (the mesh key never appears on a command line), then:
 * never outlives the controller: stdin is a pipe from the controller, and EOF on it (the
   controller died, however it died) kills every rank and ends the agent. ``PR_SET_PDEATHSIG``
   (SIGTERM, which the agent catches to clean up) backs this up where the launcher allows it,
-  and ranks die with the agent the same way;
+  and ranks die with the agent the same way. The one exception is a kept mesh's agent
+  (``lease_s`` in its bootstrap): it outlives the kernel until its lease runs out, answers the
+  controller of the newest epoch only, and removes the mesh file when it ends;
 * leaves nothing behind: it is a child subreaper, so whatever a rank starts stays in its tree
   however it detaches (``setsid``, a double fork), and on its way out it kills every
   descendant. Its log lives in the mesh's runtime directory, which it removes when the
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..protocol import messages as msg
-from .link import LocalLink, RemoteLink
+from .link import LocalLink, Peer, RemoteLink
 from .oom import killed_by_oom, oom_kills
 
 
@@ -52,6 +54,7 @@ class RankProcess:
     crash_path: str
     oom_kills: int | None  # the cgroup's OOM-kill count when the rank started
     started: float  # time.monotonic() at the fork
+    generation: int  # the process-group generation it was forked into
 
 
 class Agent:
@@ -74,7 +77,8 @@ class Agent:
         self.unknown_kinds: Counter[str] = Counter()
         self._ops: dict[str | None, Callable[[list[int], dict[str, Any], int], None]] = {
             msg.AgentOp.SIGNAL: self._signal, msg.AgentOp.SPAWN: self._spawn,
-            msg.AgentOp.PYSPY: self._pyspy, msg.AgentOp.PING: self._ping, msg.AgentOp.STOP: self._stop}
+            msg.AgentOp.PYSPY: self._pyspy, msg.AgentOp.PING: self._ping, msg.AgentOp.STOP: self._stop,
+            msg.AgentOp.ATTACH: self._attach}
         self.dead: set[int] = set()
         self.stopping = False
         self.cuda = _cuda_count()
@@ -118,7 +122,7 @@ class Agent:
         for _, write in pipes.values():
             os.close(write)
         self.procs[rank] = RankProcess(rank, pid, {n: r for n, (r, _) in pipes.items()}, crash_path, oom,
-                                       time.monotonic())
+                                       time.monotonic(), generation)
         self.dead.discard(rank)
 
     def reap(self) -> None:
@@ -196,6 +200,22 @@ class Agent:
         """The controller's heartbeat: answer with ours (it times the round trip)."""
         self.emit(msg.HOST_BEAT, request, {"sent": body["sent"], "ranks": sorted(self.procs)})
 
+    def _attach(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        """A new controller took over this (kept) mesh: what it needs to know of our ranks."""
+        self.emit(msg.AGENT, request, {
+            "pid": os.getpid(), "hostname": socket.gethostname(), "attached": True,
+            "pids": {r: p.pid for r, p in self.procs.items()},
+            "generations": {r: p.generation for r, p in self.procs.items()}, "dead": sorted(self.dead)})
+
+    def refuse_stale(self) -> None:
+        """Tell each controller of an older epoch that wrote to us that it is fenced off."""
+        while self.link.stale:
+            peer = self.link.stale.pop()
+            print(f"meshbook agent {self.host}: refused a message of epoch {peer.epoch} (the mesh "
+                  f"is now driven at epoch {self.link.peer.epoch})", file=sys.stderr, flush=True)
+            self.link.send(self.wire.pack({msg.KIND: msg.FENCED, msg.ID: None, msg.HOST: self.host},
+                                          {"epoch": self.link.peer.epoch}), to=peer)
+
     def _stop(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """The controller stops a remote agent (a local one sees its stdin close instead)."""
         self.stopping = True
@@ -234,10 +254,13 @@ class Agent:
                 if sock in ready:
                     for frames in self.link.operations(sock):
                         self._operate_frames(frames)
-            if self.link.remote and time.monotonic() - self.link.last_heard > lost_s:
-                print(f"meshbook agent {self.host}: nothing from the controller for {lost_s:g} s: "
-                      f"stopping this host's ranks", file=sys.stderr, flush=True)
-                return
+            if self.link.remote:
+                self.refuse_stale()
+                if time.monotonic() - self.link.last_heard > lost_s:
+                    what = "the lease of" if self.cfg.get("lease") else "nothing from the controller for"
+                    print(f"meshbook agent {self.host}: {what} {lost_s:g} s ran out: stopping this "
+                          f"host's ranks", file=sys.stderr, flush=True)
+                    return
 
     def _operate_frames(self, frames: list[Any]) -> None:
         from ..protocol import wire
@@ -392,23 +415,33 @@ def _run_remote(mode: str, token_file: str | None) -> None:
                              f"output") from None
     ctx = zmq.Context()
     zap = None
-    if mode == "listen":
-        sock, zap = listen(ctx, data)
-    else:
-        sock = join(ctx, data)
-    cfg = _await_configuration(sock, bytes.fromhex(data["key"]), watch_stdin=mode == "listen",
-                               timeout=float(data.get("timeout", 120.0)))
-    if cfg is None:
-        sock.close(linger=0)
-        return
-    rundir = tempfile.mkdtemp(prefix="mb-", dir=runtime_base())
-    agent = Agent({**cfg, "key": data["key"], "lost_s": data.get("lost_s", 15.0)}, ctx,
-                  RemoteLink(ctx, sock, rundir), rundir, own_rundir=True)
+    # A kept mesh (a lease): the agent outlives the kernel that started it, so it neither
+    # watches stdin nor writes to stdout once it has said where it listens.
+    lease = data.get("lease_s")
+    watch_stdin = mode == "listen" and lease is None
     try:
-        _serve(agent, watch_stdin=mode == "listen")
+        if mode == "listen":
+            sock, zap = listen(ctx, data)
+        else:
+            sock = join(ctx, data)
+        if lease is not None:
+            _detach_stdio()
+        configured = _await_configuration(sock, bytes.fromhex(data["key"]), watch_stdin,
+                                          timeout=float(data.get("timeout", 120.0)))
+        if configured is None:
+            sock.close(linger=0)
+            return
+        cfg, peer = configured
+        rundir = tempfile.mkdtemp(prefix="mb-", dir=runtime_base())
+        agent = Agent({**cfg, "key": data["key"], "lost_s": lease or data.get("lost_s", 15.0),
+                       "lease": lease is not None}, ctx, RemoteLink(ctx, sock, rundir, peer), rundir,
+                      own_rundir=True)
+        _serve(agent, watch_stdin)
     finally:
         if zap is not None:
             zap.close()
+        for path in (data.get("mesh_file"), data.get("log")) if lease is not None else ():
+            _remove(path)  # the mesh ended (stopped, or its lease ran out): nothing to attach to
 
 
 def _read_token(token_file: str | None) -> str:
@@ -424,11 +457,22 @@ def _read_token(token_file: str | None) -> str:
     return token
 
 
-def _await_configuration(sock: Any, key: bytes, watch_stdin: bool, timeout: float) -> dict[str, Any] | None:
-    """The controller's CONFIGURE operation, or None if it never comes (or stdin closes)."""
+def _detach_stdio() -> None:
+    """stdin and stdout from /dev/null (the kernel that started a kept agent may be gone)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+
+
+def _await_configuration(sock: Any, key: bytes, watch_stdin: bool,
+                         timeout: float) -> tuple[dict[str, Any], Peer] | None:
+    """The controller's CONFIGURE operation and who sent it, or None if it never comes (or
+    stdin closes)."""
     import zmq
 
     from ..protocol import wire
+    from .link import unwrap
 
     checker = wire.Wire(key)
     poller = zmq.Poller()
@@ -442,13 +486,13 @@ def _await_configuration(sock: Any, key: bytes, watch_stdin: bool, timeout: floa
             return None
         if sock not in ready:
             continue
-        route, *frames = wire.recv(sock)
+        peer, route, frames = unwrap(wire.recv(sock), sock.getsockopt(zmq.TYPE) == zmq.ROUTER)
         try:
             message = checker.unpack(frames)
         except wire.BadMessage:
             continue
-        if route.bytes == b"" and message.kind == msg.OP and message.body()["op"] == msg.AgentOp.CONFIGURE:
-            return message.body()["config"]  # type: ignore[no-any-return]
+        if route == b"" and message.kind == msg.OP and message.body()["op"] == msg.AgentOp.CONFIGURE:
+            return message.body()["config"], peer
     print(f"meshbook agent: no configuration from the controller within {timeout:g} s", file=sys.stderr)
     return None
 

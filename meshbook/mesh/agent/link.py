@@ -1,6 +1,6 @@
 """How a host agent talks to its controller: locally over ipc, or over the network as a relay.
 
-Every message the controller sends an agent is ``[route, *message frames]``
+Every message the controller sends an agent is ``[epoch, route, *message frames]``
 (:mod:`meshbook.mesh.protocol.routes`): an operation for the agent itself, or a message it
 relays, unchanged, to some of its ranks.
 
@@ -12,7 +12,8 @@ relays, unchanged, to some of its ranks.
   and whatever its ranks send goes back up the same connection, frames untouched (they are
   signed by the ranks and checked by the controller). The controller pings it every second;
   an agent that hears nothing from its controller for the grace period gives up, kills its
-  ranks and exits, so a lost notebook leaves nothing running on remote hosts either.
+  ranks and exits, so a lost notebook leaves nothing running on remote hosts either (a kept
+  mesh's grace is its lease, and a new controller may attach with a newer epoch).
 
 :func:`listen` and :func:`join` make the connection for the two ways an agent is started:
 by the ``ssh`` launcher (the agent listens, the controller dials it: compute nodes often
@@ -27,13 +28,14 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from ..protocol import messages as msg
 from ..protocol import net, wire
-from ..protocol.remote import LISTENING, decode_route
+from ..protocol.remote import LISTENING, decode_epoch, decode_route
 
 class LocalLink:
     """Operations on an ipc DEALER, the agent's own events on an ipc PUSH."""
@@ -73,14 +75,38 @@ class LocalLink:
             sock.close(linger=2000)
 
 
+@dataclass
+class Peer:
+    """The controller an agent answers: the newest epoch it has heard, and (on a listening
+    agent's ROUTER) that controller's routing id."""
+
+    epoch: int = 0
+    identity: bytes = b""
+
+
+def unwrap(frames: list[Any], routed: bool) -> tuple[Peer, bytes, list[Any]]:
+    """``[identity if routed, epoch, route, *message]`` -> (who sent it, route, message)."""
+    identity = frames[0].bytes if routed else b""
+    epoch, route, *message = frames[1:] if routed else frames
+    return Peer(decode_epoch(epoch.bytes), identity), route.bytes, message
+
+
 class RemoteLink:
-    """One Curve TCP connection to the controller, relaying for this host's ranks."""
+    """One Curve TCP connection to the controller, relaying for this host's ranks.
+
+    A listening agent binds a ROUTER: when a new kernel attaches a kept mesh, the old
+    controller may still be connected, and a bound DEALER would deal the ranks' answers
+    round-robin between the two. Everything goes to the controller of the newest epoch; what
+    an older one sends is refused and collected in ``stale`` (the agent tells it it is fenced).
+    """
 
     remote = True
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, rundir: str) -> None:
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, rundir: str, peer: Peer) -> None:
         self.ctx = ctx
         self.sock = sock
+        self.routed = sock.getsockopt(zmq.TYPE) == zmq.ROUTER
+        self.peer = peer
         self.rundir = rundir
         #: What this host's ranks emit arrives here, and goes up the connection unchanged.
         self.rank_events = f"ipc://{rundir}/ev"
@@ -89,12 +115,15 @@ class RemoteLink:
         self.relay.bind(self.rank_events)
         self.down: dict[int, dict[str, zmq.Socket]] = {}
         self.last_heard = time.monotonic()
+        #: Controllers of an older epoch that sent something since the agent last looked.
+        self.stale: list[Peer] = []
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.sock, self.relay]
 
-    def send(self, frames: list[Any]) -> None:
-        wire.send(self.sock, frames)
+    def send(self, frames: list[Any], to: Peer | None = None) -> None:
+        """Up to the newest controller (or ``to``); a ROUTER drops what no one is there for."""
+        wire.send(self.sock, frames, prefix=[(to or self.peer).identity] if self.routed else ())
 
     def operations(self, sock: zmq.Socket) -> list[list[Any]]:
         """Relay what is ready on ``sock``; return the messages for the agent itself."""
@@ -102,14 +131,18 @@ class RemoteLink:
         while sock.poll(0):
             frames = wire.recv(sock)
             if sock is self.relay:
-                self.sock.send_multipart(frames, copy=False)
+                self.sock.send_multipart([self.peer.identity, *frames] if self.routed else frames, copy=False)
                 continue
+            peer, route, message = unwrap(frames, self.routed)
+            if peer.epoch < self.peer.epoch:
+                self.stale.append(peer)
+                continue
+            self.peer = peer
             self.last_heard = time.monotonic()
-            route, *message = frames
-            if not route.bytes:
+            if not route:
                 out.append(message)
             else:
-                self._relay_down(route.bytes, message)
+                self._relay_down(route, message)
         return out
 
     def _relay_down(self, route: bytes, frames: list[Any]) -> None:
@@ -152,7 +185,8 @@ def listen(ctx: zmq.Context, data: dict[str, Any]) -> tuple[zmq.Socket, net.ZapH
     boot = Bootstrap(data)
     allowlist = net.Allowlist({data["controller_public"].encode()})
     zap = allowlist.serve(ctx)
-    sock = _link_socket(ctx)
+    sock = _link_socket(ctx, zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a controller that reconnects keeps its routing id
     net.curve_server(sock, net.Keys(boot.server_public, data["server_secret"].encode()))
     address = advertised_address(data.get("controller_hint"))
     bind = "127.0.0.1" if data.get("tunnel") else address
@@ -180,8 +214,8 @@ def join(ctx: zmq.Context, data: dict[str, Any]) -> zmq.Socket:
     return sock
 
 
-def _link_socket(ctx: zmq.Context) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
+def _link_socket(ctx: zmq.Context, kind: int = zmq.DEALER) -> zmq.Socket:
+    sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.LINGER, 1000)

@@ -74,7 +74,7 @@ class RankState:
 
 class Controller:
     def __init__(self, topology: Topology, launcher: Launcher, backend: str = "auto",
-                 collective_timeout: float = 300.0, name: str = "mesh") -> None:
+                 collective_timeout: float = 300.0, name: str = "mesh", key: bytes | None = None) -> None:
         #: The mesh's name in this notebook (``start(name=...)``, ``%mesh use NAME``).
         self.name = name
         self.topology = topology
@@ -83,7 +83,7 @@ class Controller:
         #: The most a result may weigh before it stays on its rank (``start(max_result_bytes=)``).
         self.max_result_bytes = DEFAULT_MAX_BYTES
         self.launcher = launcher
-        self.wire = wire.Wire(secrets.token_bytes(32))
+        self.wire = wire.Wire(key or secrets.token_bytes(32))  # a kept mesh's, to attach it
         self.rundir = tempfile.mkdtemp(prefix="mb-", dir=runtime_base())  # mode 0700
         self.master_port = free_port()  # what a pasted torchrun script reads as MASTER_PORT
         self.ctx = zmq.Context()
@@ -112,6 +112,10 @@ class Controller:
         self.generation = 0
         self.stopped = False
         self.stop_reason = ""
+        #: Why this controller may no longer drive the mesh: another kernel attached it.
+        self.fenced = ""
+        #: A kept mesh's lease (:mod:`.lease`): outlives this controller, renewed by every ping.
+        self.lease: Any = None
         self.agents: list[AgentHandle] = []
         self._lock = threading.RLock()
         self._send_lock = threading.Lock()
@@ -137,7 +141,7 @@ class Controller:
             msg.INPUT: self._on_input, msg.DEBUG_END: self._on_debug_end, msg.RESULT: self._on_answer,
             msg.ERROR: self._on_answer, msg.EXIT: self._on_exit, msg.HELLO: self._on_hello,
             msg.READY: self._on_ready, msg.INIT_FAILED: self._on_init_failed, msg.AGENT: self._on_agent,
-            msg.HOST_BEAT: self._on_host_beat}
+            msg.HOST_BEAT: self._on_host_beat, msg.FENCED: self._on_fenced}
         #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
         #: replaces this with "does this cell allow stdin").
         self.stdin_probe: Callable[[], bool] = _terminal_stdin
@@ -186,6 +190,25 @@ class Controller:
             self.stop()
             raise
 
+    def attach(self, timeout: float) -> None:
+        """Take over a kept mesh whose agents run on (the launcher dials them with the keys and
+        the new epoch of its mesh file): ask each agent for its ranks, and wait for the answers."""
+        try:
+            self._network()
+            assert self.network is not None
+            self.agents = self.launcher.launch(self.plans, self.network, timeout)
+            self.agent_op(msg.AgentOp.ATTACH, list(self.ranks))
+            deadline = time.monotonic() + timeout
+            with self._generation_changed:
+                while any(s.state == "starting" for s in self.ranks.values()):
+                    if self.stopped or time.monotonic() > deadline:
+                        raise MeshError(self.fenced or f"attach: no answer from the mesh's agents within "
+                                        f"{timeout:g} s; %mesh list shows the meshes that are still there")
+                    self._generation_changed.wait(0.25)
+        except BaseException:
+            self.stop("could not attach", detach=True)  # the mesh is not ours to stop
+            raise
+
     def _agent_config(self, plan: HostPlan) -> dict[str, Any]:
         return {
             "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks, "dims": list(self.topology.dims),
@@ -201,11 +224,17 @@ class Controller:
         Host 0's agent keeps the store (at the address it advertised, on the port it reserved),
         and each host's ranks listen on the interface its agent advertised.
         """
-        self.network = Network(self.ctx, self.wire.key, self.launcher.suspect_s, self.launcher.lost_s)
-        self.network.wake = self._wake
+        self._network()
         self.agents = self.launcher.launch(self.plans, self.network, timeout)
         for plan in self.plans:
             self._configure(plan, 0)
+
+    def _network(self) -> None:
+        """The links to remote agents; a kept mesh's launcher brings its Curve keys and epoch."""
+        launcher: Any = self.launcher
+        self.network = Network(self.ctx, self.wire.key, launcher.suspect_s, launcher.lost_s,
+                               getattr(launcher, "keys", None), getattr(launcher, "epoch", 0))
+        self.network.wake = self._wake
 
     def _configure(self, plan: HostPlan, generation: int) -> None:
         """Send a remote agent its configuration: it forks its ranks into ``generation``."""
@@ -498,6 +527,8 @@ class Controller:
             self.agent_op(msg.AgentOp.SIGNAL, live, sig=int(sig))
 
     def check_usable(self, ranks: list[int]) -> None:
+        if self.fenced:
+            raise MeshStoppedError(self.fenced)
         if self.stopped:
             raise MeshStoppedError(f"the mesh is stopped ({self.stop_reason}); start a new one "
                                    f"with meshbook.start(...)")
@@ -585,6 +616,22 @@ class Controller:
             link.state = "stopped"
         elif "sent" in body:
             link.rtt = time.monotonic() - body["sent"]
+            if self.lease is not None:
+                self.lease.renewed()
+
+    def _on_fenced(self, message: wire.Message) -> None:
+        """An agent refused what we sent: another kernel attached this (kept) mesh. Fail what
+        runs, and let go of the mesh without stopping it (it is the other kernel's now)."""
+        if self.fenced:
+            return
+        newer = message.body()["epoch"]
+        mesh_id = getattr(self.lease, "id", "ID")
+        self.fenced = (f"this mesh was attached by another kernel (epoch {newer}; this kernel had "
+                       f"epoch {self.network.epoch if self.network else 0}), which drives it now. Use "
+                       f"it there, or take it back here with %mesh attach {mesh_id} "
+                       f"(meshbook.attach({mesh_id!r}))")
+        self._mark_stopped(self.fenced)
+        threading.Thread(target=self.stop, args=(self.fenced,), kwargs={"detach": True}, daemon=True).start()
 
     def _host_lost(self, link: HostLink) -> None:
         """Nothing heard from ``link``'s agent for the loss timeout: its ranks are gone."""
@@ -661,9 +708,25 @@ class Controller:
             self._generation_changed.notify_all()
 
     def _on_agent(self, message: wire.Message) -> None:
+        body = message.body()
         with self._lock:
-            for r, pid in message.body()["pids"].items():
+            for r, pid in body["pids"].items():
                 self.ranks[int(r)].pid = pid
+            if body.get("attached"):
+                self._adopt_ranks(body)
+
+    def _adopt_ranks(self, body: dict[str, Any]) -> None:
+        """An agent's answer to ATTACH: its ranks as they are (caller holds the lock). An agent
+        knows the generation each rank was forked into; a restart moves every live rank into
+        the new one, so the newest is every rank's."""
+        self.generation = max([self.generation, *body["generations"].values()])
+        for r in body["generations"]:
+            state = self.ranks[int(r)]
+            state.generation, state.state, state.hostname = self.generation, "idle", body["hostname"]
+        for r in body["dead"]:
+            state = self.ranks[int(r)]
+            state.state, state.cause = "dead", "died while no kernel was attached"
+        self._generation_changed.notify_all()
 
     def _deliver(self, request: int | None, event: Event) -> None:
         run = self._runs.get(request) if request is not None else None
@@ -800,8 +863,9 @@ class Controller:
 
     # -- shutdown ----------------------------------------------------------------------------
 
-    def stop(self, reason: str = "stopped by the user") -> None:
-        """Kill every rank and agent, fail what still runs, and remove the runtime directory."""
+    def stop(self, reason: str = "stopped by the user", detach: bool = False) -> None:
+        """Kill every rank and agent, fail what still runs, and remove the runtime directory.
+        ``detach``: leave the agents and ranks running (a kept mesh this kernel lets go of)."""
         with self._lock:
             already = self.stopped and not self.agents
             self._mark_stopped(reason)
@@ -812,9 +876,9 @@ class Controller:
             with self._send_lock:
                 self._wake_send.send(b"stop")
             self._receiver.join(5)
-        if self.network is not None:  # the receiver is gone: this thread owns the links now
+        if self.network is not None and not detach:  # the receiver is gone: this thread owns the links
             self.network.stop_agents(self.wire, 5.0)
-        for agent in agents:
+        for agent in agents if not detach else ():
             agent.terminate(5.0)
         with self._lock:
             runs = list(self._runs.values())
@@ -868,5 +932,6 @@ def _stop_all() -> None:
     from .launchers import discard_standby
 
     for controller in list(_LIVE):
-        controller.stop("the Python process is exiting")
+        # A kept mesh outlives the process: its lease runs from the last ping it answered.
+        controller.stop("the Python process is exiting", detach=controller.lease is not None)
     discard_standby()

@@ -18,6 +18,7 @@ and times the answer; a host not heard from for 5 s is *suspect*, for 15 s *lost
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -28,6 +29,7 @@ import zmq
 
 from ..protocol import messages as msg
 from ..protocol import net, wire
+from ..protocol.remote import encode_epoch
 from ..protocol.text import format_ranks
 
 _HOST = struct.Struct("<I")
@@ -78,12 +80,16 @@ class Network:
     """Curve keys, the allowlist, the links, and the outbox through which any thread sends."""
 
     def __init__(self, ctx: zmq.Context, key: bytes, suspect_s: float = msg.HOST_SUSPECT_S,
-                 lost_s: float = msg.HOST_LOST_S) -> None:
+                 lost_s: float = msg.HOST_LOST_S, keys: tuple[net.Keys, net.Keys] | None = None,
+                 epoch: int = 0) -> None:
         self.ctx = ctx
         self.key = key
         self.suspect_s, self.lost_s = suspect_s, lost_s
-        self.server = net.Keys.new()  # the mesh's server key (agents listen with it)
-        self.me = net.Keys.new()  # the controller's own key: the only one a listening agent admits
+        #: The mesh's server key (agents listen with it) and the controller's own key, the only
+        #: one a listening agent admits: new, or a kept mesh's (attach) from its mesh file.
+        self.server, self.me = keys or (net.Keys.new(), net.Keys.new())
+        #: Sent with every message to an agent: a kept mesh's agents refuse older epochs.
+        self.epoch = epoch
         self.links: dict[int, HostLink] = {}
         self.router: zmq.Socket | None = None  # where joining agents dial in
         self.joined: list[Joined] = []
@@ -114,7 +120,8 @@ class Network:
         """Connect to a listening agent (Curve client with the controller's key)."""
         sock = self.ctx.socket(zmq.DEALER)
         for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000),
-                              (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000)):
+                              (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000),
+                              (zmq.IDENTITY, os.urandom(8))):  # kept across reconnections
             sock.setsockopt(option, value)
         net.curve_client(sock, self.me, self.server.public)
         sock.connect(net.tcp_address(address, port))
@@ -223,7 +230,7 @@ class Network:
         link = self.links.get(host)
         if link is None or link.state == "lost":
             return  # the host is gone: what waited for it has failed
-        frames = parts[1:]
+        frames = [encode_epoch(self.epoch), *parts[1:]]
         try:
             if link.sock is not None:
                 link.sock.send_multipart(frames, copy=False)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..protocol import messages as msg
 from ..protocol.cell import cell_filename, compile_cell
-from ..protocol.errors import MeshError
+from ..protocol.errors import MeshError, MeshStoppedError
 from ..protocol.limits import DEFAULT_MAX_BYTES
 from ..protocol.topology import DimSelector, Topology, resolve
 from ..rank import ops
@@ -35,6 +35,9 @@ from .controller import Controller, RankState
 from .data import DataOps
 from .debug import DebugOps
 from .hosts import HostLink
+from .lease import Keep, MeshRecord
+from .lease import attach as attach_controller
+from .lease import list_meshes as kept_meshes
 from .launchers import Launcher, get_launcher
 from .memory import MemoryReport, memory_report
 from .metrics import MetricsHistory
@@ -48,7 +51,7 @@ MEASURE_TIMEOUT_S = 2.0
 def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
           launcher: str | Launcher = "local", timeout: float = 120.0,
           collective_timeout: float = 300.0, max_result_bytes: int = DEFAULT_MAX_BYTES,
-          name: str | None = None) -> "Mesh":
+          name: str | None = None, keep: str | float | None = None) -> "Mesh":
     """Start a mesh of ranks and return it once torch.distributed is ready on every rank.
 
     ``n`` ranks, or named ``dims`` whose product is the world size (``{"dp": 2, "tp": 2}``);
@@ -58,19 +61,45 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
     before it fails on its own. A result bigger than ``max_result_bytes`` (2 GiB, like
     ``pull``'s ``max_bytes``) stays on its rank as ``_``; ``run(max_bytes=...)`` overrides it.
     ``name`` names the mesh among this notebook's meshes (default ``mesh``, then ``mesh2``...);
-    the new mesh becomes the current one.
+    the new mesh becomes the current one. ``keep="8h"`` (a duration, or seconds) makes the
+    mesh outlive this process by up to that long after it was last heard from: reattach it
+    from another kernel with :func:`meshbook.attach` (see :mod:`.lease`).
     """
-    name = _new_name(name)
+    name = new_name(name)
     topology = Topology.create(n, dims)
     if backend not in ("auto", "gloo", "nccl") and ":" not in backend:
         raise MeshError(f"backend {backend!r}: use 'auto', 'gloo', 'nccl' or a torch backend "
                         f"string like 'cuda:nccl,cpu:gloo'")
+    kept = None
+    if keep is not None:
+        launcher = kept = Keep.for_launcher(launcher, keep, name)
     controller = Controller(topology, get_launcher(launcher), backend, collective_timeout, name)
     controller.max_result_bytes = max_result_bytes
     controller.launch(timeout)
-    mesh = Mesh(controller, list(range(topology.world_size)))
+    if kept is not None:
+        controller.lease = kept.record(controller)
+    return register(controller)
+
+
+def attach(mesh_id: str, name: str | None = None, timeout: float = 60.0) -> "Mesh":
+    """Take over the kept mesh ``mesh_id`` (``start(keep=...)``, see :func:`list_meshes`) after
+    a kernel restart: same ranks, same variables. It becomes the current mesh, under ``name``
+    (default: its name when started). Any other kernel that drove it is fenced off: its next
+    cell fails and says this one attached it."""
+    return register(attach_controller(mesh_id, lambda started_as: new_name(name or started_as), timeout))
+
+
+def list_meshes() -> list[MeshRecord]:
+    """The kept meshes this user can attach (``%mesh list``), oldest first; ``.row()`` of
+    each: id, name, launcher, hosts, ranks, age, lease left, attached here."""
+    return kept_meshes()
+
+
+def register(controller: Controller) -> "Mesh":
+    """A started (or attached) mesh becomes the current one, under its name."""
+    mesh = Mesh(controller, list(range(controller.topology.world_size)))
     global _current
-    _current = _meshes[name] = mesh
+    _current = _meshes[controller.name] = mesh
     for listener in list(_start_listeners):
         listener(mesh)
     return mesh
@@ -103,6 +132,8 @@ def meshes() -> dict[str, "Mesh"]:
 
 def current() -> "Mesh":
     """The mesh ``%%mesh`` cells run on: the last started, or the one picked with :func:`use`."""
+    if _current is not None and _current.controller.fenced:
+        raise MeshStoppedError(_current.controller.fenced)  # until another mesh is started or attached
     if _current is None or _current.stopped:
         running = meshes()
         if _current is not None and running:
@@ -130,7 +161,8 @@ def mesh_named(name: str) -> "Mesh":
     return running[name]
 
 
-def _new_name(name: str | None) -> str:
+def new_name(name: str | None) -> str:
+    """``name`` if no running mesh has it (else a MeshError); unnamed: mesh, mesh2..."""
     running = meshes()
     if name is None:
         candidates = itertools.chain(["mesh"], (f"mesh{i}" for i in itertools.count(2)))

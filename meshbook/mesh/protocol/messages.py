@@ -22,7 +22,8 @@ Who sends what:
 * agent -> controller: ``AGENT`` (its ranks' pids), ``EXIT`` (a rank died), ``RESULT`` (of an
   operation, e.g. a py-spy dump), ``HOST_BEAT`` (the answer to a ``PING``: the round trip and
   liveness of a host across the network), ``JOIN`` (an agent started by an external launcher
-  announces itself).
+  announces itself), ``FENCED`` (a message came from a controller with an older epoch than
+  the newest the agent has seen: another kernel attached the mesh).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ JOIN = "join"
 ACTOR = "actor"
 PEER = "peer"
 RELEASED = "released"
+FENCED = "fenced"
 
 #: Requests that run user code: an irregular end of one triggers a step check.
 USER_KINDS = (EXEC, APPLY)
@@ -64,6 +66,7 @@ class AgentOp:
     CONFIGURE = "configure"  # an agent on another host: its configuration, over the connection
     PING = "ping"  # the controller's heartbeat to an agent on another host
     STOP = "stop"  # end an agent on another host (a local one sees its stdin close)
+    ATTACH = "attach"  # a new controller took over a kept mesh: report the ranks (pids, generations)
 
 
 # -- channels: a rank binds one socket per channel -------------------------------------------

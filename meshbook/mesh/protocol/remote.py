@@ -1,8 +1,10 @@
 """What the controller and a host agent on another host agree on, besides messages.
 
-* Every message to an agent is ``[route, *message frames]``: an empty route is an operation
-  for the agent itself; otherwise the route names a channel and the ranks of that host the
-  agent relays the (unchanged, rank-signed) message to. One message per host, fanned out there.
+* Every message to an agent is ``[epoch, route, *message frames]``: the epoch is the sending
+  controller's (a kept mesh attached by a new kernel gets a higher one, and its agents refuse
+  what an older controller sends); an empty route is an operation for the agent itself;
+  otherwise the route names a channel and the ranks of that host the agent relays the
+  (unchanged, rank-signed) message to. One message per host, fanned out there.
 * A listening agent (started through ssh) prints one line, :data:`LISTENING` and a JSON
   object (its address, port, pid), once the controller can dial it.
 * A joining agent (started by any launcher) reads a token, from a file or :data:`TOKEN_ENV`:
@@ -18,6 +20,17 @@ from typing import Any
 
 LISTENING = "MESHBOOK-AGENT-LISTENING"
 TOKEN_ENV = "MESHBOOK_JOIN_TOKEN"
+
+
+_EPOCH = struct.Struct("<Q")
+
+
+def encode_epoch(epoch: int) -> bytes:
+    return _EPOCH.pack(epoch)
+
+
+def decode_epoch(frame: bytes) -> int:
+    return int(_EPOCH.unpack(frame)[0])
 
 
 def encode_route(channel: str, ranks: list[int]) -> bytes:

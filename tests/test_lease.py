@@ -1,0 +1,132 @@
+"""Meshes that outlive the kernel: ``keep=`` leases, ``%mesh list``, ``%mesh attach``, fencing.
+
+Real kernels where the kernel's death is the point (SIGKILL, then a new kernel attaches);
+the Python API where it is not (a controller that lets go of its mesh runs the same code as
+a kernel exiting). Every kept mesh here is stopped, or its lease runs out, within its test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+
+import psutil
+import pytest
+from kernels import Kernel, wait_gone
+
+import meshbook
+from meshbook.mesh.controller.lease import mesh_dir, parse_duration
+
+
+def _mesh_file(mesh_id: str) -> str:
+    return os.path.join(mesh_dir(), f"{mesh_id}.json")
+
+
+@pytest.mark.parametrize("how", ["sigkill", "restart"])
+def test_a_kept_mesh_survives_its_kernel_and_a_new_kernel_attaches_it(how: str) -> None:
+    first, second, pids = Kernel(), None, []
+    try:
+        first.ok("import meshbook\n%load_ext meshbook\n%mesh start -n 2 --keep 10m")
+        first.ok("%%mesh\nx = torch.full((2,), float(rank))\nmarker = f'rank {rank} kept'")
+        mesh_id = first.value("meshbook.current().controller.lease.id")
+        pids = first.mesh_pids()
+        path = _mesh_file(mesh_id)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(mesh_dir()).st_mode) == 0o700
+        if how == "sigkill":
+            os.kill(first.pid, signal.SIGKILL)
+            assert wait_gone([first.pid]) == []
+            second = Kernel()
+        else:
+            first.manager.restart_kernel(now=False)  # the kernel exits cleanly (atexit runs)
+            second = first
+        assert all(psutil.pid_exists(p) for p in pids), "the kept agent and ranks died with the kernel"
+
+        listed = second.ok("import meshbook\n%load_ext meshbook\n%mesh list").stream()
+        assert "lease left" in listed and any(mesh_id in line and "localhost" in line
+                                              for line in listed.splitlines()), listed
+        assert second.value(f"[r.lease_left() > 0 for r in meshbook.list_meshes() if r.id == {mesh_id!r}]") == [True]
+        assert "attached" in second.ok(f"%mesh attach {mesh_id}").stream()
+        assert f"kept as {mesh_id}" in second.ok("%mesh status").stream()
+        out = second.ok("%%mesh --ordered\nprint(marker, x.sum().item())").stream()
+        assert "rank 0 kept 0.0" in out and "rank 1 kept 2.0" in out, out
+        assert sorted(second.value("[s.pid for s in meshbook.current().status()]")) == sorted(pids[1:])
+        second.ok("%mesh stop")
+        assert wait_gone(pids, 10.0) == []
+        assert not os.path.exists(path), "the mesh file outlived the mesh"
+    finally:
+        for kernel in {first, second} - {None}:
+            kernel.close()
+        if pids and psutil.pid_exists(pids[0]):
+            os.kill(pids[0], signal.SIGTERM)  # a failed test: end the kept agent it started
+            wait_gone(pids, 10.0)
+
+
+def test_the_lease_running_out_ends_the_agent_and_ranks_and_leaves_nothing() -> None:
+    mesh = meshbook.start(2, keep="3s")
+    agent = mesh.controller.agents[0]
+    pids = [agent.proc.pid, *(s.pid for s in mesh.status())]
+    path, log = _mesh_file(mesh.controller.lease.id), agent.log
+    assert dict(mesh.run("rank").result()) == {0: 0, 1: 1}
+    mesh.controller.stop("this process lets go of it", detach=True)  # as when the kernel exits
+    assert all(psutil.pid_exists(p) for p in pids)
+    agent.proc.wait(60)  # the lease (3 s after the last ping it answered) ran out
+    assert wait_gone(pids, 10.0) == []
+    assert not os.path.exists(path) and not os.path.exists(log)
+    assert all(r.id != os.path.basename(path)[:-5] for r in meshbook.list_meshes())
+
+
+def test_attaching_fences_the_first_controller_off() -> None:
+    first = meshbook.start(2, keep="10m", name="first")
+    second = None
+    try:
+        first.run("x = 40 + rank").result()
+        first.controller.kill([1])
+        first.restart([1])  # generation 1: the agent's store, as a new kernel finds it
+        first.run("x = 40 + rank", ranks=[1]).result()
+        second = meshbook.attach(first.controller.lease.id, name="second")
+        assert [(s.state, s.generation) for s in second.status()] == [("idle", 1)] * 2
+        assert dict(second.run("t = torch.ones(1); dist.all_reduce(t); x + t.item()").result()) == {0: 42, 1: 43}
+        with pytest.raises(meshbook.MeshError, match="attached by another kernel"):
+            first.run("x").result()
+        with pytest.raises(meshbook.MeshError, match=f"%mesh attach {first.controller.lease.id}"):
+            first.run("x")
+        assert dict(second.run("x").result()) == {0: 40, 1: 41}, "the fenced one stopped nothing"
+    finally:
+        (second or first).stop()
+
+
+def test_keep_takes_durations_and_says_what_it_wants() -> None:
+    assert parse_duration("8h") == 8 * 3600 and parse_duration("1h30m") == 5400 and parse_duration(90) == 90
+    for bad in ("soon", "8x", "0", "-1"):
+        with pytest.raises(meshbook.MeshError, match="keep="):
+            parse_duration(bad)
+    with pytest.raises(meshbook.MeshError, match="local launcher"):
+        meshbook.start(2, keep="1h", launcher=meshbook.SSH(["gpu1"]))
+    with pytest.raises(meshbook.MeshError, match="%mesh list"):
+        meshbook.attach("nosuchmesh")
+
+
+def test_a_kernel_attached_over_is_told_so_in_its_next_cell() -> None:
+    first, second = Kernel(), Kernel()
+    agent = None
+    try:
+        first.ok("import meshbook\n%load_ext meshbook\n%mesh start -n 2 --keep 10m")
+        first.ok("%%mesh\nx = rank")
+        mesh_id = first.value("meshbook.current().controller.lease.id")
+        agent = first.value("meshbook.current().controller.agents[0].proc.pid")
+        second.ok(f"import meshbook\n%load_ext meshbook\n%mesh attach {mesh_id}")
+        reply = first.execute("%%mesh\nx")
+        assert reply.status == "error", reply.content
+        assert "attached by another kernel" in reply.error_text + reply.stream("stderr"), reply.error_text
+        assert f"%mesh attach {mesh_id}" in first.execute("%%mesh\nx").content["evalue"]
+        assert "[1] 1" in str(second.ok("%%mesh\nx").of_type("execute_result"))
+        second.ok("%mesh stop")
+        assert wait_gone([agent], 10.0) == []
+    finally:
+        for kernel in (first, second):
+            kernel.close()
+        if agent is not None and psutil.pid_exists(agent):
+            os.kill(agent, signal.SIGTERM)  # a failed test: end the kept agent it started
+            wait_gone([agent], 10.0)
