@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     # the Python API
     "start": "controller.mesh", "current": "controller.mesh", "Mesh": "controller.mesh",
-    "SSH": "controller.remote", "Join": "controller.remote",
+    "SSH": "controller.remote", "Join": "controller.remote", "Slurm": "controller.slurm",
     "meshes": "controller.mesh", "use": "controller.mesh", "mesh_named": "controller.mesh",
     **dict.fromkeys(["Actor", "endpoint", "ActorFuture", "SupervisionEvent", "NoEndpointError"],
                     "protocol.actors"),
@@ -45,7 +45,7 @@ _WHERE = {
 }
 
 __all__ = [
-    "start", "current", "prewarm", "SSH", "Join", "Mesh", "Run", "RankValues", "Topology",
+    "start", "current", "prewarm", "SSH", "Join", "Slurm", "Mesh", "Run", "RankValues", "Topology",
     "meshes", "use", "mesh_named", "Actor", "endpoint", "ActorMesh", "ActorFuture", "SupervisionEvent",
     "NoEndpointError",
     "Output", "Display", "Result", "Error", "InputRequest", "DebugEnd", "Event", "RankFailure",
@@ -77,6 +77,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .controller.launchers import prewarm
     from .controller.memory import MemoryRow
     from .controller.remote import SSH, Join
+    from .controller.slurm import Slurm
     from .controller.mesh import (
         Mesh,
         add_start_listener,

@@ -312,6 +312,11 @@ def main() -> None:
                         help="the file our stderr goes to: moved into the runtime directory")
     parser.add_argument("--token-file", default=None,
                         help="join: read the token from this file (else from $MESHBOOK_JOIN_TOKEN)")
+    parser.add_argument("--bootstrap-file", default=None,
+                        help="listen: read the bootstrap from this private file, not stdin (a batch "
+                             "scheduler's tasks have no stdin of the controller's)")
+    parser.add_argument("--announce-dir", default=None,
+                        help="listen: write the LISTENING line to a file in this directory, not stdout")
     args = parser.parse_args()
     from ..protocol.proc import become_subreaper, die_with_parent
 
@@ -323,7 +328,7 @@ def main() -> None:
         if args.mode == "local":
             _run(args.log)
         else:
-            _run_remote(args.mode, args.token_file)
+            _run_remote(args.mode, args.token_file, args.bootstrap_file, args.announce_dir)
     finally:
         os._exit(0)
 
@@ -370,9 +375,11 @@ def _serve(agent: Agent, watch_stdin: bool) -> None:
         agent.shutdown(done)
 
 
-def _run_remote(mode: str, token_file: str | None) -> None:
+def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = None,
+                announce_dir: str | None = None) -> None:
     """An agent on another host: connect (listen or join), wait for the configuration over
-    the connection, then serve as a relay for this host's ranks."""
+    the connection, then serve as a relay for this host's ranks. With a bootstrap file (a
+    batch scheduler started us) stdin is not the controller's: only the link's silence ends us."""
     import zmq
 
     from ..protocol.proc import runtime_base
@@ -380,7 +387,10 @@ def _run_remote(mode: str, token_file: str | None) -> None:
     from .link import RemoteLink, join, listen
 
     _import_torch()
-    if mode == "listen":
+    if mode == "listen" and bootstrap_file:
+        with open(bootstrap_file) as f:
+            data = json.load(f)
+    elif mode == "listen":
         data = _read_config()
         if data is None:
             return
@@ -392,11 +402,12 @@ def _run_remote(mode: str, token_file: str | None) -> None:
                              f"output") from None
     ctx = zmq.Context()
     zap = None
+    watch_stdin = mode == "listen" and not bootstrap_file
     if mode == "listen":
-        sock, zap = listen(ctx, data)
+        sock, zap = listen(ctx, data, announce_dir)
     else:
         sock = join(ctx, data)
-    cfg = _await_configuration(sock, bytes.fromhex(data["key"]), watch_stdin=mode == "listen",
+    cfg = _await_configuration(sock, bytes.fromhex(data["key"]), watch_stdin=watch_stdin,
                                timeout=float(data.get("timeout", 120.0)))
     if cfg is None:
         sock.close(linger=0)
@@ -405,7 +416,7 @@ def _run_remote(mode: str, token_file: str | None) -> None:
     agent = Agent({**cfg, "key": data["key"], "lost_s": data.get("lost_s", 15.0)}, ctx,
                   RemoteLink(ctx, sock, rundir), rundir, own_rundir=True)
     try:
-        _serve(agent, watch_stdin=mode == "listen")
+        _serve(agent, watch_stdin=watch_stdin)
     finally:
         if zap is not None:
             zap.close()
