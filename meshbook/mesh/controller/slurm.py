@@ -47,6 +47,8 @@ from .remote import RemoteLauncher, default_address, plan_hosts
 SQUEUE_FORMAT = "%T|%r|%L|%N|%D"
 #: States in which a job still holds (or waits for) its nodes.
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED"}
+#: How long a COMPLETING job may take to show how it ended (TIMEOUT, CANCELLED, NODE_FAIL).
+COMPLETING_WAIT_S = 30.0
 #: Less time left than this: a warning in the next cell's output.
 WARN_LEFT_S = 600.0
 #: The keys of ``--slurm`` (``key=value,...``); anything else goes in ``--sbatch``.
@@ -379,9 +381,12 @@ class SlurmJob:
         self._thread.start()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.launcher.poll_s):
+        completing = None  # since when the job is COMPLETING: its final state comes once its
+        while not self._stop.wait(self.launcher.poll_s):  # processes are gone (KillWait)
             state = self.refresh()
-            if not state.active or state.state in ("COMPLETING",):
+            if state.state == "COMPLETING":
+                completing = completing or time.monotonic()
+            if not state.active or completing and time.monotonic() - completing > COMPLETING_WAIT_S:
                 self.ended = f"job {self.id} ended: {state.state}" + \
                     (f" ({state.reason})" if state.reason else "")
                 return
