@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+from kernels import Kernel
 from rigs import slurm
 
 import meshbook
@@ -189,3 +190,27 @@ def test_a_mesh_inside_an_allocation_the_user_has(cluster: slurm.Slurm, home: Pa
     finally:
         cluster.run(["scancel", allocation])
         wait_until(lambda: gone(cluster, allocation), "the allocation to end")
+
+
+def test_the_magics_on_slurm_and_a_cancelled_job_fails_the_cell(cluster: slurm.Slurm, home: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(home.parent))  # the kernel's ~/.meshbook
+    kernel = Kernel()
+    try:
+        started = kernel.ok("import meshbook\n%load_ext meshbook\n"
+                            "%mesh start --slurm nodes=2,time=30:00 --sbatch \"--job-name=mb-magic --comment=x\"",
+                            timeout=180).stream()
+        job = re.search(r"submitted Slurm job (\d+)", started).group(1)  # type: ignore[union-attr]
+        assert "started" in started and "2 ranks" in started, started
+        status = kernel.ok("%mesh status").stream()
+        assert re.search(rf"Slurm job {job}: RUNNING on h\[1-2\], \d+:\d\d left", status), status
+        msg_id, sent_at = kernel.submit("%%mesh\nimport time\nfor _ in range(600): time.sleep(0.1)")
+        time.sleep(1)
+        cluster.run(["scancel", job])
+        reply = kernel.wait(msg_id, sent_at, timeout=90)
+        assert reply.status == "error" and f"job {job} ended: CANCELLED" in reply.error_text, reply.error_text
+        assert kernel.value("6 * 7") == 42, "the kernel is healthy"
+        kernel.ok("%mesh stop")
+    finally:
+        kernel.close()
+    assert gone(cluster, job)

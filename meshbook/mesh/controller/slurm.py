@@ -179,9 +179,9 @@ class Slurm(RemoteLauncher):
         return self.nodes
 
     def default_ranks(self) -> int | None:
-        """The world size when none was given: nodes x ranks per node (GPUs per node)."""
+        """The world size when none was given: nodes x ranks per node (GPUs per node, or 1)."""
         nodes = self.node_count()
-        return nodes * self.per_node if nodes and self.per_node else None
+        return nodes * (self.per_node or 1) if nodes else None
 
     def plan(self, world_size: int) -> list[HostPlan]:
         nodes = self.node_count()
