@@ -103,14 +103,14 @@ def test_pending_then_running_is_shown(cluster: slurm.Slurm, home: Path) -> None
 
     def announce(line: str) -> None:
         lines.append(line)
-        if " pending " in line and len([l for l in lines if " pending " in l]) == 1:
+        if " pending " in line and sum(" pending " in seen for seen in lines) == 1:
             threading.Timer(2.0, cluster.run, [["scancel", blocker]]).start()
 
     mesh = meshbook.start(2, launcher=meshbook.Slurm(nodes=2, workdir=str(home), announce=announce,
                                                      poll_s=0.5), timeout=120)
     try:
         job = mesh.job().job
-        pending = [l for l in lines if " pending " in l]
+        pending = [line for line in lines if " pending " in line]
         assert pending and re.fullmatch(rf"job {job} pending \((Resources|Priority)\), position 1",
                                         pending[0]), lines
         assert mesh.job().state == "RUNNING"
@@ -165,7 +165,7 @@ def test_the_time_limit_runs_the_hook_then_ends_the_job(cluster: slurm.Slurm, ho
         assert "left (time limit); save what you need" in capfd.readouterr().err, \
             "under 10 minutes left: a warning with the next cell"
         wait_until(lambda: len(list(tmp_path.glob("saved-*"))) == 2, "the checkpoint hook on both ranks")
-        assert any("Slurm signalled the time limit" in l for l in lines), lines
+        assert any("Slurm signalled the time limit" in line for line in lines), lines
         run = mesh.run("import time\nfor _ in range(1800): time.sleep(0.1)")
         with pytest.raises(meshbook.RemoteError) as info:
             run.result(timeout=150)

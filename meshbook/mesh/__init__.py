@@ -76,8 +76,6 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .controller.data import RemoteRef
     from .controller.launchers import prewarm
     from .controller.memory import MemoryRow
-    from .controller.remote import SSH, Join
-    from .controller.slurm import Slurm
     from .controller.mesh import (
         Mesh,
         add_start_listener,
@@ -88,8 +86,10 @@ if TYPE_CHECKING:  # what type checkers and editors see
         start,
         use,
     )
+    from .controller.remote import SSH, Join
     from .controller.render import EventRenderer, print_late, write_stream
     from .controller.run import Run
+    from .controller.slurm import Slurm
     from .controller.stragglers import DURATION_FACTOR, StragglerReport, slow_by_duration
     from .protocol.actors import Actor, ActorFuture, NoEndpointError, SupervisionEvent, endpoint
     from .protocol.errors import (

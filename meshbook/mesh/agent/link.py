@@ -35,6 +35,7 @@ from ..protocol import messages as msg
 from ..protocol import net, wire
 from ..protocol.remote import LISTENING, decode_route
 
+
 class LocalLink:
     """Operations on an ipc DEALER, the agent's own events on an ipc PUSH."""
 

@@ -284,10 +284,10 @@ class SlurmJob:
 
     def _submit(self, agent: list[str]) -> None:
         """``sbatch`` a script that runs one agent per node with ``srun``."""
-        l = self.launcher
+        opts = self.launcher
         script = os.path.join(self.dir, "job.sh")
         signal_line = (f"trap 'touch {shlex.quote(os.path.join(self.dir, 'time-limit'))}' USR1\n"
-                       if l.on_time_limit else "")
+                       if opts.on_time_limit else "")
         with open(script, "w") as f:
             f.write("#!/bin/bash\n# a meshbook mesh: one host agent per node\n"
                     "unset SSH_CONNECTION  # the agents advertise the route to the controller\n"
@@ -297,11 +297,11 @@ class SlurmJob:
                     "while kill -0 $step 2>/dev/null; do wait $step; done  # a trapped signal ends a wait\n")
         argv = ["sbatch", "--parsable", f"--nodes={self.nodes}", "--ntasks-per-node=1",
                 "--job-name=meshbook", f"--chdir={self.dir}", f"--output={self.dir}/slurm-%j.out"]
-        argv += [f"--time={l.time}"] * bool(l.time) + [f"--partition={l.partition}"] * bool(l.partition)
-        argv += [f"--gpus-per-node={l.gpus_per_node}"] * bool(l.gpus_per_node)
-        argv += [f"--signal=B:USR1@{l.signal_s}"] * bool(l.on_time_limit)
-        self.id = _cli([*argv, *l.sbatch, script]).strip().split(";")[0]
-        l.announce(f"submitted Slurm job {self.id}")
+        argv += [f"--time={opts.time}"] * bool(opts.time) + [f"--partition={opts.partition}"] * bool(opts.partition)
+        argv += [f"--gpus-per-node={opts.gpus_per_node}"] * bool(opts.gpus_per_node)
+        argv += [f"--signal=B:USR1@{opts.signal_s}"] * bool(opts.on_time_limit)
+        self.id = _cli([*argv, *opts.sbatch, script]).strip().split(";")[0]
+        opts.announce(f"submitted Slurm job {self.id}")
 
     def _step_into(self, agent: list[str]) -> None:
         """``srun --jobid`` one agent per node of the user's running allocation."""
