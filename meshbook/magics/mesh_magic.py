@@ -153,7 +153,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @argument("--slurm", help="start the ranks in a Slurm job, one agent per node: nodes=2,"
                               "gpus-per-node=8,time=2:00:00,partition=gpu (sbatch), or job=ID (srun "
                               "inside an allocation you have)")
-    @argument("--sbatch", help='--slurm: more sbatch options, e.g. "--account=proj --qos=high"')
+    @argument("--sbatch", help='--slurm: more sbatch options, e.g. "--account=proj --qos=high" '
+                               '(one alone: --sbatch=--account=proj)')
     @argument("--on-time-limit", help='--slurm: code every rank runs when Slurm signals the time '
                                       'limit is near, e.g. "save()"')
     @argument("--name", help="name the mesh, to run several (%%%%mesh --mesh NAME, "
