@@ -160,9 +160,9 @@ class Slurm(RemoteLauncher):
                 options[key.replace("-", "_")] = int(value)
             else:
                 options[key] = value
-        if kw.get("per_node") is not None:
-            options.setdefault("per_node", kw.pop("per_node"))
-        kw.pop("per_node", None)
+        per_node = kw.pop("per_node", None)  # --per-host, where the spec has no per-node=
+        if per_node is not None:
+            options.setdefault("per_node", per_node)
         return cls(**options, **kw)
 
     # -- planning ----------------------------------------------------------------------------
@@ -204,8 +204,9 @@ class Slurm(RemoteLauncher):
                              info["addr"], info["port"])
         except KeyboardInterrupt:
             job.close(5.0)
-            raise MeshError(f"interrupted: cancelled Slurm job {job.id or '(not submitted)'}"
-                            f"{' while it was pending' if job.was_pending else ''}") from None
+            what = (f"cancelled Slurm job {job.id or '(not submitted)'}" if job.submitted else
+                    f"ended the srun step in your job {job.id} (the allocation is still yours)")
+            raise MeshError(f"interrupted: {what}{' while it was pending' if job.was_pending else ''}") from None
         except BaseException:
             job.close(5.0)
             raise
