@@ -11,7 +11,7 @@ its path, and each writes the line saying where it listens into that directory
 mesh stops.
 
 The job is watched with ``squeue -h -o`` format strings (``--json`` changed shape across
-Slurm versions), every few seconds on a thread: its state, pending reason, nodes and time
+Slurm versions), every 5 s on a thread (slurmctld serves every user of the cluster): its state, pending reason, nodes and time
 left. While it is pending the launcher prints "job 123 pending (Resources), position 2" as
 that changes; an interrupt then cancels the job. Once it runs, its end (``scancel``, a node
 failure, the time limit) makes every agent handle dead with "job 123 ended: TIMEOUT", which
@@ -124,7 +124,7 @@ class Slurm(RemoteLauncher):
                  time: str | None = None, partition: str | None = None, gpus_per_node: int | None = None,
                  sbatch: str | Sequence[str] = (), python: str | None = None,
                  on_time_limit: str | None = None, signal_s: int = 300, workdir: str | None = None,
-                 poll_s: float = 2.0, announce: Callable[[str], None] | None = None,
+                 poll_s: float = 5.0, announce: Callable[[str], None] | None = None,
                  suspect_s: float | None = None, lost_s: float | None = None) -> None:
         super().__init__(suspect_s, lost_s)
         self.job_id = str(job) if job is not None else None
