@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "start", "current", "prewarm", "SSH", "Join", "Mesh", "Run", "RankValues", "Topology",
+    "start", "current", "prewarm", "SSH", "Join", "Slurm", "Mesh", "Run", "RankValues", "Topology",
     "meshes", "use", "mesh_named", "attach", "list_meshes", "Actor", "endpoint", "ActorMesh", "ActorFuture",
     "SupervisionEvent",
     "NoEndpointError",
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
         SelectionError,
         SendError,
         ShapeError,
+        Slurm,
         SupervisionEvent,
         TooLargeError,
         Topology,

@@ -21,6 +21,7 @@ from ..mesh import (
     Join,
     MeshError,
     RemoteError,
+    Slurm,
     attach,
     list_meshes,
     meshes,
@@ -151,6 +152,13 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
               help="print a command for any launcher to run on each host, and wait for them")
     @argument("--join-address", help="--join: the address the hosts dial (default: this "
                                      "machine's address on its default route)")
+    @argument("--slurm", help="start the ranks in a Slurm job, one agent per node: nodes=2,"
+                              "gpus-per-node=8,time=2:00:00,partition=gpu (sbatch), or job=ID (srun "
+                              "inside an allocation you have)")
+    @argument("--sbatch", help='--slurm: more sbatch options, e.g. "--account=proj --qos=high" '
+                               '(one alone: --sbatch=--account=proj)')
+    @argument("--on-time-limit", help='--slurm: code every rank runs when Slurm signals the time '
+                                      'limit is near, e.g. "save()"')
     @argument("--name", help="name the mesh, to run several (%%%%mesh --mesh NAME, "
                                    "%%mesh use NAME)")
     @argument("--force", action="store_true", help="stop a running mesh (of that name) and start a new one")
@@ -161,14 +169,19 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     def start(self, line: str) -> None:
         """Start a mesh: %mesh start -n 4 --dims dp=2,tp=2 (this machine),
         %mesh start --hosts gpu1,gpu2 --per-host 8 (ssh), %mesh start --join -n 16 --per-host 8,
-        %mesh start -n 4 --keep 8h (outlives the kernel)"""
+        %mesh start -n 4 --keep 8h (outlives the kernel),
+        %mesh start --slurm nodes=2,gpus-per-node=8,time=2:00:00 (a Slurm job; job=ID: your allocation)"""
         args = parse_argstring(self.start, line)
-        if args.n is None and not args.dims:
+        launcher = _launcher(args)
+        n = args.n
+        if n is None and not args.dims and isinstance(launcher, Slurm):
+            n = launcher.default_ranks()
+        if n is None and not args.dims:
             raise UsageError("say how many ranks: %mesh start -n 4 (or --dims dp=2,tp=2)")
-        options = {"n": args.n, "dims": parse_dims(args.dims) if args.dims else None,
+        options = {"n": n, "dims": parse_dims(args.dims) if args.dims else None,
                    "backend": args.backend, "timeout": args.timeout,
                    "collective_timeout": args.collective_timeout, "name": args.name,
-                   "launcher": _launcher(args), "keep": args.keep}
+                   "launcher": launcher, "keep": args.keep}
         # Unnamed: one mesh at a time, as ever. Named: another mesh beside the running ones.
         running = meshes().get(args.name) if args.name else running_mesh()
         if running is not None:
@@ -267,6 +280,9 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
                      **{k: v for k, v in mesh.topology.coords(s.rank).items()},
                      "state": s.state + (f" ({s.cause})" if s.cause else "")} for s in mesh.status()]
             hosts = mesh.hosts()
+            job = mesh.job()
+            if job is not None:
+                print(job)
             if hosts:
                 print(status_table([h.row() for h in hosts]))
             mark = " (current)" if mesh.controller is current.controller and len(running) > 1 else ""
@@ -304,9 +320,18 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
 
 
 def _launcher(args: argparse.Namespace) -> Any:
-    """The launcher ``%mesh start``'s options ask for: local, ssh (--hosts) or join (--join)."""
-    if args.hosts and args.join:
-        raise UsageError("--hosts (ssh) and --join are two ways to start on other hosts: pick one")
+    """The launcher ``%mesh start``'s options ask for: local, ssh (--hosts), join (--join) or
+    Slurm (--slurm)."""
+    if sum(map(bool, (args.hosts, args.join, args.slurm))) > 1:
+        raise UsageError("--hosts (ssh), --join and --slurm are ways to start on other hosts: pick one")
+    for flag in ("sbatch", "on_time_limit"):
+        if getattr(args, flag) is not None and not args.slurm:
+            raise UsageError(f"--{flag.replace('_', '-')} goes with --slurm")
+    if args.slurm:
+        if args.tunnel or args.join_address:
+            raise UsageError("--tunnel and --join-address do not go with --slurm")
+        return Slurm.from_spec(args.slurm, sbatch=args.sbatch or (), per_node=args.per_host,
+                               python=args.python, on_time_limit=args.on_time_limit)
     if args.hosts:
         return SSH(args.hosts.split(","), per_host=args.per_host, python=args.python, tunnel=args.tunnel)
     if args.join:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     # the Python API
     "start": "controller.mesh", "current": "controller.mesh", "Mesh": "controller.mesh",
-    "SSH": "controller.remote", "Join": "controller.remote",
+    "SSH": "controller.remote", "Join": "controller.remote", "Slurm": "controller.slurm",
     "meshes": "controller.mesh", "use": "controller.mesh", "mesh_named": "controller.mesh",
     "attach": "controller.mesh", "list_meshes": "controller.mesh",
     **dict.fromkeys(["Actor", "endpoint", "ActorFuture", "SupervisionEvent", "NoEndpointError"],
@@ -46,7 +46,7 @@ _WHERE = {
 }
 
 __all__ = [
-    "start", "current", "prewarm", "SSH", "Join", "Mesh", "Run", "RankValues", "Topology",
+    "start", "current", "prewarm", "SSH", "Join", "Slurm", "Mesh", "Run", "RankValues", "Topology",
     "meshes", "use", "mesh_named", "attach", "list_meshes", "Actor", "endpoint", "ActorMesh", "ActorFuture",
     "SupervisionEvent",
     "NoEndpointError",
@@ -78,7 +78,6 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .controller.data import RemoteRef
     from .controller.launchers import prewarm
     from .controller.memory import MemoryRow
-    from .controller.remote import SSH, Join
     from .controller.mesh import (
         Mesh,
         add_start_listener,
@@ -91,8 +90,10 @@ if TYPE_CHECKING:  # what type checkers and editors see
         start,
         use,
     )
+    from .controller.remote import SSH, Join
     from .controller.render import EventRenderer, print_late, write_stream
     from .controller.run import Run
+    from .controller.slurm import Slurm
     from .controller.stragglers import DURATION_FACTOR, StragglerReport, slow_by_duration
     from .protocol.actors import Actor, ActorFuture, NoEndpointError, SupervisionEvent, endpoint
     from .protocol.errors import (

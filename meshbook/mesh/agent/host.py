@@ -335,6 +335,11 @@ def main() -> None:
                         help="the file our stderr goes to: moved into the runtime directory")
     parser.add_argument("--token-file", default=None,
                         help="join: read the token from this file (else from $MESHBOOK_JOIN_TOKEN)")
+    parser.add_argument("--bootstrap-file", default=None,
+                        help="listen: read the bootstrap from this private file, not stdin (a batch "
+                             "scheduler's tasks have no stdin of the controller's)")
+    parser.add_argument("--announce-dir", default=None,
+                        help="listen: write the LISTENING line to a file in this directory, not stdout")
     args = parser.parse_args()
     from ..protocol.proc import become_subreaper, die_with_parent
 
@@ -346,7 +351,7 @@ def main() -> None:
         if args.mode == "local":
             _run(args.log)
         else:
-            _run_remote(args.mode, args.token_file)
+            _run_remote(args.mode, args.token_file, args.bootstrap_file, args.announce_dir)
     finally:
         os._exit(0)
 
@@ -393,9 +398,11 @@ def _serve(agent: Agent, watch_stdin: bool) -> None:
         agent.shutdown(done)
 
 
-def _run_remote(mode: str, token_file: str | None) -> None:
+def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = None,
+                announce_dir: str | None = None) -> None:
     """An agent on another host: connect (listen or join), wait for the configuration over
-    the connection, then serve as a relay for this host's ranks."""
+    the connection, then serve as a relay for this host's ranks. With a bootstrap file (a
+    batch scheduler started us) stdin is not the controller's: only the link's silence ends us."""
     import zmq
 
     from ..protocol.proc import runtime_base
@@ -403,7 +410,10 @@ def _run_remote(mode: str, token_file: str | None) -> None:
     from .link import RemoteLink, join, listen
 
     _import_torch()
-    if mode == "listen":
+    if mode == "listen" and bootstrap_file:
+        with open(bootstrap_file) as f:
+            data = json.load(f)
+    elif mode == "listen":
         data = _read_config()
         if data is None:
             return
@@ -416,12 +426,13 @@ def _run_remote(mode: str, token_file: str | None) -> None:
     ctx = zmq.Context()
     zap = None
     # A kept mesh (a lease): the agent outlives the kernel that started it, so it neither
-    # watches stdin nor writes to stdout once it has said where it listens.
+    # watches stdin nor writes to stdout once it has said where it listens. Nor does one a
+    # batch scheduler started (a bootstrap file): its stdin is not the controller's.
     lease = data.get("lease_s")
-    watch_stdin = mode == "listen" and lease is None
+    watch_stdin = mode == "listen" and lease is None and not bootstrap_file
     try:
         if mode == "listen":
-            sock, zap = listen(ctx, data)
+            sock, zap = listen(ctx, data, announce_dir)
         else:
             sock = join(ctx, data)
         if lease is not None:

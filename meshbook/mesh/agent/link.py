@@ -37,6 +37,7 @@ from ..protocol import messages as msg
 from ..protocol import net, wire
 from ..protocol.remote import LISTENING, decode_epoch, decode_route
 
+
 class LocalLink:
     """Operations on an ipc DEALER, the agent's own events on an ipc PUSH."""
 
@@ -180,8 +181,11 @@ class Bootstrap:
         self.data = data
 
 
-def listen(ctx: zmq.Context, data: dict[str, Any]) -> tuple[zmq.Socket, net.ZapHandler]:
-    """Bind a Curve server socket only the controller's key may use, and say where on stdout."""
+def listen(ctx: zmq.Context, data: dict[str, Any],
+           announce_dir: str | None = None) -> tuple[zmq.Socket, net.ZapHandler]:
+    """Bind a Curve server socket only the controller's key may use, and say where: on stdout,
+    or in ``announce_dir`` (a file per task, named by the scheduler's task id) for a
+    controller that cannot read our stdout."""
     boot = Bootstrap(data)
     allowlist = net.Allowlist({data["controller_public"].encode()})
     zap = allowlist.serve(ctx)
@@ -193,9 +197,23 @@ def listen(ctx: zmq.Context, data: dict[str, Any]) -> tuple[zmq.Socket, net.ZapH
     port = net.bind_in_range(sock, bind)
     info = {"addr": address, "port": port, "pid": os.getpid(), "hostname": socket.gethostname(),
             "store_port": net.free_port_in_range(address)}
-    sys.stdout.write(f"{LISTENING} {json.dumps(info)}\n")
-    sys.stdout.flush()
+    line = f"{LISTENING} {json.dumps(info)}\n"
+    if announce_dir:
+        _announce(announce_dir, line)
+    else:
+        sys.stdout.write(line)
+        sys.stdout.flush()
     return sock, zap
+
+
+def _announce(directory: str, line: str) -> None:
+    """Write ``line`` whole (a file appears only once complete), readable by the user only."""
+    task = os.environ.get("SLURM_PROCID") or f"{socket.gethostname()}-{os.getpid()}"
+    path = os.path.join(directory, f"listening-{task}")
+    fd = os.open(path + ".part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(line)
+    os.rename(path + ".part", path)
 
 
 def join(ctx: zmq.Context, data: dict[str, Any]) -> zmq.Socket:

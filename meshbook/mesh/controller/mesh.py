@@ -100,6 +100,9 @@ def register(controller: Controller) -> "Mesh":
     mesh = Mesh(controller, list(range(controller.topology.world_size)))
     global _current
     _current = _meshes[controller.name] = mesh
+    watch = getattr(controller.launcher, "watch", None)
+    if watch is not None:  # a launcher that keeps an eye on its hosts (Slurm: the time limit)
+        watch(mesh)
     for listener in list(_start_listeners):
         listener(mesh)
     return mesh
@@ -327,6 +330,13 @@ class Mesh(DebugOps, DataOps):
         round trip, last heartbeat and state (ok, suspect, lost)."""
         network = self.controller.network
         return [network.links[h] for h in sorted(network.links)] if network is not None else []
+
+    def job(self) -> Any:
+        """The Slurm job the mesh runs in (``JobInfo``: id, state, nodes, time left, e.g.
+        ``"1:52:10"``; ``str()`` of it reads "Slurm job 123: RUNNING on h[1-2], 1:52:10 left"),
+        or None for a mesh started otherwise."""
+        job = getattr(self.controller.launcher, "job", None)
+        return job() if job is not None else None
 
     def interrupt(self, ranks: Sequence[int] | str | int | None = None) -> None:
         """SIGINT to the selected ranks: running user code raises ``KeyboardInterrupt``."""

@@ -1,0 +1,216 @@
+"""Meshes in Slurm jobs, on a real Slurm whose nodes are network namespaces (tests/rigs/slurm.py).
+
+The controller stays in the root namespace (the login node); each node's agent listens and
+the controller dials it. Every test checks that it leaves no job and no per-job directory
+behind. Batch jobs take a few seconds to start here, and a time limit is enforced to within
+Slurm's ~30 s scheduling tick, so these tests are slow; they need root (``./dev hosts``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+from kernels import Kernel
+from rigs import slurm
+
+import meshbook
+
+pytestmark = pytest.mark.hosts
+
+REDUCE = "t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\nt.tolist()"
+
+
+@pytest.fixture
+def cluster(slurm_cluster: slurm.Slurm, monkeypatch: pytest.MonkeyPatch) -> Iterator[slurm.Slurm]:
+    """The rig's Slurm, its CLIs on this process's environment (as on a login node)."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    yield slurm_cluster
+    left = slurm_cluster.job_ids()
+    if left:
+        slurm_cluster.run(["scancel", *left], check=False)
+    assert not left, f"the test left Slurm jobs behind: {left}"
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    """Where the per-job directories go (the user's shared home on a cluster)."""
+    yield tmp_path / "meshbook"
+    assert not list((tmp_path / "meshbook").glob("slurm-*")), "a per-job directory was left behind"
+
+
+def launcher(home: Path, lines: list[str] | None = None, **kw: Any) -> meshbook.Slurm:
+    return meshbook.Slurm(workdir=str(home), announce=(lines if lines is not None else []).append,
+                          poll_s=0.5, **kw)
+
+
+def state(cluster: slurm.Slurm, job: str) -> str:
+    return cluster.run(["squeue", "-h", "-t", "all", "-j", job, "-o", "%T"], check=False).stdout.strip()
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def occupy(cluster: slurm.Slurm) -> str:
+    """A job holding both nodes whole (what a busy cluster looks like)."""
+    job = cluster.run(["sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 300"]).stdout.strip()
+    wait_until(lambda: state(cluster, job) == "RUNNING", "the occupying job to run")
+    return job
+
+
+def gone(cluster: slurm.Slurm, job: str) -> bool:
+    return state(cluster, job) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
+
+
+def test_a_two_node_mesh_in_a_submitted_job(cluster: slurm.Slurm, home: Path) -> None:
+    lines: list[str] = []
+    mesh = meshbook.start(4, launcher=launcher(home, lines, nodes=2, time="10:00",
+                                               sbatch="--job-name=mb-test --comment=x"), timeout=120)
+    try:
+        job = mesh.job()
+        assert lines[0] == f"submitted Slurm job {job.job}"
+        assert (job.state, job.nodes, job.submitted) == ("RUNNING", "h[1-2]", True)
+        assert re.fullmatch(r"\d+:\d\d", job.left), job.left  # squeue's %L: 9:57
+        assert re.fullmatch(rf"Slurm job {job.job}: RUNNING on h\[1-2\], \d+:\d\d left", str(job))
+        names = mesh.run("import socket; socket.gethostname()").result()
+        assert [names[r] for r in range(4)] == ["h1", "h1", "h2", "h2"]
+        assert set(map(tuple, mesh.run(REDUCE).result().values())) == {(10.0, 10.0)}
+        assert [h.address for h in mesh.hosts()] == [cluster.hosts["h1"].addr, cluster.hosts["h2"].addr]
+        name = cluster.run(["squeue", "-h", "-j", job.job, "-o", "%j"]).stdout.strip()
+        assert name == "mb-test", "the --sbatch options reach sbatch (after meshbook's own)"
+        secret = next(home.glob("slurm-*/bootstrap.json"))
+        assert secret.stat().st_mode & 0o777 == 0o600 and secret.parent.stat().st_mode & 0o777 == 0o700
+        assert mesh.controller.wire.key.hex() not in cluster.run(
+            ["scontrol", "show", "job", job.job]).stdout, "no secret on a command line"
+    finally:
+        mesh.stop()
+    assert gone(cluster, job.job), "stopping the mesh ends the job it submitted"
+
+
+def test_pending_then_running_is_shown(cluster: slurm.Slurm, home: Path) -> None:
+    blocker = occupy(cluster)
+    lines: list[str] = []
+
+    def announce(line: str) -> None:
+        lines.append(line)
+        if " pending " in line and sum(" pending " in seen for seen in lines) == 1:
+            threading.Timer(2.0, cluster.run, [["scancel", blocker]]).start()
+
+    mesh = meshbook.start(2, launcher=meshbook.Slurm(nodes=2, workdir=str(home), announce=announce,
+                                                     poll_s=0.5), timeout=120)
+    try:
+        job = mesh.job().job
+        pending = [line for line in lines if " pending " in line]
+        assert pending and re.fullmatch(rf"job {job} pending \((Resources|Priority)\), position 1",
+                                        pending[0]), lines
+        assert mesh.job().state == "RUNNING"
+        assert set(map(tuple, mesh.run(REDUCE).result().values())) == {(3.0, 3.0)}
+    finally:
+        mesh.stop()
+
+
+def test_an_interrupt_while_pending_cancels_the_job(cluster: slurm.Slurm, home: Path) -> None:
+    blocker = occupy(cluster)
+    lines: list[str] = []
+
+    def announce(line: str) -> None:
+        lines.append(line)
+        if " pending " in line:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C (the kernel's interrupt) while it waits
+
+    try:
+        with pytest.raises(meshbook.MeshError, match=r"interrupted: cancelled Slurm job (\d+) while it was pending"):
+            meshbook.start(2, launcher=meshbook.Slurm(nodes=2, workdir=str(home), announce=announce,
+                                                      poll_s=0.5), timeout=120)
+        job = lines[0].split()[-1]
+        assert state(cluster, job) in ("CANCELLED", ""), "the pending job was cancelled"
+    finally:
+        cluster.run(["scancel", blocker])
+        wait_until(lambda: gone(cluster, blocker), "the occupying job to end")
+
+
+def test_scancel_mid_cell_fails_the_cell(cluster: slurm.Slurm, home: Path) -> None:
+    mesh = meshbook.start(2, launcher=launcher(home, nodes=2), timeout=120)
+    try:
+        job = mesh.job().job
+        run = mesh.run("import time\nfor _ in range(600): time.sleep(0.1)")
+        cluster.run(["scancel", job])
+        with pytest.raises(meshbook.RemoteError) as info:
+            run.result(timeout=60)
+        assert f"job {job} ended: CANCELLED" in str(info.value)
+        assert mesh.job().state.startswith(f"job {job} ended: CANCELLED")
+    finally:
+        mesh.stop()
+    assert gone(cluster, job)
+
+
+def test_the_time_limit_runs_the_hook_then_ends_the_job(cluster: slurm.Slurm, home: Path, tmp_path: Path,
+                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    lines: list[str] = []
+    mesh = meshbook.start(2, launcher=launcher(home, lines, nodes=2, time="1", signal_s=50,
+                                               on_time_limit="save()"), timeout=120)
+    try:
+        job = mesh.job().job
+        mesh.run(f"def save():\n    open('{tmp_path}/saved-' + str(rank), 'w').write('step 7')").result()
+        assert "left (time limit); save what you need" in capfd.readouterr().err, \
+            "under 10 minutes left: a warning with the next cell"
+        wait_until(lambda: len(list(tmp_path.glob("saved-*"))) == 2, "the checkpoint hook on both ranks")
+        assert any("Slurm signalled the time limit" in line for line in lines), lines
+        run = mesh.run("import time\nfor _ in range(1800): time.sleep(0.1)")
+        with pytest.raises(meshbook.RemoteError) as info:
+            run.result(timeout=150)
+        assert f"job {job} ended: TIMEOUT" in str(info.value)
+    finally:
+        mesh.stop()
+
+
+def test_a_mesh_inside_an_allocation_the_user_has(cluster: slurm.Slurm, home: Path) -> None:
+    allocation = cluster.run(["sbatch", "--parsable", "-N2", "--wrap", "sleep 300"]).stdout.strip()
+    try:
+        wait_until(lambda: state(cluster, allocation) == "RUNNING", "the allocation to run")
+        mesh = meshbook.start(2, launcher=launcher(home, job=allocation, per_node=1), timeout=120)
+        try:
+            assert (mesh.job().job, mesh.job().submitted) == (allocation, False)
+            names = mesh.run("import socket, os; socket.gethostname(), os.environ['SLURM_JOB_ID']").result()
+            assert [names[r] for r in range(2)] == [("h1", allocation), ("h2", allocation)]
+            assert set(map(tuple, mesh.run(REDUCE).result().values())) == {(3.0, 3.0)}
+        finally:
+            mesh.stop()
+        assert state(cluster, allocation) == "RUNNING", "the user's allocation outlives the mesh"
+    finally:
+        cluster.run(["scancel", allocation])
+        wait_until(lambda: gone(cluster, allocation), "the allocation to end")
+
+
+def test_the_magics_on_slurm_and_a_cancelled_job_fails_the_cell(cluster: slurm.Slurm, home: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(home.parent))  # the kernel's ~/.meshbook
+    kernel = Kernel()
+    try:
+        started = kernel.ok("import meshbook\n%load_ext meshbook\n"
+                            "%mesh start --slurm nodes=2,time=30:00 --sbatch \"--job-name=mb-magic --comment=x\"",
+                            timeout=180).stream()
+        job = re.search(r"submitted Slurm job (\d+)", started).group(1)  # type: ignore[union-attr]
+        assert "started" in started and "2 ranks" in started, started
+        status = kernel.ok("%mesh status").stream()
+        assert re.search(rf"Slurm job {job}: RUNNING on h\[1-2\], \d+:\d\d left", status), status
+        msg_id, sent_at = kernel.submit("%%mesh\nimport time\nfor _ in range(600): time.sleep(0.1)")
+        time.sleep(1)
+        cluster.run(["scancel", job])
+        reply = kernel.wait(msg_id, sent_at, timeout=90)
+        assert reply.status == "error" and f"job {job} ended: CANCELLED" in reply.error_text, reply.error_text
+        assert kernel.value("6 * 7") == 42, "the kernel is healthy"
+        kernel.ok("%mesh stop")
+    finally:
+        kernel.close()
+    assert gone(cluster, job)
