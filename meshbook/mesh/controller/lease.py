@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ..protocol import net
 from ..protocol.errors import MeshError
-from ..protocol.proc import runtime_base
+from ..protocol.proc import pid_alive, runtime_base
 from ..protocol.topology import Topology
 from .controller import Controller, live_controllers
 from .hosts import Network
@@ -117,7 +117,7 @@ class MeshRecord:
         return self.lease_s - (time.time() - renewed)
 
     def agents_alive(self) -> bool:
-        return all(_pid_alive(h["pid"]) for h in self.hosts)
+        return all(pid_alive(h["pid"]) for h in self.hosts)
 
     def row(self) -> dict[str, Any]:
         """This mesh as a row of ``%mesh list``."""
@@ -247,7 +247,7 @@ class LeasedAgent:
         self.pid = pid
 
     def alive(self) -> bool:
-        return _pid_alive(self.pid)
+        return pid_alive(self.pid)
 
     def exit_reason(self) -> str:
         return f"its agent (pid {self.pid}) is gone"
@@ -293,16 +293,6 @@ def attach(mesh_id: str, name_for: Callable[[str], str], timeout: float = 60.0) 
     controller.lease = Lease(record)
     controller.attach(timeout)
     return controller
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(path: str) -> None:

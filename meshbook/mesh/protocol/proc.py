@@ -44,6 +44,17 @@ def listen_only_on(address: str) -> None:
             return
 
 
+def pid_alive(pid: int) -> bool:
+    """Is process ``pid`` still there (on this host; another user's counts)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def runtime_base() -> str:
     """Where a process makes its private runtime directory: ``ipc://`` paths must stay under
     ~100 bytes, and ``XDG_RUNTIME_DIR`` is private and short."""

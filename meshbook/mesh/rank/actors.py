@@ -52,6 +52,7 @@ from ..protocol.actors import (
 from ..protocol.cell import register_source
 from ..protocol.errors import MeshError, RankFailure, RemoteError
 from ..protocol.payload import SHARE_MIN, Payload, Segments, pickled
+from ..protocol.proc import pid_alive
 from ..protocol.values import RankValues
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ class ActorHost:
         tracker = sock.send_multipart(frames, copy=False, track=True)
         # The caller may change the tensors it gets: wait until ZeroMQ let go of ours, unless
         # the caller died meanwhile (then nothing will ever take them).
-        while not tracker.done and _alive(pid):
+        while not tracker.done and pid_alive(pid):
             with contextlib.suppress(zmq.NotDone):
                 tracker.wait(LIVENESS_S)
 
@@ -299,7 +300,7 @@ class PeerFuture(ActorFuture):
             return
         self._next_check = now + LIVENESS_S
         for rank, peer in self.peers.items():
-            if rank not in self._values and rank not in self._failures and not _alive(peer.pid):
+            if rank not in self._values and rank not in self._failures and not pid_alive(peer.pid):
                 self.arrive(rank, RankFailure(rank, "RankDied", f"rank {rank} of mesh {self.address.mesh!r} "
                                               f"died (its process {peer.pid} is gone)", died="gone"), True)
 
@@ -390,13 +391,3 @@ def _client() -> PeerClient:
     if _host.client is None:
         _host.client = PeerClient(_host)
     return _host.client
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
