@@ -8,6 +8,7 @@ Slurm's ~30 s scheduling tick, so these tests are slow; they need root (``./dev 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,10 +18,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-from kernels import Kernel
+from kernels import Kernel, wait_gone
 from rigs import slurm
 
 import meshbook
+from meshbook.mesh.controller.lease import mesh_dir
 
 pytestmark = pytest.mark.hosts
 
@@ -214,3 +216,61 @@ def test_the_magics_on_slurm_and_a_cancelled_job_fails_the_cell(cluster: slurm.S
     finally:
         kernel.close()
     assert gone(cluster, job)
+
+
+def test_a_kept_slurm_mesh_survives_its_kernel_and_a_new_kernel_attaches_it(
+        cluster: slurm.Slurm, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(home.parent))  # the kernel's ~/.meshbook
+    # A plain mesh's agents would end 2 s after the kernel's death; a kept one's, when its lease does.
+    monkeypatch.setenv("MESHBOOK_HOST_SUSPECT_S", "1")
+    monkeypatch.setenv("MESHBOOK_HOST_LOST_S", "2")
+    first, second, job = Kernel(), None, ""
+    try:
+        started = first.ok("import meshbook\n%load_ext meshbook\n%mesh start --slurm nodes=2,time=30:00 --keep 10m",
+                           timeout=180).stream()
+        job = re.search(r"submitted Slurm job (\d+)", started).group(1)  # type: ignore[union-attr]
+        mesh_id = first.value("meshbook.current().controller.lease.id")
+        assert f"%mesh attach {mesh_id}" in started, started
+        first.ok("%%mesh\nimport socket\nmarker = f'rank {rank} kept on {socket.gethostname()}'")
+        path = Path(mesh_dir()) / f"{mesh_id}.json"
+        record = json.loads(path.read_text())
+        assert (record["job"], [h["name"] for h in record["hosts"]]) == (job, ["h1", "h2"])
+        assert [h["addr"] for h in record["hosts"]] == [cluster.hosts["h1"].addr, cluster.hosts["h2"].addr]
+        assert all(h["port"] and h["pid"] and h["store_port"] for h in record["hosts"]), record["hosts"]
+        os.kill(first.pid, signal.SIGKILL)
+        assert wait_gone([first.pid]) == []
+        time.sleep(3)  # past the host-loss timeout
+        assert state(cluster, job) == "RUNNING", "the kept mesh's job outlives the kernel"
+
+        second = Kernel()
+        listed = second.ok("import meshbook\n%load_ext meshbook\n%mesh list").stream()
+        assert any(mesh_id in line and f"{job} RUNNING" in line and "slurm" in line
+                   for line in listed.splitlines()), listed
+        assert "attached" in second.ok(f"%mesh attach {mesh_id}").stream()
+        assert re.search(rf"Slurm job {job}: RUNNING", second.ok("%mesh status").stream())
+        out = second.ok("%%mesh --ordered\nprint(marker)").stream()
+        assert "rank 0 kept on h1" in out and "rank 1 kept on h2" in out, out
+        second.ok("%mesh stop", timeout=60)
+        assert gone(cluster, job), "stopping the attached mesh ends its job"
+        wait_until(lambda: not path.exists(), "the agents to remove the mesh file")
+    finally:
+        for kernel in {first, second} - {None}:
+            kernel.close()
+        if job and not gone(cluster, job):
+            cluster.run(["scancel", job])
+            wait_until(lambda: gone(cluster, job), "the kept job to end")
+
+
+def test_a_kept_slurm_mesh_whose_lease_runs_out_ends_its_job_and_leaves_nothing(
+        cluster: slurm.Slurm, home: Path) -> None:
+    mesh = meshbook.start(2, launcher=launcher(home, nodes=2, time="10:00"), keep="5s", timeout=120)
+    job, job_dir = mesh.job().job, mesh.controller.launcher.current.dir
+    path = Path(mesh_dir()) / f"{mesh.controller.lease.id}.json"
+    assert path.exists() and job in [r.job for r in meshbook.list_meshes()]
+    assert dict(mesh.run("rank").result()) == {0: 0, 1: 1}
+    mesh.controller.stop("this process lets go of it", detach=True)  # as when the kernel dies
+    assert state(cluster, job) == "RUNNING"
+    wait_until(lambda: gone(cluster, job), "the lease to run out and the job to end")
+    assert not os.path.exists(job_dir), "the batch script removes the per-job directory"
+    wait_until(lambda: not path.exists(), "the agents to remove the mesh file")
+    assert job not in [r.job for r in meshbook.list_meshes()]

@@ -102,7 +102,7 @@ def test_keep_takes_durations_and_says_what_it_wants() -> None:
     for bad in ("soon", "8x", "0", "-1"):
         with pytest.raises(meshbook.MeshError, match="keep="):
             parse_duration(bad)
-    with pytest.raises(meshbook.MeshError, match="local launcher"):
+    with pytest.raises(meshbook.MeshError, match="local and Slurm launchers"):
         meshbook.start(2, keep="1h", launcher=meshbook.SSH(["gpu1"]))
     with pytest.raises(meshbook.MeshError, match="%mesh list"):
         meshbook.attach("nosuchmesh")

@@ -41,3 +41,8 @@ def test_a_plan_needs_nodes_that_fit() -> None:
                                            ("UNLIMITED", None), ("INVALID", None)])
 def test_time_left_as_squeue_writes_it(left: str, seconds: int | None) -> None:
     assert JobState("RUNNING", left=left).left_s() == seconds
+
+
+def test_keep_in_a_users_allocation_says_what_to_do() -> None:
+    with pytest.raises(meshbook.MeshError, match="keep= with --slurm job=ID is not supported yet"):
+        meshbook.start(2, keep="1h", launcher=meshbook.Slurm(job=123, per_node=1))

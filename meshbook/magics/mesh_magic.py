@@ -199,7 +199,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @magic_arguments(name="mesh list")
     @command
     def list_(self, line: str) -> None:
-        """List the kept meshes you can attach: id, launcher, hosts, ranks, age, lease left."""
+        """List the kept meshes you can attach: id, launcher, hosts, ranks, Slurm job, age, lease left."""
         parse_argstring(self.list_, line)
         rows = [record.row() for record in list_meshes()]
         print(status_table(rows) if rows else "no kept mesh (start one with %mesh start -n 4 --keep 8h)")

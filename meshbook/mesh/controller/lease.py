@@ -12,7 +12,9 @@ records how to reach and authenticate to the mesh: its id, launcher, hosts and a
 mesh key and Curve keys, ranks, dims, the epoch, start time and lease. Its modification time is
 when a controller last renewed the lease (the controller touches it when a ping is answered),
 so "lease left" needs no process to ask. The agent removes it when the mesh stops or its lease
-runs out; :func:`list_meshes` also drops files whose agent is gone.
+runs out; :func:`list_meshes` also drops files whose agent is gone. A Slurm mesh can be kept
+too (:class:`KeptSlurm`): its file names the job, whose state in squeue (a pid tells only on
+this host) says whether its agents live, and an attached controller watches the job again.
 
 :func:`attach` (``%mesh attach ID``) builds a new controller with the file's keys and the next
 *epoch*, dials the agents and asks them for their ranks (pids, generations): the ranks still
@@ -28,6 +30,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -41,6 +44,7 @@ from .controller import Controller, live_controllers
 from .hosts import Network
 from .launchers import AGENT_MODULE, HostPlan, Launcher
 from .remote import RemoteLauncher, SshAgent
+from .slurm import ACTIVE, Slurm, SlurmAgent, SlurmJob, query
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -91,6 +95,9 @@ class MeshRecord:
     epoch: int
     started: float  # time.time()
     lease_s: float
+    job: str = ""  # a Slurm job's id (its agents live while it runs), and its per-job directory
+    job_dir: str = ""
+    job_state: str = ""  # the job's state when list_meshes() last asked Slurm
 
     @property
     def path(self) -> str:
@@ -117,7 +124,18 @@ class MeshRecord:
         return self.lease_s - (time.time() - renewed)
 
     def agents_alive(self) -> bool:
-        return all(pid_alive(h["pid"]) for h in self.hosts)
+        """A pid tells only on this host: a Slurm mesh's agents live while its job is active."""
+        if not self.job:
+            return all(pid_alive(h["pid"]) for h in self.hosts)
+        state = query(self.job)
+        self.job_state = state.state if state is not None else "gone"
+        return self.job_state in ACTIVE
+
+    def drop(self) -> None:
+        """Forget an ended mesh: its file and, for a Slurm job, the job's directory."""
+        _remove(self.path)
+        if self.job_dir:
+            shutil.rmtree(self.job_dir, ignore_errors=True)
 
     def row(self) -> dict[str, Any]:
         """This mesh as a row of ``%mesh list``."""
@@ -126,6 +144,7 @@ class MeshRecord:
         return {"id": self.id, "name": self.name, "launcher": self.launcher,
                 "hosts": ",".join(h["name"] for h in self.hosts),
                 "ranks": sum(len(h["ranks"]) for h in self.hosts),
+                "job": f"{self.job} {self.job_state}".strip() if self.job else "-",
                 "dims": ",".join(f"{k}={v}" for k, v in self.dims),
                 "age": format_duration(time.time() - self.started),
                 "lease left": format_duration(self.lease_left()),
@@ -165,11 +184,18 @@ class Keep(RemoteLauncher):
         self.epoch = 1
         self.listening: dict[str, Any] = {}
 
+    @property
+    def launcher(self) -> Launcher:
+        return self
+
     @classmethod
-    def for_launcher(cls, launcher: "str | Launcher", keep: str | float, name: str) -> "Keep":
+    def for_launcher(cls, launcher: "str | Launcher", keep: str | float, name: str) -> "Keep | KeptSlurm":
+        """How to keep a mesh of ``launcher``: the .launcher to start it with, and .record()."""
+        if isinstance(launcher, Slurm):
+            return KeptSlurm(launcher, parse_duration(keep))
         if launcher != "local":
-            raise MeshError("keep= works with the local launcher for now: start the mesh on this "
-                            "machine (no --hosts/--join) to keep it across kernel restarts")
+            raise MeshError("keep= works with the local and Slurm launchers for now: start the mesh on "
+                            "this machine (no --hosts/--join) or with --slurm to keep it across kernel restarts")
         return cls(parse_duration(keep), name)
 
     def plan(self, world_size: int) -> list[HostPlan]:
@@ -199,20 +225,45 @@ class Keep(RemoteLauncher):
 
     def record(self, controller: Controller) -> Lease:
         """Write the mesh file now that the mesh runs; the controller holds its lease."""
-        network = controller.network
-        assert network is not None
-        info = self.listening
-        record = MeshRecord(
-            id=self.id, name=controller.name, launcher="local",
-            hosts=[{"name": "localhost", "addr": info["addr"], "port": info["port"], "pid": info["pid"],
-                    "hostname": info["hostname"], "store_port": info["store_port"],
-                    "ranks": controller.plans[0].ranks}],
-            key=controller.wire.key.hex(), server=network.server.to_json(), controller=network.me.to_json(),
-            dims=[list(d) for d in controller.topology.dims], backend=controller.backend,
-            collective_timeout=controller.collective_timeout, generation=controller.generation,
-            epoch=network.epoch, started=time.time(), lease_s=self.lease_s)
-        record.save()
-        return Lease(record)
+        return write_record(controller, self.id, "local", [("localhost", self.listening)], self.lease_s)
+
+
+class KeptSlurm:
+    """A Slurm mesh kept: its agents' grace is the lease (``lease_s`` in their bootstrap), and
+    the mesh file names the job, whose state (not a pid) says whether the agents still live."""
+
+    def __init__(self, launcher: Slurm, lease_s: float) -> None:
+        if launcher.job_id is not None:
+            raise MeshError("keep= with --slurm job=ID is not supported yet: the agents' srun step "
+                            "belongs to this kernel; keep a job meshbook submits (--slurm nodes=N)")
+        self.launcher, self.lease_s, self.id = launcher, lease_s, secrets.token_hex(4)
+        launcher.kept = {"lease_s": lease_s, "mesh_file": os.path.join(mesh_dir(), f"{self.id}.json")}
+        launcher.epoch = 1
+
+    def record(self, controller: Controller) -> Lease:
+        job = self.launcher.current
+        assert job is not None
+        hosts = [(info.get("hostname") or info["addr"], info) for info in job.infos]
+        return write_record(controller, self.id, "slurm", hosts, self.lease_s, job.id or "", job.dir)
+
+
+def write_record(controller: Controller, mesh_id: str, launcher: str, hosts: list[tuple[str, dict[str, Any]]],
+                 lease_s: float, job: str = "", job_dir: str = "") -> Lease:
+    """Write the mesh file of a started kept mesh (``hosts``: each one's name and LISTENING
+    line, in host order); the controller holds its lease."""
+    network = controller.network
+    assert network is not None
+    record = MeshRecord(
+        id=mesh_id, name=controller.name, launcher=launcher,
+        hosts=[{"name": name, "addr": info["addr"], "port": info["port"], "pid": info["pid"],
+                "hostname": info["hostname"], "store_port": info["store_port"], "ranks": plan.ranks}
+               for (name, info), plan in zip(hosts, controller.plans)],
+        key=controller.wire.key.hex(), server=network.server.to_json(), controller=network.me.to_json(),
+        dims=[list(d) for d in controller.topology.dims], backend=controller.backend,
+        collective_timeout=controller.collective_timeout, generation=controller.generation,
+        epoch=network.epoch, started=time.time(), lease_s=lease_s, job=job, job_dir=job_dir)
+    record.save()
+    return Lease(record)
 
 
 class Attached(RemoteLauncher):
@@ -225,15 +276,24 @@ class Attached(RemoteLauncher):
         self.record = record
         self.keys = (net.Keys.from_json(record.server), net.Keys.from_json(record.controller))
         self.epoch = record.epoch
+        self.current: SlurmJob | None = None  # an attached Slurm mesh's job
 
     def plan(self, world_size: int) -> list[HostPlan]:
         return [HostPlan(h, host["ranks"]) for h, host in enumerate(self.record.hosts)]
 
-    def launch(self, plans: list[HostPlan], network: Network, timeout: float) -> list["LeasedAgent"]:
+    def launch(self, plans: list[HostPlan], network: Network, timeout: float) -> "list[LeasedAgent | SlurmAgent]":
+        """Dial the agents; a Slurm mesh's job is watched again (its end fails the cell)."""
         for plan in plans:
             host = self.record.hosts[plan.host]
             network.dial(plan.host, host["name"], plan.ranks, host, host["addr"], host["port"])
+        if self.record.job:
+            self.current = SlurmJob.resume(self.record.job, self.record.job_dir, len(plans), network)
+            return [SlurmAgent(self.current, p.host) for p in plans]
         return [LeasedAgent(self.record.hosts[p.host]["pid"]) for p in plans]
+
+    def job(self) -> Any:
+        """An attached Slurm mesh's job (as :meth:`Slurm.job`); None for a local one."""
+        return self.current.describe() if self.current is not None else None
 
     def relaunch(self, plan: HostPlan, network: Network, timeout: float) -> "LeasedAgent":
         raise MeshError("the agent of this attached mesh is gone, and its ranks with it: stop the "
@@ -273,7 +333,7 @@ def list_meshes() -> list[MeshRecord]:
         if record.agents_alive() and record.lease_left() > 0:
             records.append(record)
         else:
-            _remove(path)
+            record.drop()
     return sorted(records, key=lambda r: r.started)
 
 

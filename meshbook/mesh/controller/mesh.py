@@ -72,7 +72,8 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
                         f"string like 'cuda:nccl,cpu:gloo'")
     kept = None
     if keep is not None:
-        launcher = kept = Keep.for_launcher(launcher, keep, name)
+        kept = Keep.for_launcher(launcher, keep, name)
+        launcher = kept.launcher
     controller = Controller(topology, get_launcher(launcher), backend, collective_timeout, name)
     controller.max_result_bytes = max_result_bytes
     controller.launch(timeout)
@@ -91,7 +92,7 @@ def attach(mesh_id: str, name: str | None = None, timeout: float = 60.0) -> "Mes
 
 def list_meshes() -> list[MeshRecord]:
     """The kept meshes this user can attach (``%mesh list``), oldest first; ``.row()`` of
-    each: id, name, launcher, hosts, ranks, age, lease left, attached here."""
+    each: id, name, launcher, hosts, ranks, Slurm job and state, age, lease left, attached here."""
     return kept_meshes()
 
 

@@ -8,7 +8,8 @@ the secrets go in a 0600 bootstrap file inside a 0700 per-job directory under th
 home (the file system clusters share with their compute nodes). The agents are given only
 its path, and each writes the line saying where it listens into that directory
 (``listening-<task>``), which the controller polls, then dials. The directory goes when the
-mesh stops.
+mesh stops; a kept mesh's (``keep=``, :mod:`.lease`: the agents' grace is the lease) goes at
+the end of its batch script, since no controller may be left to remove it.
 
 The job is watched with ``squeue -h -o`` format strings (``--json`` changed shape across
 Slurm versions), every 5 s on a thread (slurmctld serves every user of the cluster): its state, pending reason, nodes and time
@@ -144,6 +145,11 @@ class Slurm(RemoteLauncher):
         self.poll_s = poll_s
         self.announce = announce or (lambda text: print(text, flush=True))
         self.current: SlurmJob | None = None
+        #: A kept mesh's (``keep=``, see :mod:`.lease`): what the bootstrap adds (``lease_s``, the
+        #: mesh file), the agents' Curve keys (new: None) and the first controller's epoch.
+        self.kept: dict[str, Any] | None = None
+        self.keys: Any = None
+        self.epoch = 0
 
     @classmethod
     def from_spec(cls, spec: str, **kw: Any) -> "Slurm":
@@ -198,7 +204,7 @@ class Slurm(RemoteLauncher):
         try:
             job.start()
             job.wait_running()
-            infos = job.wait_listening(time.monotonic() + timeout)
+            infos = job.infos = job.wait_listening(time.monotonic() + timeout)
             for plan, info in zip(plans, infos):
                 network.dial(plan.host, info.get("hostname") or info["addr"], plan.ranks, info,
                              info["addr"], info["port"])
@@ -248,14 +254,15 @@ class JobInfo:
 class SlurmJob:
     """One Slurm job (or step in a user's allocation) running a mesh's agents, and its watcher."""
 
-    def __init__(self, launcher: Slurm, nodes: int, network: Network) -> None:
+    def __init__(self, launcher: Slurm, nodes: int, network: Network, job_dir: str | None = None) -> None:
         self.launcher = launcher
         self.nodes = nodes
         self.network = network
         self.id = launcher.job_id
         self.submitted = launcher.job_id is None  # ours to cancel
         os.makedirs(launcher.workdir, mode=0o700, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix="slurm-", dir=launcher.workdir)  # 0700
+        self.dir = job_dir or tempfile.mkdtemp(prefix="slurm-", dir=launcher.workdir)  # 0700
+        self.infos: list[dict[str, Any]] = []  # each node's LISTENING line, in task order
         self.step: subprocess.Popen[bytes] | None = None  # srun, for job=ID
         self.state = JobState("PENDING")
         self.ended: str | None = None  # "job 123 ended: TIMEOUT"
@@ -268,10 +275,21 @@ class SlurmJob:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @classmethod
+    def resume(cls, job_id: str, job_dir: str, nodes: int, network: Network) -> "SlurmJob":
+        """The job of a kept mesh that another kernel submitted (``attach``): watched as ours,
+        and ended (then cancelled if need be) when the mesh is stopped."""
+        job = cls(Slurm(nodes, workdir=os.path.dirname(job_dir)), nodes, network, job_dir)
+        job.id, job.listening = job_id, True
+        job.refresh()
+        job.watch()
+        return job
+
     # -- start-up ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        boot = {**self.network.bootstrap(False), "controller_hint": default_address()}
+        boot = {**self.network.bootstrap(False), "controller_hint": default_address(),
+                **(self.launcher.kept or {})}
         path = os.path.join(self.dir, "bootstrap.json")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -295,7 +313,9 @@ class SlurmJob:
                     f"{signal_line}"
                     f"srun --ntasks-per-node=1 --ntasks={self.nodes} {shlex.join(agent)} &\n"
                     "step=$!\n"
-                    "while kill -0 $step 2>/dev/null; do wait $step; done  # a trapped signal ends a wait\n")
+                    "while kill -0 $step 2>/dev/null; do wait $step; done  # a trapped signal ends a wait\n"
+                    # a kept mesh's agents end when its lease runs out, with no controller to clean up
+                    + (f"rm -rf {shlex.quote(self.dir)}\n" if opts.kept else ""))
         argv = ["sbatch", "--parsable", f"--nodes={self.nodes}", "--ntasks-per-node=1",
                 "--job-name=meshbook", f"--chdir={self.dir}", f"--output={self.dir}/slurm-%j.out"]
         argv += [f"--time={opts.time}"] * bool(opts.time) + [f"--partition={opts.partition}"] * bool(opts.partition)
