@@ -274,3 +274,19 @@ def test_a_kept_slurm_mesh_whose_lease_runs_out_ends_its_job_and_leaves_nothing(
     assert not os.path.exists(job_dir), "the batch script removes the per-job directory"
     wait_until(lambda: not path.exists(), "the agents to remove the mesh file")
     assert job not in [r.job for r in meshbook.list_meshes()]
+
+
+def test_a_slurm_that_does_not_answer_is_not_a_job_that_ended(cluster: slurm.Slurm, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept mesh's file holds its keys: forgetting it because slurmctld was busy for a moment
+    would lose the mesh. Only Slurm saying it no longer knows the job ends it."""
+    from meshbook.mesh.controller.slurm import UNANSWERED, query
+
+    assert query("999999") is None, "a job id Slurm does not know"
+    silent = tmp_path / "slurm.conf"
+    text = Path(cluster.conf).read_text()
+    silent.write_text(re.sub(r"(?m)^SlurmctldPort=.*$", "SlurmctldPort=9", text)
+                      if "SlurmctldPort=" in text else text + "\nSlurmctldPort=9\n")
+    monkeypatch.setenv("SLURM_CONF", str(silent))
+    state = query("1")
+    assert state is not None and state.state == UNANSWERED and state.active

@@ -47,7 +47,10 @@ from .remote import RemoteLauncher, default_address, plan_hosts
 #: squeue's fields, in this order: state, reason, time left, nodes, node count.
 SQUEUE_FORMAT = "%T|%r|%L|%N|%D"
 #: States in which a job still holds (or waits for) its nodes.
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED"}
+#: What meshbook says when Slurm's commands do not answer (slurmctld busy or restarting): the
+#: job counts as active, so a passing hiccup neither fails a cell nor forgets a kept mesh.
+UNANSWERED = "UNANSWERED"
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED", UNANSWERED}
 #: How long a COMPLETING job may take to show how it ended (TIMEOUT, CANCELLED, NODE_FAIL).
 COMPLETING_WAIT_S = 30.0
 #: Less time left than this: a warning in the next cell's output.
@@ -84,37 +87,49 @@ class JobState:
 
 def query(job: str) -> JobState | None:
     """The job's state from ``squeue -h -t all -j ID -o FORMAT`` (then ``scontrol show job``);
-    None when Slurm no longer knows it."""
-    out = _cli(["squeue", "-h", "-t", "all", "-j", job, "-o", SQUEUE_FORMAT], check=False)
+    None when Slurm answered that it no longer knows the job, :data:`UNANSWERED` when neither
+    command answered."""
+    answered, out = _ask(["squeue", "-h", "-t", "all", "-j", job, "-o", SQUEUE_FORMAT])
     line = out.strip().splitlines()[0] if out.strip() else ""
     if line.count("|") == 4:
         state, reason, left, nodes, count = line.split("|")
         return JobState(state, "" if reason == "None" else reason, left, nodes,
                         int(count) if count.isdigit() else 0)
-    fields = dict(f.split("=", 1) for f in _cli(["scontrol", "-o", "show", "job", job], check=False).split()
-                  if "=" in f)
-    return JobState(fields["JobState"], fields.get("Reason", "")) if "JobState" in fields else None
+    told, text = _ask(["scontrol", "-o", "show", "job", job])
+    fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
+    if "JobState" in fields:
+        return JobState(fields["JobState"], fields.get("Reason", ""))
+    return None if answered or told else JobState(UNANSWERED, "Slurm's commands did not answer")
 
 
-def queue_position(job: str) -> int | None:
-    """Where the job stands among the pending jobs, by priority (1: next)."""
-    pending = _cli(["squeue", "-h", "-t", "PENDING", "--sort=-p,i", "-o", "%i"], check=False).split()
-    return pending.index(job) + 1 if job in pending else None
+def _ask(argv: list[str]) -> tuple[bool, str]:
+    """Run a Slurm query: (did Slurm answer, its output). "Invalid job id" is an answer."""
+    done = _run(argv)
+    if done is None:
+        return False, ""
+    return done.returncode == 0 or "Invalid job id" in done.stderr, done.stdout
 
 
 def _cli(argv: list[str], check: bool = True) -> str:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise MeshError(f"`{argv[0]}` not found: run this where Slurm's commands are installed "
-                        f"(a login node), or add them to PATH") from None
-    except subprocess.TimeoutExpired:
+    done = _run(argv)
+    if done is None:
         if check:
-            raise MeshError(f"`{' '.join(argv)}` did not answer in 60 s: is slurmctld up?") from None
+            raise MeshError(f"`{' '.join(argv)}` did not answer in 60 s: is slurmctld up?")
         return ""
     if check and done.returncode != 0:
         raise MeshError(f"`{shlex.join(argv)}` failed: {done.stderr.strip() or done.stdout.strip()}")
     return done.stdout
+
+
+def _run(argv: list[str]) -> "subprocess.CompletedProcess[str] | None":
+    """A Slurm command's outcome; None when it did not answer in 60 s."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise MeshError(f"`{argv[0]}` not found: run this where Slurm's commands are installed "
+                        f"(a login node), or add them to PATH") from None
+    except subprocess.TimeoutExpired:
+        return None
 
 
 class Slurm(RemoteLauncher):
