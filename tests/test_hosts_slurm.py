@@ -94,6 +94,15 @@ def test_a_two_node_mesh_in_a_submitted_job(cluster: slurm.Slurm, home: Path) ->
         assert secret.stat().st_mode & 0o777 == 0o600 and secret.parent.stat().st_mode & 0o777 == 0o700
         assert mesh.controller.wire.key.hex() not in cluster.run(
             ["scontrol", "show", "job", job.job]).stdout, "no secret on a command line"
+        from meshbook.widgets import Dashboard
+
+        dashboard = Dashboard(mesh, refresh=0.2)
+        try:
+            dashboard.refresh()
+            assert re.search(rf"Slurm job {job.job}: RUNNING on h\[1-2\], \d+:\d\d left",
+                             dashboard.html_view.value), "the dashboard shows the job and its time left"
+        finally:
+            dashboard.close()
     finally:
         mesh.stop()
     assert gone(cluster, job.job), "stopping the mesh ends the job it submitted"

@@ -118,11 +118,21 @@ class Dashboard(HTMLPanel):
         near = [row["rank"] for row in self.rows if row["near_limit"]]
         if near:
             notes.append(f"near the memory limit: rank(s) {format_ranks(near)}")
+        notes += self._places()
         actors = self.mesh.actors() if not self.mesh.stopped else {}
         if actors:
             notes.append("actors: " + ", ".join(f"{a.name} ({a.cls_name}{', failed' if a.failed else ''})"
                                                 for a in actors.values()))
         return html.panel(self._title(), html.table(headers, table), notes)
+
+    def _places(self) -> list[str]:
+        """Where the mesh runs, when that can change under it: its Slurm job (state and time
+        left) and any host not answering."""
+        if self.mesh.stopped:
+            return []
+        job = self.mesh.job()
+        hosts = [f"host {h.name} {h.state}" for h in self.mesh.hosts() if h.state != "ok"]
+        return ([str(job)] if job is not None else []) + hosts
 
     def _cells(self, row: dict[str, Any], gpu: bool) -> list[str]:
         def text(value: Any) -> str:

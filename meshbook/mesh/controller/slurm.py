@@ -102,6 +102,12 @@ def query(job: str) -> JobState | None:
     return None if answered or told else JobState(UNANSWERED, "Slurm's commands did not answer")
 
 
+def queue_position(job: str) -> int | None:
+    """Where the job stands among the pending jobs, by priority (1: next)."""
+    pending = _cli(["squeue", "-h", "-t", "PENDING", "--sort=-p,i", "-o", "%i"], check=False).split()
+    return pending.index(job) + 1 if job in pending else None
+
+
 def _ask(argv: list[str]) -> tuple[bool, str]:
     """Run a Slurm query: (did Slurm answer, its output). "Invalid job id" is an answer."""
     done = _run(argv)
