@@ -444,9 +444,13 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
             return
         cfg, peer = configured
         rundir = tempfile.mkdtemp(prefix="mb-", dir=runtime_base())
-        agent = Agent({**cfg, "key": data["key"], "lost_s": lease or data.get("lost_s", 15.0),
-                       "lease": lease is not None}, ctx, RemoteLink(ctx, sock, rundir, peer), rundir,
-                      own_rundir=True)
+        try:
+            agent = Agent({**cfg, "key": data["key"], "lost_s": lease or data.get("lost_s", 15.0),
+                           "lease": lease is not None}, ctx, RemoteLink(ctx, sock, rundir, peer), rundir,
+                          own_rundir=True)
+        except BaseException:  # e.g. host 0 could not bind its store: leave no directory behind
+            shutil.rmtree(rundir, ignore_errors=True)
+            raise
         _serve(agent, watch_stdin)
     finally:
         if zap is not None:

@@ -145,8 +145,8 @@ def _spawn_on(state: ActorState, ranks: list[int]) -> None:
     run = state.controller.submit(msg.ACTOR, body, ranks, f"spawn {state.name} ({state.cls.__qualname__})")
     try:
         peers = run.result()
-    except RemoteError:
-        done = [r for r in run.values()]
+    except BaseException:  # a failure on some ranks, or an interrupt during a slow __init__
+        done = list(run.values())
         if done:  # all or nothing: no rank keeps half an actor mesh
             state.controller.call(ops.drop_actor, state.name, ranks=done, what="drop_actor").wait(10)
         raise
@@ -259,8 +259,7 @@ class ActorMesh(ActorView):
             raise MeshError(f"actor {self.name!r} failed: {state.failed}. Restart the rank(s) with "
                             f"mesh.restart({lost}) (%mesh restart {','.join(map(str, lost))}), then "
                             f"{self.name}.respawn()")
-        finished = [f for f in state.broadcasts if f.done()]
-        state.broadcasts = [f for f in state.broadcasts if not f.done()]
+        finished, state.broadcasts = partition(state.broadcasts)
         for future in finished:
             try:
                 future.run.result()  # prints its output; raises its failure
@@ -306,3 +305,10 @@ class ActorMesh(ActorView):
         state = f"failed: {self.failed}" if self.failed else "ok"
         return (f"<ActorMesh {self.name!r} ({self.cls_name}) on mesh {self.state.controller.name!r}, "
                 f"ranks {format_ranks(self.ranks)}: {state}>")
+
+
+def partition(broadcasts: list["RunFuture"]) -> tuple[list["RunFuture"], list["RunFuture"]]:
+    """(finished, still running), each future asked once: one that finishes in between is in
+    exactly one list, so its failure is neither raised twice nor lost."""
+    done = [(f, f.done()) for f in broadcasts]
+    return [f for f, d in done if d], [f for f, d in done if not d]

@@ -443,7 +443,12 @@ class Controller:
                 state.state, state.cause, state.lost_namespace = "starting", "", True
         gone = self._hosts_gone(ranks)
         for host in gone:
-            self._relaunch(self.plans[host], generation)
+            try:
+                self._relaunch(self.plans[host], generation)
+            except BaseException as exc:  # nothing will start them: say so, never leave "starting"
+                self._ranks_died([r for r in self.plans[host].ranks if r in ranks],
+                                 {"cause": f"could not start a new agent for them: {exc}"})
+                raise
         self.agent_op(msg.AgentOp.SPAWN, [r for r in ranks if self.host_of[r] not in gone], generation=generation)
 
     def _hosts_gone(self, ranks: list[int]) -> list[int]:

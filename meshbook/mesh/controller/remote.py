@@ -90,11 +90,13 @@ class SSH(RemoteLauncher):
         """Start every host's agent at once, then dial each as it says where it listens."""
         boot = json.dumps(network.bootstrap(self.tunnel)) + "\n"
         command = f"exec {shlex.quote(self.python)} -m {AGENT_MODULE} listen"
-        agents = [SshAgent(self.hosts[p.host], [*self.ssh, self.hosts[p.host], command]) for p in plans]
+        agents: list[SshAgent] = []
         deadline = time.monotonic() + timeout
         try:
+            for plan in plans:
+                agents.append(SshAgent(self.hosts[plan.host], [*self.ssh, self.hosts[plan.host], command]))
+                agents[-1].send(boot)
             for plan, agent in zip(plans, agents):
-                agent.send(boot)
                 self._dial(plan, agent, network, deadline)
         except BaseException:
             for agent in agents:
@@ -176,12 +178,14 @@ class SshAgent:
         return port
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.poll() is None and (self.tunnel is None or self.tunnel.poll() is None)
 
     def exit_reason(self) -> str:
         code = self.proc.poll()
         what = ("running" if code is None else
                 f"the ssh session to {self.name} ended with exit code {code}")
+        if self.tunnel is not None and self.tunnel.poll() is not None:
+            what += f"; its ssh tunnel ended with exit code {self.tunnel.poll()}"
         try:
             with open(self.log, errors="replace") as f:
                 tail = "\n".join([*self._said, f.read()]).strip()[-3000:]
@@ -239,8 +243,8 @@ class Join(RemoteLauncher):
         address = self.address or default_address()
         token = encode_token(network.open_join(address, len(plans), timeout))
         self.token_path = self._write_token(token)
-        self.announce(self.instructions(len(plans)))
         try:
+            self.announce(self.instructions(len(plans)))
             joined = self._wait(network, len(plans), time.monotonic() + timeout)
         finally:
             network.spend_token()

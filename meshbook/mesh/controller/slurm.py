@@ -247,9 +247,10 @@ class Slurm(RemoteLauncher):
     def watch(self, mesh: Any) -> None:
         """Called with the started mesh: warn in the next cell when time runs short, and run
         ``on_time_limit`` on the ranks when Slurm signals the job."""
-        if self.current is not None:
-            self.current.mesh = mesh
-            mesh.controller.run_listeners.append(lambda run: self.current and self.current.warn_once())
+        job = self.current
+        if job is not None:  # this mesh's job: a later mesh from this launcher has its own
+            job.mesh = mesh
+            mesh.controller.add_run_listener(lambda run: job.warn_once())
 
     def job(self) -> JobInfo | None:
         """The job of the running mesh: id, state, nodes, time left (None before launch)."""
