@@ -18,8 +18,9 @@ copy, however many targets. Answers come back on a reply socket this process bin
 mesh's runtime directory, one per target mesh (each verified with that mesh's key). A target
 that dies fails the call within a quarter of a second (its pid is checked while waiting).
 
-Across hosts, a :class:`~meshbook.mesh.protocol.actors.Peer` address is where the rank
-listens; the tensors then travel as wire frames (no shared memory between hosts).
+Both addresses are ``ipc://`` paths and liveness is a pid: a call from one host to an actor on
+another is refused with a clear error (call it from the notebook, which reaches every host),
+never queued where nothing listens.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from ..protocol.cell import register_source
 from ..protocol.errors import MeshError, RankFailure, RemoteError
 from ..protocol.payload import SHARE_MIN, Payload, Segments, pickled
 from ..protocol.proc import pid_alive
+from ..protocol.text import format_ranks
 from ..protocol.values import RankValues
 
 if TYPE_CHECKING:
@@ -203,6 +205,11 @@ class _Link:
         here = socket.gethostname()
         peers = {r: address.peers[r] for r in ranks}
         what = f"{address.name}.{endpoint}"
+        away = sorted(r for r, p in peers.items() if p.host != here)
+        if away:
+            raise MeshError(f"{what}: rank(s) {format_ranks(away)} of {address.name!r} live on another host "
+                            f"than this rank ({here}); actors call each other on one host only, so far: "
+                            f"call it from the notebook, which reaches every host")
         body, views, buffers = pickled({"args": args, "kwargs": kwargs}, what)
         segment = None
         if all(p.host == here for p in peers.values()) and sum(v.nbytes for v in views) >= SHARE_MIN:
