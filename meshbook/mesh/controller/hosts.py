@@ -186,8 +186,7 @@ class Network:
         buffers, returns a tracker, done once they left for the network (wait for it outside
         the send lock: the receiver may need that lock before it gets to them)."""
         parts = [_HOST.pack(host), route, *frames]
-        if any(memoryview(f.buffer if isinstance(f, zmq.Frame) else f).nbytes >= wire.ZERO_COPY_MIN
-               for f in frames[1:]):
+        if wire.is_big(frames):
             return self._outbox.send_multipart(parts, copy=False, track=True)
         self._outbox.send_multipart(parts)
         return None

@@ -41,10 +41,6 @@ class AgentHandle(Protocol):
 
 
 class Launcher(Protocol):
-    #: The address whose interface the ranks' torch.distributed endpoints listen on
-    #: (loopback for a local mesh).
-    store_host: str
-
     def plan(self, world_size: int) -> list[HostPlan]: ...
 
     def launch(self, plans: list[HostPlan], configs: dict[int, dict[str, Any]]) -> list[AgentHandle]: ...
@@ -151,8 +147,6 @@ def discard_standby() -> None:
 
 class LocalLauncher:
     """Every rank on this host, forked by one agent."""
-
-    store_host = "127.0.0.1"
 
     def plan(self, world_size: int) -> list[HostPlan]:
         return [HostPlan(0, list(range(world_size)))]

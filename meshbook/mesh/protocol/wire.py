@@ -52,6 +52,8 @@ from typing import Any, Sequence
 import cloudpickle
 import zmq
 
+from . import messages as msg
+
 PROTOCOL = 5
 
 #: Frames at least this big travel without a copy (smaller ones are cheaper to copy).
@@ -267,7 +269,7 @@ def connect_rank(ctx: zmq.Context, rundir: str, rank: int, generation: int) -> d
     exists: ZeroMQ queues what is sent until the rank binds, so a request never waits for, or
     races with, its start-up."""
     socks = {}
-    for channel in ("x", "c"):  # the MAIN and CONTROL channels of protocol.messages
+    for channel in msg.CHANNELS:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)
         # Retry every 10 ms until the rank binds, never backing off: a backed-off retry
@@ -279,7 +281,8 @@ def connect_rank(ctx: zmq.Context, rundir: str, rank: int, generation: int) -> d
     return socks
 
 
-def _is_big(frames: list[Any]) -> bool:
+def is_big(frames: Sequence[Any]) -> bool:
+    """Does a packed message carry buffers worth sending without a copy (and tracking)?"""
     return any(memoryview(_buffer(f)).nbytes >= ZERO_COPY_MIN for f in frames[1:])
 
 
@@ -289,7 +292,7 @@ def send(sock: zmq.Socket, frames: list[Any], prefix: Sequence[bytes] = (), wait
     With ``wait=True`` the call returns only once ZeroMQ has released the big buffers, so the
     caller may mutate the tensors it sent (and a failure leaves nothing half-sent).
     """
-    if not _is_big(frames):
+    if not is_big(frames):
         _send_parts(sock, [*prefix, *frames], copy=True)
         return
     tracker = sock.send_multipart([*prefix, *frames], copy=False, track=wait)
@@ -303,7 +306,7 @@ def fan_out(socks: Sequence[zmq.Socket], frames: list[Any]) -> list[zmq.MessageT
     For a message with big buffers, returns one tracker per socket: done once ZeroMQ has
     released the buffers there, after which the caller may mutate the tensors it sent.
     """
-    if not _is_big(frames):
+    if not is_big(frames):
         for sock in socks:
             _send_parts(sock, frames, copy=True)
         return []
