@@ -157,6 +157,7 @@ def test_cell_explains_a_hang_while_no_rank_has_finished(mesh: meshbook.Mesh, ca
         show_run(run, RenderOptions(stuck_hint=2.0, timeout=8), mesh)
     note = capsys.readouterr().err
     assert "rank(s) 0,2,3 wait in a collective (for over 2 s) while rank(s) 1 are elsewhere." in note
+    assert note.count("wait in a collective (for over") == 1, "the hint was repeated"
     assert "rank 1 never reached it: at cell line 4 (time.sleep(60))" in note
     mesh.restart([1])
     assert run.done()

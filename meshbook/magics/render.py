@@ -168,6 +168,7 @@ class _CellRun:
         waiting = self.mesh.stuck(self.run)
         elsewhere = [r for r in self.run.ranks if r not in waiting]
         if elsewhere and max(waiting.values(), default=0.0) >= self.options.stuck_hint:
+            self.explained = True  # once per cell: the heartbeats say the same every half second
             self._explain(f"rank(s) {format_ranks(waiting)} wait in a collective (for over "
                           f"{self.options.stuck_hint:g} s) while rank(s) {format_ranks(elsewhere)} "
                           f"are elsewhere.")
