@@ -23,7 +23,7 @@ pytestmark = pytest.mark.hosts
 def ssh_mesh(ssh_hosts: sshd.Sshd, **kw: object) -> meshbook.Mesh:
     launcher = meshbook.SSH(ssh_hosts.aliases[:2], per_host=2, python=sys.executable,
                             ssh_options=["-F", str(ssh_hosts.ssh_config)], **kw)  # type: ignore[arg-type]
-    return meshbook.start(4, launcher=launcher, timeout=120)
+    return meshbook.start(launcher=launcher, timeout=120)  # 2 hosts x 2 per host: 4 ranks
 
 
 def test_two_hosts_end_to_end_when_hosts_cannot_dial_the_controller(ssh_hosts: sshd.Sshd) -> None:
@@ -31,6 +31,7 @@ def test_two_hosts_end_to_end_when_hosts_cannot_dial_the_controller(ssh_hosts: s
     hosts.block_new_connections_to_controller()  # compute nodes cannot reach the login node
     mesh = ssh_mesh(ssh_hosts)
     try:
+        assert mesh.world_size == 4
         names = mesh.run("import socket; socket.gethostname()").result()
         assert [names[r] for r in range(4)] == ["h1", "h1", "h2", "h2"]
         total = mesh.run("t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\nt.tolist()").result()

@@ -147,6 +147,10 @@ def test_no_mesh_says_how_to_start_one() -> None:
         k.ok("%load_ext meshbook")
         reply = k.execute("%%mesh\n1")
         assert reply.status == "error" and "%mesh start -n 4" in reply.content["evalue"]
+        # The ssh launcher's own example: hosts x --per-host is the count (no -n needed); these
+        # hosts do not exist, so the start fails where ssh does, not on the count.
+        reply = k.execute("%mesh start --hosts no-such-host-a,no-such-host-b --per-host 2 --timeout 30")
+        assert reply.status == "error" and "could not start the agent on no-such-host-a" in reply.content["evalue"]
     finally:
         k.close()
 

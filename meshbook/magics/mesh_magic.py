@@ -174,10 +174,11 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
         args = parse_argstring(self.start, line)
         launcher = _launcher(args)
         n = args.n
-        if n is None and not args.dims and isinstance(launcher, Slurm):
-            n = launcher.default_ranks()
+        if n is None and not args.dims and not isinstance(launcher, str):
+            n = launcher.default_ranks()  # hosts x --per-host, Slurm's nodes x GPUs per node
         if n is None and not args.dims:
-            raise UsageError("say how many ranks: %mesh start -n 4 (or --dims dp=2,tp=2)")
+            raise UsageError("say how many ranks: %mesh start -n 4 (or --dims dp=2,tp=2, or "
+                             "--hosts gpu1,gpu2 --per-host 2)")
         options = {"n": n, "dims": parse_dims(args.dims) if args.dims else None,
                    "backend": args.backend, "timeout": args.timeout,
                    "collective_timeout": args.collective_timeout, "name": args.name,

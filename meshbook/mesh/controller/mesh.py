@@ -56,6 +56,8 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
 
     ``n`` ranks, or named ``dims`` whose product is the world size (``{"dp": 2, "tp": 2}``);
     each rank's namespace then holds ``device_mesh``, a torch ``DeviceMesh`` with those names.
+    Without either, a launcher that knows its hosts and ranks per host (``SSH(hosts,
+    per_host=2)``, Slurm's nodes and GPUs per node) gives hosts x ranks per host.
     ``backend="auto"`` is gloo on CPU and NCCL (plus gloo for CPU tensors) with one GPU per
     rank when CUDA is present. ``collective_timeout`` bounds how long a collective may hang
     before it fails on its own. A result bigger than ``max_result_bytes`` (2 GiB, like
@@ -66,6 +68,8 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
     from another kernel with :func:`meshbook.attach` (see :mod:`.lease`).
     """
     name = new_name(name)
+    if n is None and dims is None and not isinstance(launcher, str):
+        n = launcher.default_ranks()  # hosts x ranks per host, when the launcher knows both
     topology = Topology.create(n, dims)
     if backend not in ("auto", "gloo", "nccl") and ":" not in backend:
         raise MeshError(f"backend {backend!r}: use 'auto', 'gloo', 'nccl' or a torch backend "

@@ -64,6 +64,10 @@ class RemoteLauncher:
             raise MeshError(f"host liveness: suspect after {self.suspect_s:g} s and lost after "
                             f"{self.lost_s:g} s; give 0 < suspect_s <= lost_s")
 
+    def default_ranks(self) -> int | None:
+        """The world size when none is given: hosts x ranks per host, when both are known."""
+        return None
+
 
 class SSH(RemoteLauncher):
     """One agent per host, started through the system ``ssh`` client."""
@@ -82,6 +86,9 @@ class SSH(RemoteLauncher):
         self.python = python or sys.executable
         self.ssh = [ssh, "-T", "-o", "BatchMode=yes", *ssh_options]
         self.tunnel = tunnel
+
+    def default_ranks(self) -> int | None:
+        return len(self.hosts) * self.per_host if self.per_host else None
 
     def plan(self, world_size: int) -> list[HostPlan]:
         return plan_hosts(world_size, len(self.hosts), self.per_host, "ssh launcher")
@@ -235,6 +242,9 @@ class Join(RemoteLauncher):
         self.token_dir = token_dir or os.path.join(os.path.expanduser("~"), ".meshbook")
         self.announce = announce or (lambda text: print(text, flush=True))
         self.token_path: str | None = None
+
+    def default_ranks(self) -> int | None:
+        return self.hosts * self.per_host if self.hosts and self.per_host else None
 
     def plan(self, world_size: int) -> list[HostPlan]:
         return plan_hosts(world_size, self.hosts, self.per_host, "join launcher")
