@@ -39,6 +39,37 @@ def test_the_limit_can_be_raised_per_run_and_covers_apply(small_limit: meshbook.
     assert small_limit.run("'small'").result()[0] == "small"
 
 
+def test_a_result_is_weighed_before_it_is_copied_off_its_device(small_limit: meshbook.Mesh) -> None:
+    """A 40 GB CUDA result must not be copied to host memory to find out it is too big. The
+    meta device stands in for the GPU here: copying a meta tensor raises, so the result can
+    only be kept if it was weighed first."""
+    values = small_limit.run("[torch.empty(2 ** 40, device='meta')]").result()
+    kept = values[0]
+    assert isinstance(kept, KeptOnRank) and kept.type == "builtins.list" and kept.nbytes == 2 ** 42
+    assert small_limit.run("_[0].shape").result()[1] == (2 ** 40,)
+
+
+UNREADABLE = """
+import operator
+class Unreadable:
+    def __reduce__(self):  # unpickling it raises, as a CUDA storage does in a CPU-only kernel
+        return (operator.truediv, (1, 0))
+Unreadable() if rank == 1 else 'fine'
+"""
+
+
+def test_a_result_the_notebook_cannot_unpickle_is_that_ranks_error(small_limit: meshbook.Mesh) -> None:
+    with pytest.raises(meshbook.RemoteError) as info:
+        small_limit.run(UNREADABLE).result(timeout=30)
+    (failure,) = info.value.failures.values()
+    assert failure.rank == 1 and failure.type_name == "UnreadableResult"
+    assert "the result (a __main__.Unreadable) cannot be unpickled in the notebook: ZeroDivisionError" \
+        in failure.message
+    assert "It stays on the rank as `_`" in failure.message and info.value.partial[0] == "fine"
+    assert small_limit.run("type(_).__name__").result()[1] == "Unreadable"
+    assert small_limit.run("1 + 1").result().unique() == 2  # nothing is left waiting
+
+
 def test_a_long_repr_is_cut_with_a_note() -> None:
     values = meshbook.RankValues({0: "y" * 50_000, 1: "y" * 50_000 + "z"})
     lines = repr(values).splitlines()
@@ -60,6 +91,10 @@ def test_the_cell_shows_the_note_and_takes_max_bytes() -> None:
         assert len(shown) < 2 * REPR_CHARS and "[cut: the repr is 100,002 characters" in shown
         bad = k.execute("%%mesh --max-bytes lots\n1")
         assert bad.status == "error" and "write a size like" in bad.content["evalue"]
+        unreadable = k.execute("%%mesh" + UNREADABLE, timeout=60)  # it used to hang the kernel
+        assert unreadable.status == "error" and "cannot be unpickled in the notebook" in unreadable.error_text
+        assert k.value("1 + 1") == 2
+        assert k.ok("%%mesh\nrank").status == "ok"
         k.ok("%mesh stop")
     finally:
         k.close()

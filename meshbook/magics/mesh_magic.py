@@ -162,6 +162,10 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @argument("--name", help="name the mesh, to run several (%%%%mesh --mesh NAME, "
                                    "%%mesh use NAME)")
     @argument("--force", action="store_true", help="stop a running mesh (of that name) and start a new one")
+    @argument("--env", action="append", metavar="NAME[=VALUE]",
+              help="a variable for the ranks on other hosts (repeat it): NCCL_DEBUG takes its value "
+                   "here, NCCL_DEBUG=INFO sets it. Ranks on this machine start with this kernel's "
+                   "environment as it is at %%mesh start")
     @argument("--keep", metavar="DURATION",
               help="keep the mesh (ranks and variables) after this kernel dies or restarts, for up to "
                    "DURATION (8h, 30m, 1h30m) after it was last heard; %%mesh attach ID takes it back")
@@ -182,7 +186,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
         options = {"n": n, "dims": parse_dims(args.dims) if args.dims else None,
                    "backend": args.backend, "timeout": args.timeout,
                    "collective_timeout": args.collective_timeout, "name": args.name,
-                   "launcher": launcher, "keep": args.keep}
+                   "launcher": launcher, "keep": args.keep, "env": args.env}
         # Unnamed: one mesh at a time, as ever. Named: another mesh beside the running ones.
         running = meshes().get(args.name) if args.name else running_mesh()
         if running is not None:
@@ -193,7 +197,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
         mesh = start(**options)
         self._start_args[mesh.name] = dict(options, name=mesh.name)
         lease = mesh.controller.lease
-        print(f"started {describe(mesh)}" + (
+        threads = mesh.status()[0].threads
+        print(f"started {describe(mesh)}" + (f"; {threads}" if threads else "") + (
             f"; kept as {lease.id} for {args.keep} after this kernel was last heard: after a restart, "
             f"%mesh attach {lease.id}" if lease is not None else ""))
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..protocol import messages as msg
+from ..protocol.remote import AGENT_READY
+from .gpus import GpuCount
 from .link import LocalLink, Peer, RemoteLink
 from .oom import killed_by_oom, oom_kills
 
@@ -81,8 +83,7 @@ class Agent:
             msg.AgentOp.ATTACH: self._attach}
         self.dead: set[int] = set()
         self.stopping = False
-        self.cuda = _cuda_count()
-        self.threads = max(1, (os.cpu_count() or 1) // max(1, len(self.my_ranks)))
+        self.threads, self.threads_note = omp_threads(len(self.my_ranks))
         #: Host 0 of a mesh across hosts keeps the store where its ranks meet (a rank could be
         #: restarted; the agent lives as long as the mesh).
         self.store = _serve_store(cfg) if cfg.get("serve_store") else None
@@ -94,10 +95,6 @@ class Agent:
         from ..rank.worker import RankConfig, run_rank
 
         local_rank = self.my_ranks.index(rank)
-        use_cuda = self.cfg["backend"] != "gloo" and self.cuda > 0
-        backend = self.cfg["backend"]
-        if backend == "auto":
-            backend = "cuda:nccl,cpu:gloo" if use_cuda else "gloo"
         pipes = {name: os.pipe() for name in ("stdout", "stderr")}
         self.link.connect_rank(rank, generation, self.rundir)
         store = self.cfg.get("store")
@@ -105,14 +102,14 @@ class Agent:
         cfg = RankConfig(
             rank=rank, local_rank=local_rank, local_world_size=len(self.my_ranks),
             group_rank=self.host, group_world_size=self.cfg.get("hosts", 1),
-            topology=self.topology, backend=backend, device_type="cuda" if use_cuda else "cpu",
+            topology=self.topology, backend=self.cfg["backend"], device_type=self.cfg["device_type"],
             listen_addr=self.cfg["listen_addr"], store_addr=tuple(store) if store else None,
             rundir=self.rundir, generation=generation, master_port=self.cfg["master_port"],
             collective_timeout=self.cfg["collective_timeout"], key=self.wire.key,
             agent_pid=os.getpid(), request_addr=rank_address(self.rundir, rank, generation, msg.MAIN),
             control_addr=rank_address(self.rundir, rank, generation, msg.CONTROL),
             events_addr=self.link.rank_events,
-            pipes=pipes, crash_path=crash_path, threads=self.threads)
+            pipes=pipes, crash_path=crash_path, threads=self.threads, threads_note=self.threads_note)
         oom = oom_kills()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -272,12 +269,31 @@ class Agent:
         self.operate(message)
 
 
-def _cuda_count() -> int:
-    # NVML's count does not initialise CUDA, so the ranks can still be forked safely.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    import torch
+def omp_threads(local_ranks: int) -> tuple[int | None, str]:
+    """The threads each rank's torch uses, as torchrun sets them: the user's
+    ``OMP_NUM_THREADS`` if set, else 1 when several ranks share the host (torchrun's default, so
+    that they do not overload it), else torch's own default. Sets the variable for the ranks."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value:
+        try:
+            return max(1, int(value)), f"OMP_NUM_THREADS={value} per rank (yours)"
+        except ValueError:
+            return None, f"OMP_NUM_THREADS={value!r} is not a number: torch's default threads per rank"
+    if local_ranks > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        return 1, ("OMP_NUM_THREADS=1 per rank, as torchrun sets it (set OMP_NUM_THREADS before "
+                   "starting to change it)")
+    return None, ""
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+def apply_environment(env: dict[str, str] | None, replace: bool) -> None:
+    """The environment the ranks start with: the notebook's as it is at ``start()`` (this
+    host: ``replace``), or the variables the user named (other hosts: added to this host's)."""
+    if env is None:
+        return
+    if replace:
+        os.environ.clear()
+    os.environ.update(env)
 
 
 def _drain(fd: int) -> str:
@@ -347,13 +363,23 @@ def main() -> None:
     become_subreaper()
     if args.parent is not None:
         die_with_parent(args.parent, signal.SIGTERM)
+    code = 0
     try:
         if args.mode == "local":
             _run(args.log)
         else:
             _run_remote(args.mode, args.token_file, args.bootstrap_file, args.announce_dir)
+    except SystemExit as exc:  # a message for whoever started us (a bad token...), or a stop
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr, flush=True)
+        code = exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     finally:
-        os._exit(0)
+        os._exit(code)  # never run the interpreter's shutdown: forked ranks share our atexit state
 
 
 def _stop(signum: int, frame: Any) -> None:
@@ -371,7 +397,9 @@ def _run(log: str | None) -> None:
     import zmq
 
     try:
+        count = GpuCount()  # beside our own torch import: no wall time
         _import_torch()
+        _say(AGENT_READY, {"gpus": count.result(), "pid": os.getpid()})
         cfg = _read_config()
     except BaseException:
         _remove(log)  # a standby agent whose controller went away, or died
@@ -379,6 +407,7 @@ def _run(log: str | None) -> None:
     if cfg is None:
         _remove(log)
         return
+    apply_environment(cfg.get("env"), replace=True)
     ctx = zmq.Context()
     rundir = cfg.get("rundir") or tempfile.mkdtemp(prefix="meshbook-agent-")
     agent = Agent(cfg, ctx, LocalLink(ctx, cfg), rundir, own_rundir="rundir" not in cfg)
@@ -409,7 +438,6 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
     from ..protocol.remote import decode_token
     from .link import RemoteLink, join, listen
 
-    _import_torch()
     if mode == "listen" and bootstrap_file:
         with open(bootstrap_file) as f:
             data = json.load(f)
@@ -423,6 +451,10 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
         except ValueError as exc:
             raise SystemExit(f"meshbook agent join: {exc}; copy it again from the notebook's "
                              f"output") from None
+    apply_environment(data.get("env"), replace=False)  # the variables the user named
+    count = GpuCount()  # with them (CUDA_VISIBLE_DEVICES...), beside our own torch import
+    _import_torch()
+    gpus = count.result()
     ctx = zmq.Context()
     zap = None
     # A kept mesh (a lease): the agent outlives the kernel that started it, so it neither
@@ -432,9 +464,9 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
     watch_stdin = mode == "listen" and lease is None and not bootstrap_file
     try:
         if mode == "listen":
-            sock, zap = listen(ctx, data, announce_dir)
+            sock, zap = listen(ctx, data, gpus, announce_dir)
         else:
-            sock = join(ctx, data)
+            sock = join(ctx, data, gpus)
         if lease is not None:
             _detach_stdio()
         configured = _await_configuration(sock, bytes.fromhex(data["key"]), watch_stdin,
@@ -470,6 +502,12 @@ def _read_token(token_file: str | None) -> str:
         raise SystemExit(f"meshbook agent join: no token: set ${TOKEN_ENV} or pass --token-file "
                          f"(the notebook's %mesh start --join prints both)")
     return token
+
+
+def _say(what: str, info: dict[str, Any]) -> None:
+    """One line for the launcher that started us, on stdout: ``WHAT {json}``."""
+    sys.stdout.write(f"{what} {json.dumps(info)}\n")
+    sys.stdout.flush()
 
 
 def _detach_stdio() -> None:

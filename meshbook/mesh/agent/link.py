@@ -171,7 +171,7 @@ class RemoteLink:
 # -- the two ways an agent on another host connects --------------------------------------------
 
 
-def listen(ctx: zmq.Context, data: dict[str, Any],
+def listen(ctx: zmq.Context, data: dict[str, Any], gpus: int,
            announce_dir: str | None = None) -> tuple[zmq.Socket, net.ZapHandler]:
     """Bind a Curve server socket only the controller's key may use, and say where: on stdout,
     or in ``announce_dir`` (a file per task, named by the scheduler's task id) for a
@@ -185,7 +185,7 @@ def listen(ctx: zmq.Context, data: dict[str, Any],
     bind = "127.0.0.1" if data.get("tunnel") else address
     port = net.bind_in_range(sock, bind)
     info = {"addr": address, "port": port, "pid": os.getpid(), "hostname": socket.gethostname(),
-            "store_port": net.free_port_in_range(address)}
+            "store_port": net.free_port_in_range(address), "gpus": gpus}
     line = f"{LISTENING} {json.dumps(info)}\n"
     if announce_dir:
         _announce(announce_dir, line)
@@ -205,7 +205,7 @@ def _announce(directory: str, line: str) -> None:
     os.rename(path + ".part", path)
 
 
-def join(ctx: zmq.Context, data: dict[str, Any]) -> zmq.Socket:
+def join(ctx: zmq.Context, data: dict[str, Any], gpus: int) -> zmq.Socket:
     """Dial the controller with the join key and announce this host."""
     sock = _link_socket(ctx)
     sock.setsockopt(zmq.IDENTITY, os.urandom(8).hex().encode())
@@ -216,7 +216,7 @@ def join(ctx: zmq.Context, data: dict[str, Any]) -> zmq.Socket:
     hello = wire.Wire(bytes.fromhex(data["key"])).pack(
         {msg.KIND: msg.JOIN, msg.ID: None},
         {"addr": address, "pid": os.getpid(), "hostname": socket.gethostname(),
-         "store_port": net.free_port_in_range(address)})
+         "store_port": net.free_port_in_range(address), "gpus": gpus})
     wire.send(sock, hello)
     return sock
 

@@ -34,6 +34,7 @@ import zmq
 
 from ..protocol import messages as msg
 from ..protocol import wire
+from ..protocol.backends import Backend, HostGpus, choose
 from ..protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
 from ..protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result
 from ..protocol.limits import DEFAULT_MAX_BYTES
@@ -43,7 +44,7 @@ from ..protocol.topology import Topology
 from ..protocol.remote import encode_route
 from ..rank.ops import interrupt_request
 from .hosts import HostLink, Network
-from .launchers import AgentHandle, HostPlan, Launcher
+from .launchers import AgentHandle, HostPlan, Launcher, agent_environment
 from .metrics import MetricsHistory
 from .recovery import abort, free_after_interrupt
 from .render import print_late
@@ -70,15 +71,24 @@ class RankState:
     lost_namespace: bool = False
     #: The variables the rank had at the last who() or push: what a restart loses.
     known_names: frozenset[str] = frozenset()
+    #: How its torch threads were set (``OMP_NUM_THREADS=1 per rank, as torchrun sets it``).
+    threads: str = ""
 
 
 class Controller:
     def __init__(self, topology: Topology, launcher: Launcher, backend: str = "auto",
-                 collective_timeout: float = 300.0, name: str = "mesh", key: bytes | None = None) -> None:
+                 collective_timeout: float = 300.0, name: str = "mesh", key: bytes | None = None,
+                 env: dict[str, str] | None = None) -> None:
         #: The mesh's name in this notebook (``start(name=...)``, ``%mesh use NAME``).
         self.name = name
         self.topology = topology
+        #: The backend asked for (``auto``...), and the one chosen from the agents' GPU counts.
         self.backend = backend
+        self.chosen: Backend | None = None
+        #: Variables the user named for the ranks (``start(env=...)``): other hosts get only these.
+        self.env = dict(env or {})
+        #: What the user should know about how the mesh started (printed by ``start()``).
+        self.notes: list[str] = []
         self.collective_timeout = collective_timeout
         #: The most a result may weigh before it stays on its rank (``start(max_result_bytes=)``).
         self.max_result_bytes = DEFAULT_MAX_BYTES
@@ -183,8 +193,11 @@ class Controller:
             if self.remote:
                 self._launch_remote(timeout)
             else:
-                configs = {p.host: self._agent_config(p) for p in self.plans}
-                self.agents = self.launcher.launch(self.plans, configs)
+                agents = self.launcher.launch(self.plans, agent_environment(self.env), timeout)
+                self.agents = list(agents)
+                self._choose_backend([HostGpus("this host", a.gpus, len(p.ranks)) for p, a in zip(self.plans, agents)])
+                for plan, agent in zip(self.plans, agents):
+                    agent.configure(self._agent_config(plan))
             self.wait_generation(0, list(self.ranks), timeout, "start")
         except BaseException:
             self.stop()
@@ -209,10 +222,20 @@ class Controller:
             self.stop("could not attach", detach=True)  # the mesh is not ours to stop
             raise
 
+    def _choose_backend(self, hosts: list[HostGpus]) -> None:
+        """One backend for the whole mesh, from every agent's GPU count (see protocol/backends.py)."""
+        self.chosen = choose(self.backend, hosts)
+        if self.chosen.note:
+            self.notes.append(self.chosen.note)
+
+    def _backend_config(self) -> dict[str, str]:
+        assert self.chosen is not None
+        return {"backend": self.chosen.torch, "device_type": self.chosen.device_type}
+
     def _agent_config(self, plan: HostPlan) -> dict[str, Any]:
         return {
             "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks, "dims": list(self.topology.dims),
-            "key": self.wire.key.hex(), "backend": self.backend, "listen_addr": "127.0.0.1",
+            "key": self.wire.key.hex(), **self._backend_config(), "listen_addr": "127.0.0.1",
             "collective_timeout": self.collective_timeout, "rundir": self.rundir,
             "master_port": self.master_port,
             "cmd_addr": f"ipc://{self.rundir}/cmd", "events_addr": f"ipc://{self.rundir}/ev",
@@ -225,7 +248,10 @@ class Controller:
         and each host's ranks listen on the interface its agent advertised.
         """
         self._network()
+        assert self.network is not None
         self.agents = self.launcher.launch(self.plans, self.network, timeout)
+        links = self.network.links
+        self._choose_backend([HostGpus(links[p.host].name, links[p.host].gpus, len(p.ranks)) for p in self.plans])
         for plan in self.plans:
             self._configure(plan, 0)
 
@@ -233,7 +259,7 @@ class Controller:
         """The links to remote agents; a kept mesh's launcher brings its Curve keys and epoch."""
         launcher: Any = self.launcher
         self.network = Network(self.ctx, self.wire.key, launcher.suspect_s, launcher.lost_s,
-                               getattr(launcher, "keys", None), getattr(launcher, "epoch", 0))
+                               getattr(launcher, "keys", None), getattr(launcher, "epoch", 0), self.env)
         self.network.wake = self._wake
 
     def _configure(self, plan: HostPlan, generation: int) -> None:
@@ -243,7 +269,7 @@ class Controller:
         assert store is not None
         config = {
             "host": plan.host, "hosts": len(self.plans), "ranks": plan.ranks, "generation": generation,
-            "dims": list(self.topology.dims), "backend": self.backend, "listen_addr": link.address,
+            "dims": list(self.topology.dims), **self._backend_config(), "listen_addr": link.address,
             "store": list(store), "serve_store": plan.host == 0, "master_port": store[1],
             "collective_timeout": self.collective_timeout}
         frames = self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: plan.ranks},
@@ -477,6 +503,11 @@ class Controller:
             self.agents[plan.host] = self.launcher.relaunch(plan, self.network, timeout)
         finally:
             self._relaunching.discard(plan.host)
+        link = self.network.links[plan.host]
+        if self.chosen is not None and self.chosen.device_type == "cuda" and link.gpus < len(plan.ranks):
+            raise MeshError(f"host {link.name} has {link.gpus} GPU(s) for {len(plan.ranks)} rank(s), and this "
+                            f"mesh runs NCCL (a GPU per rank): restart them on a host with enough GPUs "
+                            f"(%mesh restart ... --on HOST)")
         self._configure(plan, generation)
 
     def current_request(self, rank: int) -> int | None:
@@ -678,11 +709,23 @@ class Controller:
         self._deliver(message.header[msg.ID], DebugEnd(message.header[msg.RANK]))
 
     def _on_answer(self, message: wire.Message) -> None:
-        """A rank's (or an agent's) result or error for a request."""
+        """A rank's (or an agent's) result or error for a request. A result this process cannot
+        unpickle (a CUDA storage in a CPU-only kernel, a class of a module only the rank has)
+        is that rank's error: the run ends, naming what failed and how to fetch it."""
         header, rank = message.header, message.header[msg.RANK]
         duration = header.get(msg.DURATION, 0.0)
-        body = message.body()
-        event = Result(rank, body, duration) if message.kind == msg.RESULT else Error(rank, body, duration)
+        succeeded = message.kind == msg.RESULT
+        try:
+            body = message.body()
+        except Exception as exc:  # noqa: BLE001 - whatever the payload's unpickling raises
+            succeeded = False
+            what = f"a {header[msg.TYPE]}" if msg.TYPE in header else "it"
+            body = RankFailure(rank, "UnreadableResult", (
+                f"the result ({what}) cannot be unpickled in the notebook: "
+                f"{type(exc).__name__}: {exc}. It stays on the rank as `_`: return plain data instead "
+                f"(tensors moved with .cpu(), .tolist(), numbers, dicts of them), or fetch plain "
+                f"tensors with %mesh pull (mesh.pull)"))
+        event = Result(rank, body, duration) if succeeded else Error(rank, body, duration)
         self._finish(header[msg.ID], rank, event, lost_group=header.get(msg.HAS_GROUP) is False)
 
     def _on_exit(self, message: wire.Message) -> None:
@@ -698,7 +741,7 @@ class Controller:
         body, rank = message.body(), message.header[msg.RANK]
         with self._lock:
             state = self.ranks[rank]
-            state.device, state.pid = body["device"], body["pid"]
+            state.device, state.pid, state.threads = body["device"], body["pid"], body.get("threads", "")
             state.generation = message.header[msg.GENERATION]
             if not self._queues[rank]:
                 state.state = "idle"

@@ -48,6 +48,7 @@ class HostLink:
     agent_pid: int | None = None
     hostname: str = ""
     store_port: int = 0
+    gpus: int = 0  # the GPUs its ranks see (the agent counted them)
     last_heard: float = field(default_factory=time.monotonic)
     last_ping: float = 0.0
     rtt: float | None = None
@@ -74,6 +75,7 @@ class Joined:
     hostname: str
     pid: int
     store_port: int
+    gpus: int
 
 
 class Network:
@@ -81,9 +83,11 @@ class Network:
 
     def __init__(self, ctx: zmq.Context, key: bytes, suspect_s: float = msg.HOST_SUSPECT_S,
                  lost_s: float = msg.HOST_LOST_S, keys: tuple[net.Keys, net.Keys] | None = None,
-                 epoch: int = 0) -> None:
+                 epoch: int = 0, env: dict[str, str] | None = None) -> None:
         self.ctx = ctx
         self.key = key
+        #: The variables the user named for the ranks (the hosts' own environment is kept).
+        self.env = dict(env or {})
         self.suspect_s, self.lost_s = suspect_s, lost_s
         #: The mesh's server key (agents listen with it) and the controller's own key, the only
         #: one a listening agent admits: new, or a kept mesh's (attach) from its mesh file.
@@ -113,7 +117,7 @@ class Network:
         """What a listening agent is told on its ssh session's stdin (never on a command line)."""
         return {"key": self.key.hex(), "server_public": self.server.public.decode(),
                 "server_secret": self.server.secret.decode(), "controller_public": self.me.public.decode(),
-                "lost_s": self.lost_s, "tunnel": tunnel}
+                "lost_s": self.lost_s, "tunnel": tunnel, "env": self.env}
 
     def dial(self, host: int, name: str, ranks: list[int], info: dict[str, Any], address: str,
              port: int) -> HostLink:
@@ -126,7 +130,8 @@ class Network:
         net.curve_client(sock, self.me, self.server.public)
         sock.connect(net.tcp_address(address, port))
         link = HostLink(host, name, info["addr"], ranks, sock=sock, agent_pid=info.get("pid"),
-                        hostname=info.get("hostname", ""), store_port=int(info.get("store_port", 0)))
+                        hostname=info.get("hostname", ""), store_port=int(info.get("store_port", 0)),
+                        gpus=int(info.get("gpus", 0)))
         self._add(link)
         return link
 
@@ -145,14 +150,15 @@ class Network:
         self.version += 1
         self.wake()
         return {"controller": [address, port], "server_public": self.server.public.decode(),
-                "join": join.to_json(), "key": self.key.hex(), "lost_s": self.lost_s, "timeout": timeout}
+                "join": join.to_json(), "key": self.key.hex(), "lost_s": self.lost_s, "timeout": timeout,
+                "env": self.env}
 
     def on_join(self, identity: bytes, body: dict[str, Any]) -> None:
         with self.joined_changed:
             if any(j.identity == identity for j in self.joined):
                 return
             self.joined.append(Joined(identity, body["addr"], body["hostname"], int(body["pid"]),
-                                      int(body.get("store_port", 0))))
+                                      int(body.get("store_port", 0)), int(body.get("gpus", 0))))
             self.joined_changed.notify_all()
 
     def spend_token(self) -> None:
@@ -162,7 +168,8 @@ class Network:
 
     def adopt(self, host: int, joined: Joined, ranks: list[int]) -> HostLink:
         link = HostLink(host, joined.hostname, joined.address, ranks, identity=joined.identity,
-                        agent_pid=joined.pid, hostname=joined.hostname, store_port=joined.store_port)
+                        agent_pid=joined.pid, hostname=joined.hostname, store_port=joined.store_port,
+                        gpus=joined.gpus)
         self._add(link)
         return link
 

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from ..protocol import net
+from ..protocol.backends import Backend
 from ..protocol.errors import MeshError
 from ..protocol.proc import pid_alive, runtime_base
 from ..protocol.topology import Topology
@@ -257,7 +258,8 @@ def write_record(controller: Controller, mesh_id: str, launcher: str, hosts: lis
                 "hostname": info["hostname"], "store_port": info["store_port"], "ranks": plan.ranks}
                for (name, info), plan in zip(hosts, controller.plans)],
         key=controller.wire.key.hex(), server=network.server.to_json(), controller=network.me.to_json(),
-        dims=[list(d) for d in controller.topology.dims], backend=controller.backend,
+        dims=[list(d) for d in controller.topology.dims],
+        backend=controller.chosen.torch if controller.chosen is not None else controller.backend,
         collective_timeout=controller.collective_timeout, generation=controller.generation,
         epoch=network.epoch, started=time.time(), lease_s=lease_s, job=job, job_dir=job_dir)
     record.save()
@@ -346,6 +348,7 @@ def attach(mesh_id: str, name_for: Callable[[str], str], timeout: float = 60.0) 
     controller = Controller(Topology(tuple((k, v) for k, v in record.dims)), Attached(record), record.backend,
                             record.collective_timeout, name_for(record.name),
                             key=bytes.fromhex(record.key))
+    controller.chosen = Backend(record.backend, "cuda" if "cuda" in record.backend else "cpu")
     controller.lease = Lease(record)
     controller.attach(timeout)
     return controller

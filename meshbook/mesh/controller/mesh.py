@@ -22,9 +22,12 @@ the running ones. Actors (:meth:`Mesh.spawn`) are in :mod:`.actors`.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 from typing import Any, Callable, Mapping, Sequence
 
 from ..protocol import messages as msg
+from ..protocol.backends import check_requested
 from ..protocol.cell import cell_filename, compile_cell
 from ..protocol.errors import MeshError, MeshStoppedError
 from ..protocol.limits import DEFAULT_MAX_BYTES
@@ -51,15 +54,20 @@ MEASURE_TIMEOUT_S = 2.0
 def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
           launcher: str | Launcher = "local", timeout: float = 120.0,
           collective_timeout: float = 300.0, max_result_bytes: int = DEFAULT_MAX_BYTES,
-          name: str | None = None, keep: str | float | None = None) -> "Mesh":
+          name: str | None = None, keep: str | float | None = None,
+          env: Mapping[str, str | None] | Sequence[str] | None = None) -> "Mesh":
     """Start a mesh of ranks and return it once torch.distributed is ready on every rank.
 
     ``n`` ranks, or named ``dims`` whose product is the world size (``{"dp": 2, "tp": 2}``);
     each rank's namespace then holds ``device_mesh``, a torch ``DeviceMesh`` with those names.
     Without either, a launcher that knows its hosts and ranks per host (``SSH(hosts,
     per_host=2)``, Slurm's nodes and GPUs per node) gives hosts x ranks per host.
-    ``backend="auto"`` is gloo on CPU and NCCL (plus gloo for CPU tensors) with one GPU per
-    rank when CUDA is present. ``collective_timeout`` bounds how long a collective may hang
+    ``backend="auto"`` is NCCL (plus gloo for CPU tensors) when every host has a GPU per rank,
+    else gloo, with a note on stderr saying why when there are GPUs; ``"nccl"`` refuses to start
+    without a GPU per rank. The ranks start with this process's environment as it is now
+    (``CUDA_VISIBLE_DEVICES``, ``NCCL_*``... set in a cell before ``start`` count); ranks on
+    other hosts keep their host's, plus the variables named in ``env``: ``["NCCL_DEBUG",
+    "FOO=bar"]`` or ``{"NCCL_DEBUG": None, "FOO": "bar"}`` (a bare name or None: its value here). ``collective_timeout`` bounds how long a collective may hang
     before it fails on its own. A result bigger than ``max_result_bytes`` (2 GiB, like
     ``pull``'s ``max_bytes``) stays on its rank as ``_``; ``run(max_bytes=...)`` overrides it.
     ``name`` names the mesh among this notebook's meshes (default ``mesh``, then ``mesh2``...);
@@ -71,19 +79,39 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
     if n is None and dims is None and not isinstance(launcher, str):
         n = launcher.default_ranks()  # hosts x ranks per host, when the launcher knows both
     topology = Topology.create(n, dims)
-    if backend not in ("auto", "gloo", "nccl") and ":" not in backend:
-        raise MeshError(f"backend {backend!r}: use 'auto', 'gloo', 'nccl' or a torch backend "
-                        f"string like 'cuda:nccl,cpu:gloo'")
+    check_requested(backend)
+    variables = parse_env(env)
     kept = None
     if keep is not None:
         kept = Keep.for_launcher(launcher, keep, name)
         launcher = kept.launcher
-    controller = Controller(topology, get_launcher(launcher), backend, collective_timeout, name)
+    controller = Controller(topology, get_launcher(launcher), backend, collective_timeout, name, env=variables)
     controller.max_result_bytes = max_result_bytes
     controller.launch(timeout)
+    for note in controller.notes:
+        print(note, file=sys.stderr, flush=True)
     if kept is not None:
         controller.lease = kept.record(controller)
     return register(controller)
+
+
+def parse_env(env: Mapping[str, str | None] | Sequence[str] | None) -> dict[str, str]:
+    """``start(env=...)`` as name -> value: ``"NAME"`` (or ``NAME: None``) takes its value in
+    this process now, ``"NAME=VALUE"`` sets it."""
+    if env is None:
+        return {}
+    items = env.items() if isinstance(env, Mapping) else \
+        [tuple(e.split("=", 1)) if "=" in e else (e, None) for e in ([env] if isinstance(env, str) else env)]
+    out = {}
+    for name, value in items:
+        if not isinstance(name, str) or not name or "=" in name:
+            raise MeshError(f"env: {name!r} is not a variable name; give NAME or NAME=VALUE")
+        if value is None:
+            if name not in os.environ:
+                raise MeshError(f"env: {name} is not set in this notebook; give {name}=VALUE")
+            value = os.environ[name]
+        out[name] = str(value)
+    return out
 
 
 def attach(mesh_id: str, name: str | None = None, timeout: float = 60.0) -> "Mesh":

@@ -30,7 +30,7 @@ class KeptOnRank:
     limit: int
 
     def __repr__(self) -> str:
-        return (f"<{self.type} of {format_bytes(self.nbytes)} kept on the rank as `_` (over the "
+        return (f"<{self.type} of {format_bytes(self.nbytes)} or more kept on the rank as `_` (over the "
                 f"{format_bytes(self.limit)} result limit). Keep it with `name = _` in the next "
                 f"cell, fetch it with mesh.pull('_', max_bytes=...) (%mesh pull _ --max-bytes 8G), "
                 f"or raise the limit: %%mesh --max-bytes 8G, mesh.run(..., max_bytes=...), "

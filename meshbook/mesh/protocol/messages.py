@@ -86,6 +86,7 @@ DURATION = "t"  # seconds the rank spent on the request
 HAS_GROUP = "pg"  # False: the rank lost its process group (a step check follows)
 GENERATION = "generation"  # the process-group generation a READY / INIT_FAILED is about
 REPLY_TO = "reply"  # where a rank-to-rank (PEER) call is answered
+TYPE = "type"  # a RESULT's type (module.qualname): named when the notebook cannot unpickle it
 
 # -- heartbeats ------------------------------------------------------------------------------
 

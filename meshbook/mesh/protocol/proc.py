@@ -34,13 +34,15 @@ def listen_only_on(address: str) -> None:
     """Make gloo and NCCL's bootstrap listen on the interface that holds ``address`` only.
 
     Left alone, gloo binds the address the host name resolves to, which other machines can
-    reach; a local mesh (``address`` is loopback) needs no listener outside the machine.
+    reach; a local mesh (``address`` is loopback) needs no listener outside the machine. A
+    site's own choice (set in the environment) wins: clusters name the fabric NCCL must use.
     """
     import psutil
 
     for interface, addresses in psutil.net_if_addrs().items():
         if any(a.address == address for a in addresses):
-            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
             return
 
 

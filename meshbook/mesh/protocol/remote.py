@@ -6,7 +6,9 @@
   otherwise the route names a channel and the ranks of that host the agent relays the
   (unchanged, rank-signed) message to. One message per host, fanned out there.
 * A listening agent (started through ssh) prints one line, :data:`LISTENING` and a JSON
-  object (its address, port, pid), once the controller can dial it.
+  object (its address, port, pid, GPU count), once the controller can dial it. An agent on
+  the controller's own host prints :data:`AGENT_READY` and its GPU count once it has imported
+  torch, then waits for its configuration on stdin.
 * A joining agent (started by any launcher) reads a token, from a file or :data:`TOKEN_ENV`:
   the controller's address, the Curve keys and the mesh key, base64 over JSON.
 """
@@ -19,6 +21,7 @@ import struct
 from typing import Any
 
 LISTENING = "MESHBOOK-AGENT-LISTENING"
+AGENT_READY = "MESHBOOK-AGENT-READY"
 TOKEN_ENV = "MESHBOOK_JOIN_TOKEN"
 
 

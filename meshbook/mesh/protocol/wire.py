@@ -71,6 +71,15 @@ class ReplayedMessage(BadMessage):
     """A correctly signed message that is not newer than one already taken from its sender."""
 
 
+class TooBig(Exception):
+    """The tensors of a value being pickled already weigh more than its limit (raised before
+    a GPU tensor is copied to host memory: copying 40 GB to find out would OOM the rank)."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(f"at least {nbytes} bytes of tensors")
+        self.nbytes = nbytes
+
+
 def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...], requires_grad: bool,
                     parameter: bool) -> Any:
     import torch
@@ -108,20 +117,34 @@ def _reduce_tensor(tensor: Any) -> Any:
 
 
 class Pickler(cloudpickle.Pickler):
-    """cloudpickle that sends CPU tensors' storage as out-of-band buffers (zero-copy frames)."""
+    """cloudpickle that sends CPU tensors' storage as out-of-band buffers (zero-copy frames).
+
+    With a ``limit``, the tensors' bytes are counted as they come, and :class:`TooBig` is
+    raised before the one that would go over it is moved off its device.
+    """
+
+    def __init__(self, *args: Any, limit: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limit = limit
+        self.tensor_bytes = 0
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            if self.limit is not None:
+                self.tensor_bytes += obj.numel() * obj.element_size()
+                if self.tensor_bytes > self.limit:
+                    raise TooBig(self.tensor_bytes)
             return _reduce_tensor(obj)
         return super().reducer_override(obj)
 
 
-def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
-    """Pickle ``obj``; large contiguous buffers are returned separately, uncopied."""
+def dumps(obj: Any, limit: int | None = None) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Pickle ``obj``; large contiguous buffers are returned separately, uncopied. With a
+    ``limit``, raises :class:`TooBig` as soon as its tensors weigh more."""
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    Pickler(out, protocol=PROTOCOL, buffer_callback=buffers.append).dump(obj)
+    Pickler(out, protocol=PROTOCOL, buffer_callback=buffers.append, limit=limit).dump(obj)
     return out.getvalue(), buffers
 
 
@@ -208,11 +231,12 @@ class Wire:
         return mac.digest()
 
     def pack(self, header: dict[str, Any], body: Any = None, *, raw_body: bytes | None = None,
-             buffers: Sequence[Any] = ()) -> list[Any]:
-        """Frames for ``header`` and ``body`` (or an already pickled ``raw_body``)."""
+             buffers: Sequence[Any] = (), limit: int | None = None) -> list[Any]:
+        """Frames for ``header`` and ``body`` (or an already pickled ``raw_body``); a body whose
+        tensors weigh more than ``limit`` raises :class:`TooBig` before they are copied."""
         head = pickle.dumps(header, protocol=PROTOCOL)
         if raw_body is None:
-            raw_body, buffers = dumps(body) if body is not None else (b"", [])
+            raw_body, buffers = dumps(body, limit) if body is not None else (b"", [])
         stream = self._stream
         stamp = _STAMP.pack(self.sender, stream.number, next(stream.counter))
         signed = b"".join((stamp, _HEAD.pack(len(head)), head, raw_body))

@@ -51,6 +51,13 @@ from .streams import FdPump, RankStream, install_thread_tagging
 
 TICK_S = 0.2
 
+#: How a rank runs NCCL unless the user says otherwise (see DESIGN.md, "GPU paths"): a
+#: collective that times out aborts its communicator and raises, keeping the process and its
+#: variables (torch's default, 3, tears the process down: a rank paused in ``breakpoint()``
+#: past the timeout would kill its peers); no dump on timeout, whose signal makes every rank's
+#: heartbeat monitor kill its process minutes later (meshbook reads the flight recorder itself).
+NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+
 
 @dataclass
 class RankConfig:
@@ -79,7 +86,8 @@ class RankConfig:
     events_addr: str
     pipes: dict[str, tuple[int, int]]
     crash_path: str
-    threads: int
+    threads: int | None  # torch's intra-op threads (None: torch's default)
+    threads_note: str  # how that was decided, for the start line
 
 
 class Worker:
@@ -188,8 +196,8 @@ class Worker:
         except BaseException as exc:
             self.emit(msg.INIT_FAILED, None, failure_from(self.rank, exc), **{msg.GENERATION: generation})
             raise
-        self.emit(msg.READY, None, {"device": str(self.namespace["device"]), "pid": os.getpid()},
-                  **{msg.GENERATION: generation})
+        self.emit(msg.READY, None, {"device": str(self.namespace["device"]), "pid": os.getpid(),
+                                    "threads": self.cfg.threads_note}, **{msg.GENERATION: generation})
 
     def init_distributed(self, generation: int) -> None:
         """(Re)create the process group and the namespace's ``device_mesh``."""
@@ -212,7 +220,11 @@ class Worker:
             self.rank, topo.world_size, cfg.local_rank, cfg.local_world_size, cfg.group_rank,
             cfg.group_world_size, cfg.store_addr or (cfg.listen_addr, cfg.master_port)))
         store = make_store(cfg, generation, timeout)
-        self.init_group(cfg.backend, store=store, rank=self.rank, world_size=topo.world_size, timeout=timeout)
+        # On NCCL, binding the device connects the communicator now (not at the first
+        # collective, with a warning in the user's cell), and lets DeviceMesh split groups.
+        bound = {"device_id": device} if "nccl" in cfg.backend else {}
+        self.init_group(cfg.backend, store=store, rank=self.rank, world_size=topo.world_size, timeout=timeout,
+                        **bound)
         device_mesh = init_device_mesh(cfg.device_type, topo.shape, mesh_dim_names=topo.names)
         self.generation = generation
         self.namespace.update(
@@ -361,15 +373,22 @@ class Worker:
 
     def _pack_result(self, request: int, value: Any, fields: dict[str, Any]) -> list[Any]:
         """The result's message; a result over the request's limit stays here as ``_`` and a
-        :class:`KeptOnRank` travels instead."""
-        header = {msg.KIND: msg.RESULT, msg.ID: request, msg.RANK: self.rank, **fields}
-        frames = self.wire.pack(header, value)
-        nbytes = wire.size(frames)
-        if self.result_limit is None or nbytes <= self.result_limit:
-            return frames
+        :class:`KeptOnRank` travels instead. Its tensors are weighed before they are copied off
+        their device, so a 40 GB CUDA result is never copied to host memory to be weighed."""
+        type_name = f"{type(value).__module__}.{type(value).__qualname__}"
+        header = {msg.KIND: msg.RESULT, msg.ID: request, msg.RANK: self.rank, msg.TYPE: type_name, **fields}
+        limit = self.result_limit
+        try:
+            frames = self.wire.pack(header, value, limit=limit)
+        except wire.TooBig as exc:
+            nbytes = exc.nbytes
+        else:
+            nbytes = wire.size(frames)
+            if limit is None or nbytes <= limit:
+                return frames
+        assert limit is not None
         self.namespace["_"] = value
-        kept = KeptOnRank(f"{type(value).__module__}.{type(value).__qualname__}", nbytes, self.result_limit)
-        return self.wire.pack(header, kept)
+        return self.wire.pack(header, KeptOnRank(type_name, nbytes, limit))
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         target, self.interrupt_target = self.interrupt_target, None
@@ -564,12 +583,15 @@ def run_rank(cfg: RankConfig) -> None:
         cfg.pipes = {name: (read, fd) for (name, (read, _)), fd in zip(cfg.pipes.items(), (1, 2))}
         import faulthandler
         faulthandler.enable(file=crash, all_threads=True)
-        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
         proc.listen_only_on(cfg.listen_addr)
         # The Flight Recorder tells which collectives a stuck rank waits in (hang diagnosis).
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        if "nccl" in cfg.backend:
+            for name, value in NCCL_ENVIRONMENT.items():
+                os.environ.setdefault(name, value)  # a user's own setting wins
         import torch
-        torch.set_num_threads(cfg.threads)
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
         torchrun.reseed()  # a fork shares its agent's random state; a torchrun process would not
         worker = Worker(cfg)
         worker.start()
