@@ -103,3 +103,18 @@ def test_a_rank_the_oom_killer_takes_is_reported_as_such(small_cgroup: str) -> N
             mesh.run("import os\n" + code).result(timeout=60)
         assert "rank 1 died: SIGKILL (killed by the OOM killer)" in str(failed.value)
         assert mesh.status()[1].cause == "SIGKILL (killed by the OOM killer)"
+
+
+def test_an_out_of_memory_error_lets_go_of_the_memory_its_frames_held() -> None:
+    """A rank keeps its last exception for %mesh debug; an OOM's frames hold the very tensors
+    that filled the memory, so their variables are released (the stack is still shown)."""
+    cell = ("import weakref\ndef step():\n    activations = torch.ones(1000)\n"
+            "    global held\n    held = weakref.ref(activations)\n    raise {}('CUDA out of memory')\nstep()")
+    with meshbook.start(1) as mesh:
+        with pytest.raises(RemoteError):
+            mesh.run(cell.format("ValueError")).result()
+        assert mesh.run("held() is None").result()[0] is False  # any other error keeps its frames
+        with pytest.raises(RemoteError) as info:
+            mesh.run("class OutOfMemoryError(RuntimeError): pass\n" + cell.format("OutOfMemoryError")).result()
+        assert "cell line 7, in step" in info.value.render()  # the traceback is still told in full
+        assert mesh.run("held() is None").result()[0] is True

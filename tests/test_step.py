@@ -171,3 +171,19 @@ def test_an_interrupt_does_not_cut_a_step_check_short(pair: meshbook.Mesh) -> No
     report = failed.step_report(timeout=60)
     assert "rank 0 has issued" in report and "ranks 0,1 kept their variables" in report, report
     assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}
+
+
+def test_each_backend_of_a_group_is_counted_on_its_own(pair: meshbook.Mesh) -> None:
+    """A GPU mesh's group runs NCCL and gloo side by side, each with its own count; a group
+    asked for with a device:backend string is counted per backend here too (a CPU gloo one)."""
+    run = pair.run("cpu = dist.new_group(backend='cpu:gloo')\n"
+                   "if rank == 1:\n    raise ValueError('bad batch')\n"
+                   "w = dist.all_reduce(torch.ones(1), group=cpu, async_op=True)")
+    failures_of(run)
+    report = run.step_report()
+    assert "in group" in report and "rank 0 has issued 1, rank 1 has issued 0" in report, report
+    from meshbook.mesh.rank.ops import positions
+
+    counted = pair.call(positions).result()[0].groups
+    assert {key.split("/")[1] for key in counted} == {"gloo"}, counted
+    assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}

@@ -2,7 +2,7 @@
 
 A rank runs out of one of two pools: its GPU (on CUDA), or the memory of its host, shared by
 the host's ranks and bounded by a container's cgroup limit when there is one. On the rank,
-:func:`~meshbook.mesh.rank.memory.memory_probe` measures that pool for every heartbeat (``used`` counts other processes
+:mod:`meshbook.mesh.rank.memory` measures that pool for every heartbeat (``used`` counts other processes
 too: they exhaust it just the same). On the controller, :func:`memory_report` turns the last
 heartbeats into a :class:`MemoryReport`, one :class:`MemoryRow` per rank: RSS, CPU, CUDA
 allocated / reserved / peak and how full the pool is, ``near_limit`` from ``NEAR_LIMIT`` full,

@@ -119,8 +119,11 @@ def _reduce_tensor(tensor: Any) -> Any:
 class Pickler(cloudpickle.Pickler):
     """cloudpickle that sends CPU tensors' storage as out-of-band buffers (zero-copy frames).
 
-    With a ``limit``, the tensors' bytes are counted as they come, and :class:`TooBig` is
-    raised before the one that would go over it is moved off its device.
+    A DTensor travels as its local shard (what ``pull`` returns too): its DeviceMesh means
+    nothing outside the ranks' process groups (unpickled in the notebook it warns, and a GPU
+    mesh's would name ``cuda`` around a tensor now on the CPU); ``mesh.ref(name).full_tensor()``
+    assembles the whole. With a ``limit``, the tensors' bytes are counted as they come, and
+    :class:`TooBig` is raised before the one that would go over it is moved off its device.
     """
 
     def __init__(self, *args: Any, limit: int | None = None, **kwargs: Any) -> None:
@@ -130,6 +133,8 @@ class Pickler(cloudpickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None):
+            obj = obj.to_local()
         if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
             if self.limit is not None:
                 self.tensor_bytes += obj.numel() * obj.element_size()

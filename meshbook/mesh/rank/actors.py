@@ -56,6 +56,7 @@ from ..protocol.payload import SHARE_MIN, Payload, Segments, pickled
 from ..protocol.proc import pid_alive
 from ..protocol.text import format_ranks
 from ..protocol.values import RankValues
+from .devices import on_device
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -99,13 +100,16 @@ class ActorHost:
         method = getattr(type(actor), endpoint, None)
         if not getattr(method, ENDPOINT_MARK, False) and endpoint != "__supervise__":
             raise AttributeError(f"{type(actor).__qualname__} has no endpoint {endpoint!r}")
+        device = self.worker.namespace["device"]  # arguments land where push puts values
         if "payload" not in body:
+            args, kwargs = on_device((body["args"], body["kwargs"]), device)
             with self.worker.user_code():
-                return getattr(actor, endpoint)(*body["args"], **body["kwargs"])
+                return getattr(actor, endpoint)(*args, **kwargs)
         values, release = body["payload"].open()
         try:
+            args, kwargs = on_device((values["args"], values["kwargs"]), device)
             with self.worker.user_code():
-                return getattr(actor, endpoint)(*values["args"], **values["kwargs"])
+                return getattr(actor, endpoint)(*args, **kwargs)
         finally:
             del values
             if release():  # signed now, so it is numbered before the answer it precedes
@@ -120,8 +124,9 @@ class ActorHost:
         place_code(cls, body["code"])
         cfg = self.worker.cfg
         set_place(self.worker.rank, cfg.topology.world_size, cfg.topology.coords(self.worker.rank))
+        args, kwargs = on_device((body["args"], body["kwargs"]), self.worker.namespace["device"])
         with self.worker.user_code():
-            instance = cls(*body["args"], **body["kwargs"])
+            instance = cls(*args, **kwargs)
         self.actors[name] = instance
         self.worker.namespace[name] = instance
         return Peer(cfg.request_addr, os.getpid(), socket.gethostname())

@@ -10,13 +10,11 @@ loading the rank's machinery.
 
 from __future__ import annotations
 
-import copy
-import functools
-import json
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -27,6 +25,8 @@ from ..protocol.cell import stack_frames
 from ..protocol.namespaces import VarInfo, describe, inventory, local_shard
 from ..protocol.payload import Payload
 from ..protocol.reports import Collective, GroupPosition, Positions, RankSnapshot
+from .devices import on_device, walk
+from .torch_compat import abort_process_groups, backends, flight_records, is_default_group, issued, process_groups
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -57,7 +57,9 @@ def interrupt_request(worker: "Worker", request: int) -> None:
     now, dropped unstarted if it still waits in the rank's queue, nothing otherwise."""
     if worker.request == request:
         worker.interrupt_target = request
-        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler on the main thread
+        # To the main thread itself: a blocking call there (sleep, select, a socket) returns
+        # with EINTR and the handler runs now; a process-wide SIGINT may land on any thread.
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
     elif worker.last_request is None or request > worker.last_request:
         worker.cancelled.add(request)
 
@@ -80,17 +82,11 @@ def snapshot(worker: "Worker") -> RankSnapshot:
 
 
 def pending_collectives() -> tuple[Collective, ...]:
-    """Collectives enqueued but not completed, per torch's Flight Recorder (cheap: ~1 ms)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return ()
-    try:
-        trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json())
-    except Exception:
-        return ()  # no Flight Recorder in this torch build, or no process group yet
+    """Collectives enqueued but not completed, per torch's flight recorders (gloo's and
+    NCCL's, merged; point-to-point operations left out), oldest first."""
     out = []
-    for entry in trace.get("entries", []):
-        if entry.get("retired") or entry.get("is_p2p"):
+    for entry in flight_records():
+        if entry.get("is_p2p"):
             continue
         group = entry.get("process_group", ["", ""])
         out.append(Collective(
@@ -136,15 +132,20 @@ def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: li
     """Shut down this rank's connections to other ranks' endpoints (control thread), and
     every connection to ``lost_hosts`` (hosts whose ranks can no longer list their ports).
 
-    A collective blocked on such a connection fails at once ("Connection closed by peer");
-    the rank's other connections (the notebook's, the user's own) are left alone. Only done
-    while the rank is still stuck in the request ``stuck_in[rank]``: once it moved on it may
-    be building the new process group, whose connections must live.
+    A gloo collective blocked on such a connection fails at once ("Connection closed by
+    peer"); the rank's other connections (the notebook's, the user's own) are left alone. An
+    NCCL one may wait on NVLink or shared memory, which no socket closes: its communicators
+    are aborted instead (a CUDA sync waiting on it returns, and the next process group is made
+    without destroying this one, which would wait for the unpaired kernel). Only done while
+    the rank is still stuck in the request ``stuck_in[rank]``: once it moved on it may be
+    building the new process group, whose connections must live.
     """
     import psutil
 
     if worker.request != stuck_in.get(worker.rank):
         return 0
+    if "nccl" in worker.cfg.backend:
+        abort_process_groups()
     own = set(listening_ports(worker))
     peers = set(peer_ports)
     closed = 0
@@ -171,21 +172,25 @@ def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: li
 
 
 def positions(worker: "Worker") -> Positions:
-    """This rank's position in each of its process groups (main thread, in request order)."""
+    """This rank's position in each of its process groups, per backend (main thread, in
+    request order). A GPU mesh's group runs NCCL for CUDA tensors and gloo for CPU ones, each
+    counting its own collectives: the group's own count is its default backend's (NCCL), so a
+    CPU ``all_reduce`` would never be compared."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_initialized():
         return Positions(worker.rank, initialized=False)
-    from torch.distributed import distributed_c10d as c10d
-
     groups = {}
-    for pg in list(c10d._world.pg_map):
-        name = c10d._get_process_group_name(pg)
-        try:
-            issued = int(pg._get_sequence_number_for_group())
-        except Exception:  # a backend without sequence numbers: nothing to compare
-            continue
+    for name, pg in process_groups():
         desc = getattr(pg, "group_desc", "") or name
-        groups[name] = GroupPosition(issued, "the default group" if pg is c10d.GroupMember.WORLD else f"group {desc}")
+        label = "the default group" if is_default_group(pg) else f"group {desc}"
+        found = backends(pg)
+        for backend in found:
+            try:
+                count = issued(backend)
+            except Exception:  # a backend without sequence numbers: nothing to compare
+                continue
+            kind = backend.name()
+            groups[f"{name}/{kind}"] = GroupPosition(count, f"{label} ({kind})" if len(found) > 1 else label)
     return Positions(worker.rank, groups)
 
 
@@ -267,41 +272,12 @@ def info(worker: Any, name: str) -> VarInfo | None:
 
 
 def store(worker: Any, payload: Payload) -> None:
-    values = payload.load()
-    device = worker.namespace["device"]
-    if device.type != "cpu":
-        onto = functools.partial(_onto, device)
-        values = {name: _walk(value, onto) for name, value in values.items()}
+    values = on_device(payload.load(), worker.namespace["device"])
     worker.namespace.update(values)  # only once every value arrived: all of them or none
 
 
 def fetch(worker: Any, name: str) -> Any:
-    return _walk(worker.namespace[name], local_shard)
-
-
-def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
-    """``leaf`` applied inside lists, tuples and dicts (a state_dict, a batch)."""
-    if type(value) in (list, tuple):
-        return type(value)(_walk(v, leaf) for v in value)
-    if isinstance(value, dict):
-        out = copy.copy(value)
-        for key, item in value.items():
-            out[key] = _walk(item, leaf)
-        return out
-    return leaf(value)
-
-
-def _onto(device: Any, value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        moved = value.detach().to(device)
-        if isinstance(value, torch.nn.Parameter):
-            return torch.nn.Parameter(moved, requires_grad=value.requires_grad)
-        return moved.requires_grad_(value.requires_grad)
-    if isinstance(value, torch.nn.Module):
-        return value.to(device)
-    return value
+    return walk(worker.namespace[name], local_shard)
 
 
 # -- actors (mesh/controller/actors.py) -------------------------------------------------------

@@ -78,9 +78,15 @@ class MainThreadSampler:
     """
 
     def __init__(self, frame: Callable[[], FrameType | None], request: Callable[[], int | None],
-                 window: float = WINDOW_S, gap: float = SAMPLE_GAP_S) -> None:
+                 window: float = WINDOW_S, gap: float = SAMPLE_GAP_S,
+                 device_wait: Callable[[], tuple[str, float] | None] | None = None) -> None:
         self._frame = frame
         self._request = request
+        #: On NCCL: the oldest collective still running on the GPU and its age (see
+        #: ``torch_compat.oldest_nccl_pending``): the main thread waits for it outside any
+        #: collective's frame (``.item()``, ``synchronize()``).
+        self._device_wait = device_wait
+        self._device_stuck = 0.0
         self.window = window
         self.gap = gap
         #: Sampling can be paused (e.g. to measure what it costs); reports then age out.
@@ -112,8 +118,13 @@ class MainThreadSampler:
         found = _classify(frame) if frame is not None else None
         if request is None or found is None:
             self._stuck = None  # never keep a frame (and its locals) alive while idle
+            self._device_stuck = 0.0
             return
         waiting, where, call = found
+        device = self._device_wait() if self._device_wait is not None else None
+        self._device_stuck = device[1] if device is not None else 0.0
+        if device is not None and not waiting and device[1] >= self.gap:
+            waiting, where = True, f"{device[0]} on the GPU, from {where}"
         self._samples.append(Sample(now, request, waiting, where))
         same, samples, waits = self._total
         self._total = (request, samples + 1, waits + waiting) if same == request else (request, 1, int(waiting))
@@ -146,7 +157,7 @@ class MainThreadSampler:
         return {"request": request, "n": n, "wait": round(waiting / n, 3), "top": top,
                 "window": self.window, "error": self.error, "total_n": total,
                 "total_wait": round(total_waits / total, 3) if total else 0.0,
-                "stuck_s": round(stuck[2] - stuck[1], 1) if stuck else 0.0}
+                "stuck_s": round(max(stuck[2] - stuck[1] if stuck else 0.0, self._device_stuck), 1)}
 
 
 def classify(frame: FrameType) -> tuple[bool, str] | None:

@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import partial
@@ -45,9 +46,10 @@ from ..protocol.limits import KeptOnRank
 from ..protocol.topology import Topology
 from . import torchrun
 from .actors import ActorHost
-from .memory import memory_probe
+from .memory import CudaStats, host_memory_probe
 from .sampling import MainThreadSampler
 from .streams import FdPump, RankStream, install_thread_tagging
+from .torch_compat import FLIGHT_RECORDER_ENTRIES, oldest_nccl_pending
 
 TICK_S = 0.2
 
@@ -144,10 +146,12 @@ class Worker:
         #: Extra fields for heartbeats, filled by other rooms (e.g. straggler sampling).
         self.heartbeat_extras: dict[str, Callable[[], Any]] = {}
         #: Where the main thread spends its time (for straggler detection), and memory headroom.
-        self.sampler = MainThreadSampler(self.main_frame, lambda: self.request)
+        self.sampler = MainThreadSampler(self.main_frame, lambda: self.request,
+                                         device_wait=oldest_nccl_pending if "nccl" in cfg.backend else None)
         self.heartbeat_extras["sampling"] = self.sampler.report
-        self.heartbeat_extras["memory"] = memory_probe(
-            cfg.local_rank if cfg.device_type == "cuda" else None)
+        self.heartbeat_extras["memory"] = host_memory_probe()
+        #: CUDA memory, read off the control thread (an NCCL rank's GPU is its memory pool).
+        self.cuda = CudaStats(cfg.local_rank if cfg.device_type == "cuda" else None)
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -273,8 +277,10 @@ class Worker:
             self.result_limit = body.get("max_bytes")
             value = handler(body, request)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
-            self.last_exception = exc
             failure = failure_from(self.rank, exc)
+            if _out_of_memory(exc):  # its frames hold the tensors that filled the memory: let go
+                traceback.clear_frames(exc.__traceback__)
+            self.last_exception = exc
             reason = self.abort_reasons.pop(request, "")
             if reason:
                 failure = replace(failure, type_name="CollectiveAborted", message=reason)
@@ -461,15 +467,9 @@ class Worker:
             "cpu": self._process.cpu_percent(),
             "generation": self.generation,
         }
-        torch = sys.modules.get("torch")
-        if self.cfg.device_type == "cuda" and torch is not None:
-            # The rank's own device: this (control) thread's current device is not set.
-            device = self.cfg.local_rank
-            out["cuda_allocated"] = torch.cuda.memory_allocated(device)
-            out["cuda_reserved"] = torch.cuda.memory_reserved(device)
-            out["cuda_peak"] = torch.cuda.max_memory_allocated(device)
         for name, extra in self.heartbeat_extras.items():
             out[name] = extra()
+        out.update(self.cuda.latest())  # the GPU's pool replaces the host's on an NCCL rank
         return out
 
 
@@ -480,6 +480,11 @@ def describe_outcome(failure: RankFailure | None) -> str:
     frame = next((f for f in reversed(failure.frames) if f.in_cell), None)
     where = f" at {frame.where}" + (f" ({frame.line})" if frame.line else "") if frame else ""
     return f"stopped with {failure.type_name}{where}"
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """A CUDA (or host) out-of-memory error: keeping its frames alive keeps the memory full."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
 
 def _has_process_group() -> bool:
@@ -585,7 +590,7 @@ def run_rank(cfg: RankConfig) -> None:
         faulthandler.enable(file=crash, all_threads=True)
         proc.listen_only_on(cfg.listen_addr)
         # The Flight Recorder tells which collectives a stuck rank waits in (hang diagnosis).
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
         if "nccl" in cfg.backend:
             for name, value in NCCL_ENVIRONMENT.items():
                 os.environ.setdefault(name, value)  # a user's own setting wins

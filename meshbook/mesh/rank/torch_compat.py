@@ -1,0 +1,109 @@
+"""Every private torch API meshbook uses, in one place, each tested (tests/test_torch_compat.py).
+
+torch's public API cannot tell which collectives a rank enqueued and never completed, how many
+collectives a group issued on each backend, or abort a hung NCCL communicator; its private
+API can. These names may change in any torch release, so they are used here only, against the
+torch CI tests (see ``TORCH`` in ``dev``), and a test per function fails when one moves.
+Nothing here imports torch at load time: the controller imports :mod:`.ops`, which imports us.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+#: The flight recorders' size (entries per process, per recorder): a hang shows in the newest
+#: few, and a dump of a full 2,000-entry recorder costs ~130 ms of a rank's GIL.
+FLIGHT_RECORDER_ENTRIES = "256"
+#: The two recorders: gloo and other CPU backends write one, NCCL its own (NCCL builds only).
+_RECORDERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+
+
+def flight_records() -> list[dict[str, Any]]:
+    """Entries of every flight recorder of this process that are not completed, oldest first:
+    collectives enqueued and not done. gloo marks an entry ``retired`` when it finishes; NCCL's
+    watchdog marks it ``completed`` when its CUDA event fires (an NCCL collective returns to
+    Python at once: only its recorder knows it still runs on the GPU)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    c10d = torch._C._distributed_c10d
+    out = []
+    for name in _RECORDERS:
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            trace = json.loads(dump(includeCollectives=True, onlyActive=True))
+        except Exception:  # no process group yet, or a build without this recorder
+            continue
+        out += [e for e in trace.get("entries", []) if not e.get("retired") and e.get("state") != "completed"]
+    return sorted(out, key=lambda e: e.get("time_created_ns", 0))
+
+
+def oldest_nccl_pending() -> tuple[str, float] | None:
+    """The oldest NCCL collective enqueued and not completed, and its age in seconds (None:
+    none). NCCL collectives return to Python at once, so a rank blocked on one sits in
+    ``.item()`` or ``synchronize()``, not in a collective's frame: only this says it waits."""
+    torch = sys.modules.get("torch")
+    dump = getattr(torch._C._distributed_c10d, _RECORDERS[1], None) if torch is not None else None
+    if dump is None:
+        return None
+    try:
+        entries = json.loads(dump(includeCollectives=True, onlyActive=True)).get("entries", [])
+    except Exception:
+        return None
+    pending = [e for e in entries if not e.get("retired") and e.get("state") != "completed"
+               and not e.get("is_p2p") and e.get("time_created_ns")]
+    if not pending:
+        return None
+    oldest = min(pending, key=lambda e: e["time_created_ns"])
+    op = str(oldest.get("profiling_name", "?")).split(":")[-1]
+    return op, max(0.0, time.time() - oldest["time_created_ns"] / 1e9)
+
+
+def process_groups() -> list[tuple[str, Any]]:
+    """``(name, group)`` of every process group this rank belongs to."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return [(c10d._get_process_group_name(pg), pg) for pg in list(c10d._world.pg_map)]
+
+
+def is_default_group(pg: Any) -> bool:
+    from torch.distributed import distributed_c10d as c10d
+
+    return pg is c10d.GroupMember.WORLD
+
+
+def backends(pg: Any) -> list[Any]:
+    """The distinct backends of a process group (one may serve several device types: a gloo
+    group answers for both ``cpu`` and ``cuda``; ``cuda:nccl,cpu:gloo`` has two)."""
+    found: dict[int, Any] = {}
+    for device in pg._device_types:
+        try:
+            backend = pg._get_backend(device)
+        except Exception:
+            continue
+        found.setdefault(id(backend), backend)
+    return list(found.values())
+
+
+def issued(backend: Any) -> int:
+    """How many collectives ``backend`` has issued in its group (each backend counts its own)."""
+    return int(backend._get_sequence_number_for_group())
+
+
+def abort_process_groups() -> bool:
+    """Abort every NCCL communicator of this process (any thread may call it): a collective
+    or CUDA sync blocked on one fails at once, where ``destroy_process_group`` would wait for
+    the unpaired kernel forever. gloo's abort does nothing (its blocked collective ends when its
+    connection closes instead). False where torch has no such call."""
+    from torch.distributed import distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)
+    if abort is None:
+        return False
+    abort()
+    return True

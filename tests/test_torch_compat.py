@@ -1,0 +1,66 @@
+"""One test per private torch API meshbook uses (all of them live in rank/torch_compat.py):
+when a torch release moves one, the test that names it fails. They run on real ranks."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import pytest
+
+import meshbook
+from meshbook.mesh.rank import torch_compat
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[meshbook.Mesh]:
+    with meshbook.start(2) as mesh:
+        yield mesh
+
+
+def test_a_pending_collective_is_seen_from_the_control_thread(pair: meshbook.Mesh) -> None:
+    def records(worker: object) -> list:  # on the control thread: answered while the rank is busy
+        return [(e["profiling_name"], e["process_group"][1]) for e in torch_compat.flight_records()]
+
+    assert pair.run("import os\nos.environ['TORCH_FR_BUFFER_SIZE']").result().unique() == \
+        torch_compat.FLIGHT_RECORDER_ENTRIES
+    run = pair.run("import time\nif rank == 0:\n    w = dist.all_reduce(torch.ones(3), async_op=True)\n"
+                   "time.sleep(60)")
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            pending = pair.call(records, control=True).result(timeout=10)
+            if pending[0]:
+                break
+            assert time.monotonic() < deadline, "the flight recorder never showed the collective"
+            time.sleep(0.2)
+        assert pending[0] == [("gloo:all_reduce", "default_pg")] and pending[1] == []
+    finally:
+        run.interrupt()
+        with pytest.raises(meshbook.RemoteError):
+            run.result(timeout=30, echo=False)
+        run.step_report()
+    assert pair.call(records, control=True).result(timeout=10).unique() == [], "done once re-created"
+
+
+def test_nccl_recorder_is_absent_from_a_cpu_build() -> None:
+    assert torch_compat.oldest_nccl_pending() is None  # no NCCL in this torch: nothing to read
+
+
+def test_groups_backends_and_their_counts(pair: meshbook.Mesh) -> None:
+    def counts() -> list:
+        return [(name, torch_compat.is_default_group(pg), [(b.name(), torch_compat.issued(b))
+                                                           for b in torch_compat.backends(pg)])
+                for name, pg in torch_compat.process_groups()]
+
+    before = pair.apply(counts).result()[0]
+    pair.run("dist.all_reduce(torch.ones(1))").result()
+    after = pair.apply(counts).result()[0]
+    default = [c for c in after if c[1]]
+    assert len(default) == 1 and default[0][2][0][0] == "gloo"
+    assert default[0][2][0][1] == [c for c in before if c[1]][0][2][0][1] + 1
+
+
+def test_abort_process_groups_exists() -> None:
+    with meshbook.start(1) as mesh:  # on gloo it aborts nothing; the call itself must exist
+        assert mesh.apply(torch_compat.abort_process_groups).result()[0] is True
