@@ -49,7 +49,7 @@ class ListeningAgent:
     def configure(self, sock: zmq.Socket, epoch: int = 0) -> None:
         """Configure the agent with one rank and wait until it is ready."""
         config = {"host": 0, "hosts": 1, "ranks": [0], "generation": 0, "dims": [["world", 1]],
-                  "backend": "gloo", "listen_addr": self.info["addr"],
+                  "backend": "gloo", "device_type": "cpu", "listen_addr": self.info["addr"],
                   "store": [self.info["addr"], self.info["store_port"]], "serve_store": True,
                   "master_port": self.info["store_port"], "collective_timeout": 60.0}
         self.op(sock, self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: [0]},

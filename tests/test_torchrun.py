@@ -119,3 +119,33 @@ def test_a_pasted_torchrun_script_gives_torchrun_s_losses(mesh: meshbook.Mesh, t
     assert len(expected) == 3 * 8 and expected[-1] < expected[0]
     # the model is still usable after the script's destroy_process_group()
     assert mesh.run("model(features[:2]).shape[0]").result().unique() == 2
+
+
+CELL_CLASSES = """
+import dataclasses, io, pickle
+@dataclasses.dataclass
+class Cfg:
+    lr: float
+    name: str = "run"
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+objs = [None] * world_size
+dist.all_gather_object(objs, Cfg(0.1 * (rank + 1)))
+buffer = io.BytesIO()
+torch.save(Net(), buffer)
+buffer.seek(0)
+restored = torch.load(buffer, weights_only=False)
+(pickle.loads(pickle.dumps(Cfg(0.5))), [o.lr for o in objs], type(restored).__name__, __name__)
+"""
+
+
+def test_classes_defined_in_a_cell_pickle_as_in_a_script(mesh: meshbook.Mesh) -> None:
+    """A cell's namespace is a real ``__main__`` module's, so pickle finds its classes (it
+    looks them up as ``__main__.Cfg``), as under torchrun and in a plain kernel."""
+    values = mesh.run(CELL_CLASSES).result()
+    cfg, lrs, restored, name = values[0]
+    assert (cfg.lr, cfg.name, restored, name) == (0.5, "run", "Net", "__main__")
+    assert lrs == pytest.approx([0.1, 0.2])
+    assert values[1][1] == values[0][1]

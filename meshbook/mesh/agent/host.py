@@ -281,8 +281,7 @@ def omp_threads(local_ranks: int) -> tuple[int | None, str]:
             return None, f"OMP_NUM_THREADS={value!r} is not a number: torch's default threads per rank"
     if local_ranks > 1:
         os.environ["OMP_NUM_THREADS"] = "1"
-        return 1, ("OMP_NUM_THREADS=1 per rank, as torchrun sets it (set OMP_NUM_THREADS before "
-                   "starting to change it)")
+        return 1, "OMP_NUM_THREADS=1 per rank, as torchrun sets it"
     return None, ""
 
 

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import partial
@@ -99,7 +100,10 @@ class Worker:
         self.cfg = cfg
         self.rank = cfg.rank
         self.wire = wire.Wire(cfg.key)
-        self.namespace: dict[str, Any] = {}
+        #: The namespace cells run in: the ``__dict__`` of a real ``__main__`` module, as a
+        #: script has, so a class defined in a cell pickles by reference (``pickle.dumps``,
+        #: ``all_gather_object``, ``torch.save`` of a module) as it does under torchrun.
+        self.namespace: dict[str, Any] = _main_module().__dict__
         self.request: int | None = None  # what the main thread runs now (None: idle)
         self.last_request: int | None = None
         self.started_at = 0.0
@@ -235,7 +239,6 @@ class Worker:
             rank=self.rank, world_size=topo.world_size, local_rank=cfg.local_rank,
             coords=topo.coords(self.rank), device=device, torch=torch, dist=dist,
             device_mesh=device_mesh, display=self.display)
-        self.namespace.setdefault("__name__", "__main__")
         self.namespace.setdefault("__builtins__", __builtins__)
 
     # -- the main loop ---------------------------------------------------------------------
@@ -480,6 +483,13 @@ def describe_outcome(failure: RankFailure | None) -> str:
     frame = next((f for f in reversed(failure.frames) if f.in_cell), None)
     where = f" at {frame.where}" + (f" ({frame.line})" if frame.line else "") if frame else ""
     return f"stopped with {failure.type_name}{where}"
+
+
+def _main_module() -> types.ModuleType:
+    """A fresh ``__main__`` for the rank (the agent's entry module was ``__main__`` so far)."""
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    return main
 
 
 def _out_of_memory(exc: BaseException) -> bool:
