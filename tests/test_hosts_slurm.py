@@ -221,10 +221,15 @@ def test_the_magics_on_slurm_and_a_cancelled_job_fails_the_cell(cluster: slurm.S
         reply = kernel.wait(msg_id, sent_at, timeout=90)
         assert reply.status == "error" and f"job {job} ended: CANCELLED" in reply.error_text, reply.error_text
         assert kernel.value("6 * 7") == 42, "the kernel is healthy"
+        wait_until(lambda: "mesh ended: " in kernel.ok("%mesh status").stream(), "the mesh to end with its job")
+        assert f"job {job} ended: CANCELLED" in kernel.ok("%mesh status").stream()
+        again = kernel.ok("%mesh start --slurm nodes=2,time=30:00", timeout=180).stream()  # no --force needed
+        second = re.search(r"submitted Slurm job (\d+)", again).group(1)  # type: ignore[union-attr]
+        assert "started" in again and second != job
         kernel.ok("%mesh stop")
     finally:
         kernel.close()
-    assert gone(cluster, job)
+    assert gone(cluster, job) and gone(cluster, second)
 
 
 def test_a_kept_slurm_mesh_survives_its_kernel_and_a_new_kernel_attaches_it(

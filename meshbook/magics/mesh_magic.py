@@ -23,6 +23,7 @@ from ..mesh import (
     RemoteError,
     Slurm,
     attach,
+    ended_meshes,
     list_meshes,
     meshes,
     parse_dims,
@@ -279,6 +280,11 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
         """Show each mesh's ranks: host, pid, device, coordinates and state; its actors; and
         for a mesh across hosts, each host: address, agent pid, ranks, round trip, last heartbeat."""
         parse_argstring(self.status, line)
+        ended = ended_meshes()
+        if not meshes() and ended:  # say how they ended: a new %mesh start needs no --force
+            print("\n".join(f"{'mesh' if name == 'mesh' else f'mesh {name!r}'} ended: {reason}. Start a new "
+                            f"one with %mesh start" for name, reason in ended.items()))
+            return
         current = require_mesh()
         running = meshes()
         for mesh in running.values():

@@ -53,6 +53,9 @@ class Dashboard(HTMLPanel):
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="meshbook-dashboard", daemon=True)
         self._thread.start()
+        # Frozen in the cell (or at the exit) that stops the mesh: a batch runner (nbconvert,
+        # nbval, papermill) whose last cell is %mesh stop has gone before the next refresh.
+        self.mesh.controller.add_stop_listener(self.close)
 
     @property
     def thread(self) -> threading.Thread:
@@ -68,12 +71,15 @@ class Dashboard(HTMLPanel):
         self.html_view.value = self._render(report)
 
     def close(self) -> None:
-        """Stop updating (the thread ends) and leave a static snapshot of the panel."""
+        """Stop updating (the thread ends) and leave a static snapshot of the panel, as the
+        ranks are now (it says closed, or that the mesh stopped)."""
+        if self._stop.is_set():
+            return  # closed already (by the user, or as its mesh stopped)
         self._stop.set()
+        self.mesh.controller.remove_stop_listener(self.close)
         if threading.current_thread() is not self._thread:
             self._thread.join(5)
-            if not self.mesh.stopped:
-                self.refresh()  # the snapshot shows the ranks as they are now, and says closed
+        self.refresh()
         super().close()
 
     def _loop(self) -> None:
@@ -81,8 +87,7 @@ class Dashboard(HTMLPanel):
             while not self._stop.wait(self.refresh_s) and not self.mesh.stopped:
                 self.refresh()
             if not self._stop.is_set():
-                self.refresh()  # the mesh stopped: show it once more, as it ended
-                self.close()
+                self.close()  # the mesh stopped, and its stop did not close us: show how it ended
         except Exception as exc:  # say why the panel froze rather than freeze silently
             self.html_view.value += html.note(f"the dashboard stopped updating: "
                                               f"{type(exc).__name__}: {exc}")

@@ -53,6 +53,8 @@ from .step import StepCheck
 
 #: How many finished runs still get their late output routed to them.
 LATE_OUTPUT_RUNS = 256
+#: Why a mesh stopped when the user stopped it (any other reason: it ended on its own).
+USER_STOP = "stopped by the user"
 
 
 @dataclass
@@ -157,6 +159,9 @@ class Controller:
         self.stdin_probe: Callable[[], bool] = _terminal_stdin
         #: Called with (rank, cause) when a rank dies.
         self.death_listeners: list[Callable[[int, str], None]] = []
+        #: Called once the mesh has stopped, on the thread that stopped it (a panel freezes in
+        #: the cell that stops its mesh, not a refresh later, after a batch runner has gone).
+        self.stop_listeners: list[Callable[[], None]] = []
         self._receiver = threading.Thread(target=self._receive, name="meshbook-receiver", daemon=True)
         self._receiver.start()
         _LIVE.add(self)
@@ -184,6 +189,13 @@ class Controller:
     def remove_death_listener(self, listener: Callable[[int, str], None]) -> None:
         if listener in self.death_listeners:
             self.death_listeners.remove(listener)
+
+    def add_stop_listener(self, listener: Callable[[], None]) -> None:
+        self.stop_listeners.append(listener)
+
+    def remove_stop_listener(self, listener: Callable[[], None]) -> None:
+        if listener in self.stop_listeners:
+            self.stop_listeners.remove(listener)
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -902,6 +914,19 @@ class Controller:
             reason = f"host agent {host} died ({agent.exit_reason()})"
             self._ranks_died(ranks, {"cause": reason})
             self._mark_stopped(reason)
+        if self.remote and not self.stopped:
+            self._end_if_beyond_restart()
+
+    def _end_if_beyond_restart(self) -> None:
+        """Every rank is dead and no host can be started again (a Slurm job that ended, hosts
+        that joined from elsewhere): the mesh has ended. It stops, its cells say how it ended,
+        and a new start needs no --force."""
+        if getattr(self.launcher, "relaunchable", True) or any(s.state != "dead" for s in self.ranks.values()):
+            return
+        causes = sorted({s.cause for s in self.ranks.values()})
+        reason = causes[0] if len(causes) == 1 else "every rank died: " + "; ".join(causes)
+        self._mark_stopped(reason)
+        threading.Thread(target=self.stop, args=(reason,), daemon=True).start()
 
     def _mark_stopped(self, reason: str) -> None:
         with self._lock:
@@ -911,7 +936,7 @@ class Controller:
 
     # -- shutdown ----------------------------------------------------------------------------
 
-    def stop(self, reason: str = "stopped by the user", detach: bool = False) -> None:
+    def stop(self, reason: str = USER_STOP, detach: bool = False) -> None:
         """Kill every rank and agent, fail what still runs, and remove the runtime directory.
         ``detach``: leave the agents and ranks running (a kept mesh this kernel lets go of)."""
         with self._lock:
@@ -946,6 +971,11 @@ class Controller:
         self.ctx.term()
         shutil.rmtree(self.rundir, ignore_errors=True)
         _LIVE.discard(self)
+        for listener in list(self.stop_listeners):
+            try:
+                listener()
+            except Exception as exc:  # a view's failure must not make stopping fail
+                _log(f"a stop listener failed: {type(exc).__name__}: {exc}")
 
 
 def live_controllers() -> list[Controller]:

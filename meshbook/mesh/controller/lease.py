@@ -173,6 +173,8 @@ class Lease:
 class Keep(RemoteLauncher):
     """A mesh on this host whose agent outlives the kernel for ``lease_s`` (``keep=``)."""
 
+    relaunchable = False
+
     def __init__(self, lease_s: float, name: str) -> None:
         super().__init__(None, None)
         self.lease_s = lease_s
@@ -268,6 +270,8 @@ def write_record(controller: Controller, mesh_id: str, launcher: str, hosts: lis
 
 class Attached(RemoteLauncher):
     """Dials the agents a mesh file names, with its keys and the next epoch."""
+
+    relaunchable = False
 
     def __init__(self, record: MeshRecord) -> None:
         super().__init__(None, None)

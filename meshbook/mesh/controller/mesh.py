@@ -34,7 +34,7 @@ from ..protocol.limits import DEFAULT_MAX_BYTES
 from ..protocol.topology import DimSelector, Topology, resolve
 from ..rank import ops
 from .actors import ActorMesh, actor_meshes, spawn
-from .controller import Controller, RankState
+from .controller import USER_STOP, Controller, RankState
 from .data import DataOps
 from .debug import DebugOps
 from .hosts import HostLink
@@ -133,6 +133,7 @@ def register(controller: Controller) -> "Mesh":
     mesh = Mesh(controller, list(range(controller.topology.world_size)))
     global _current
     _current = _meshes[controller.name] = mesh
+    _ended.pop(controller.name, None)
     watch = getattr(controller.launcher, "watch", None)
     if watch is not None:  # a launcher that keeps an eye on its hosts (Slurm: the time limit)
         watch(mesh)
@@ -157,13 +158,23 @@ def remove_start_listener(listener: Callable[["Mesh"], None]) -> None:
 _current: "Mesh | None" = None
 #: This process's meshes by name, in start order (stopped ones are dropped when next looked at).
 _meshes: dict[str, "Mesh"] = {}
+#: Meshes that ended on their own (their Slurm job ended, every host was lost...), by name: how.
+_ended: dict[str, str] = {}
 
 
 def meshes() -> dict[str, "Mesh"]:
     """The running meshes of this process by name, in the order they started."""
     for name in [n for n, m in _meshes.items() if m.stopped]:
-        del _meshes[name]
+        reason = _meshes.pop(name).controller.stop_reason
+        if reason != USER_STOP:
+            _ended[name] = reason
     return dict(_meshes)
+
+
+def ended_meshes() -> dict[str, str]:
+    """Meshes that ended on their own since they were started, by name: how each ended."""
+    meshes()
+    return dict(_ended)
 
 
 def current() -> "Mesh":
@@ -172,6 +183,9 @@ def current() -> "Mesh":
         raise MeshStoppedError(_current.controller.fenced)  # until another mesh is started or attached
     if _current is None or _current.stopped:
         running = meshes()
+        if _current is not None and _current.name in _ended and _current.controller.stop_reason != USER_STOP:
+            raise MeshError(f"the mesh {_current.name!r} ended ({_current.controller.stop_reason}); start a "
+                            f"new one with meshbook.start(...) (%mesh start ...)")
         if _current is not None and running:
             raise MeshError(f"the current mesh {_current.name!r} is stopped; running: {', '.join(running)}. "
                             f"Pick one with meshbook.use(NAME) (%mesh use NAME)")

@@ -54,6 +54,9 @@ class RemoteLauncher:
     """What the launchers for other hosts share: liveness thresholds and planning."""
 
     remote = True
+    #: Can it start a host's agent again (``%mesh restart`` of a lost host's ranks)? A mesh
+    #: whose every rank died and that cannot is over (see ``Controller._end_if_beyond_restart``).
+    relaunchable = True
 
     def __init__(self, suspect_s: float | None, lost_s: float | None) -> None:
         self.suspect_s = float(suspect_s if suspect_s is not None else
@@ -230,6 +233,8 @@ class SshAgent:
 
 class Join(RemoteLauncher):
     """Hosts join by running one printed command (from any launcher) with a one-time token."""
+
+    relaunchable = False
 
     def __init__(self, hosts: int | None = None, per_host: int | None = None, address: str | None = None,
                  token_dir: str | None = None, announce: Callable[[str], None] | None = None,

@@ -142,6 +142,8 @@ class Slurm(RemoteLauncher):
     """One agent per node of a Slurm job: submitted with ``sbatch``, or inside an allocation
     the user already has (``job=ID``, through ``srun --jobid``)."""
 
+    relaunchable = False
+
     def __init__(self, nodes: int | None = None, per_node: int | None = None, *, job: str | int | None = None,
                  time: str | None = None, partition: str | None = None, gpus_per_node: int | None = None,
                  sbatch: str | Sequence[str] = (), python: str | None = None,
