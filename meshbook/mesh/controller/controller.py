@@ -46,10 +46,11 @@ from ..rank.ops import interrupt_request
 from .hosts import HostLink, Network
 from .launchers import AgentHandle, HostPlan, Launcher, agent_environment
 from .metrics import MetricsHistory
-from .recovery import abort, free_after_interrupt
+from .recovery import abort
 from .render import print_late
 from .run import Run
 from .step import StepCheck
+from .watch import watch
 
 #: How many finished runs still get their late output routed to them.
 LATE_OUTPUT_RUNS = 256
@@ -550,24 +551,17 @@ class Controller:
         with self._lock:
             hit = [run for run in self._runs.values() if set(run.pending) & set(ranks)]
         for run in hit:
-            run.interrupted = True
+            run.interrupted, run.interrupted_at = True, time.monotonic()
         self.signal(ranks, signal.SIGINT)
-        for run in hit:
-            self._free_after_interrupt(run)
 
     def interrupt_run(self, run: Run) -> None:
         """Interrupt ``run`` and nothing else: ranks running it get ``KeyboardInterrupt``,
         ranks where it still waits in the queue drop it before it starts. Other runs (a
         background ``mesh.run``) are not touched."""
-        run.interrupted = True
+        run.interrupted, run.interrupted_at = True, time.monotonic()
         ranks = [r for r in run.pending if self.ranks[r].state != "dead"]
         if ranks and not self.stopped:
             self.call(interrupt_request, run.id, ranks=ranks, what="interrupt", channel=msg.CONTROL)
-            self._free_after_interrupt(run)
-
-    def _free_after_interrupt(self, run: Run) -> None:
-        if run.kind in msg.USER_KINDS and not self.stopped:
-            threading.Thread(target=free_after_interrupt, args=(self, run), daemon=True).start()
 
     def signal(self, ranks: list[int], sig: int) -> None:
         live = [r for r in ranks if self.ranks[r].state != "dead"]
@@ -615,6 +609,9 @@ class Controller:
                 if now >= next_check:
                     next_check = now + 0.25
                     self._check_agents()
+                    with self._lock:
+                        runs = list(self._runs.values())
+                    watch(self, runs)
                     if self.network is not None:
                         self.network.tick(self._ping, self._host_lost)
             except Exception as exc:  # the receiver must outlive any one failure

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from ..protocol import messages as msg
 from ..protocol.errors import MeshError
 from ..protocol.text import format_ranks, ranks_text
-from ..rank.ops import abort_collectives, prepare_abort, reinit, snapshot
-from .hangs import group_members
+from ..rank.ops import abort_collectives, prepare_abort, reinit
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -39,10 +38,6 @@ ABORT_AFTER_S = 0.2
 KILL_AFTER_S = 2.0
 #: How long ranks get to join re-created groups after a step check before being re-forked.
 RESYNC_TIMEOUT_S = 30.0
-#: How long an interrupted run's ranks get to stop before those blocked in a collective that
-#: a stopped rank will never join are freed.
-FREE_AFTER_S = 1.0
-STACKS_WAIT_S = 2.0
 
 
 @dataclass
@@ -143,41 +138,6 @@ def resync(controller: "Controller", held: "Run", ahead: list[int],
         kept = [r for r in ranks if r not in restarted]
         return Recovery(restarted, sorted(set(ahead) - set(restarted)), kept, generation,
                         time.monotonic() - started)
-
-
-def free_after_interrupt(controller: "Controller", run: "Run") -> None:
-    """After ``run`` was interrupted: free its ranks blocked in a collective that a member of
-    the group, having stopped, will never join (thread).
-
-    Python cannot interrupt a rank blocked in C, and such a collective could only complete by
-    pairing with whatever the stopped rank issues next: a wrong result. So it is aborted; the
-    rank keeps its variables and the step check that follows re-creates the groups.
-    """
-    if run.wait(FREE_AFTER_S) or controller.stopped:
-        return
-    try:
-        _free_stopped_peers(controller, run)
-    except MeshError:
-        pass  # a rank died or the mesh stopped meanwhile: that path frees (or ends) them
-
-
-def _free_stopped_peers(controller: "Controller", run: "Run") -> None:
-    live = [r for r in run.pending if controller.ranks[r].state != "dead"]
-    asked = controller.call(snapshot, ranks=live, what="stacks", channel=msg.CONTROL)
-    asked.wait(STACKS_WAIT_S)
-    reasons = {}
-    for rank, snap in asked.values().items():
-        if snap.request != run.id or not snap.pending:
-            continue
-        collective = snap.pending[-1]
-        members = group_members(collective, rank, controller.topology) or []
-        stopped = [m for m in members if m not in run.pending]
-        if stopped:
-            reasons[rank] = (f"interrupted: meshbook aborted its {collective.describe()}, which "
-                             f"{ranks_text(stopped)} stopped before joining and would never join")
-    if reasons:
-        run.forced_resync = True  # before the abort: the run may end (and its check start) at once
-        abort(controller, list(reasons), reasons)
 
 
 def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int, str] = "",

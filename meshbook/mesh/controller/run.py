@@ -57,6 +57,12 @@ class Run:
         #: What meshbook did about this run on its own (e.g. freeing ranks a dead rank stranded).
         self.notes: list[str] = []
         self.submitted_at = time.monotonic()
+        #: When its first rank finished it, and when it was interrupted (the run watcher's
+        #: clocks, see ``watch.py``), when the watcher last looked, and whether it looks now.
+        self.first_done_at: float | None = None
+        self.interrupted_at: float | None = None
+        self.checked_at = 0.0
+        self.checking = False
         self._topology = topology
         self._interrupt = interrupt
         self.send_input = send_input  # answers a rank's debugger prompt (InputRequest)
@@ -82,6 +88,8 @@ class Run:
                     return  # a second answer (e.g. death after the result): keep the first
                 self._pending.discard(event.rank)
                 self._durations[event.rank] = event.duration
+                if self.first_done_at is None:
+                    self.first_done_at = time.monotonic()
                 if isinstance(event, Result):
                     self._values[event.rank] = event.value
                 else:
@@ -133,6 +141,10 @@ class Run:
             if len(self._events) <= index and self._pending:
                 self._cond.wait(timeout)
             return self._events[index:], len(self._events)
+
+    def failed_ranks(self) -> set[int]:
+        """Ranks whose part of the run failed (so far)."""
+        return set(self._failures)
 
     def values(self) -> RankValues:
         """Results of the ranks that have succeeded so far."""
