@@ -198,3 +198,33 @@ def test_slow_rank_by_cell_duration(mesh4: meshbook.Mesh) -> None:
     run.result()
     assert mesh4.stragglers(run).slow_ranks == [1]
     assert mesh4.stragglers(run, factor=100).slow_ranks == []
+
+
+def uneven_loop(steps: int) -> str:
+    """The loop where sampling misread the split: rank 2 computes 0.2 s a step, the others 0.05 s."""
+    return (f"import time\nx = torch.ones(4)\nfor _ in range({steps}):\n"
+            f"    time.sleep(0.2 if rank == 2 else 0.05)\n    dist.all_reduce(x)")
+
+
+def test_the_split_and_the_straggler_are_exact() -> None:
+    """Each rank's computing time within 10% of the truth, and rank 2 named alone, every run
+    (sampling read 0.00 s of computing for ranks that each slept 2 s, and once flagged rank 0)."""
+    with meshbook.start(4) as mesh:
+        run = mesh.run(uneven_loop(40))
+        run.result(timeout=120)
+        waiting = mesh.waiting(run)
+        assert waiting is not None
+        computing = {r: run.durations[r] - waiting[r] for r in range(4)}
+        for rank, truth in {0: 2.0, 1: 2.0, 2: 8.0, 3: 2.0}.items():
+            assert abs(computing[rank] - truth) <= 0.1 * truth, (rank, computing, waiting)
+        report = mesh.stragglers(run)
+        assert report.stragglers == [2], str(report)
+        assert str(report).startswith("straggler: rank 2 (score 1.00): it arrived last at 40 of 40 collectives")
+        verdicts = []
+        for _ in range(20):
+            short = mesh.run(uneven_loop(10))
+            short.result(timeout=60)
+            verdicts.append(mesh.stragglers(short).stragglers)
+        assert verdicts == [[2]] * 20, verdicts
+        live = mesh.stragglers()  # the last seconds of the latest cell: the same verdict
+        assert live.stragglers == [2]

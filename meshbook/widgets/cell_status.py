@@ -6,16 +6,17 @@ Most cells end within a second and show nothing; a cell still running after
 ``SHOW_AFTER_S`` gets a :class:`CellStatus` widget: per rank its state (running / done /
 error / interrupted / dead), elapsed time, the cell line it is on now (from its heartbeat) and
 a straggler mark. When the cell ends the widget turns into a bar chart of the final per-rank
-durations, each split into computing and waiting in collectives (from the ranks' own
-sampling, :mod:`meshbook.mesh.rank.sampling`): ranks that end in a collective all take the same
+durations, each split into computing and waiting in collectives (exactly, from when each rank
+entered and left each collective, :mod:`meshbook.mesh.rank.collectives`; from the ranks' own
+sampling for collectives issued from C++): ranks that end in a collective all take the same
 time, and the straggler is the one that spent it computing while the others waited.
 
 A cell that opens a debugger (``breakpoint()``) shows no status once a prompt came: the
 widget would land inside the pdb transcript. If it was already showing, it ends with the
 ranks' states only, since their durations count the time the user spent at the prompt.
 
-A rank is marked as a straggler when the sampling detector flags it
-(:meth:`meshbook.Mesh.stragglers`) or when its time exceeds the median of the other ranks' by
+A rank is marked as a straggler when it keeps arriving last at the cell's collectives, or the
+sampling detector flags it (:meth:`meshbook.Mesh.stragglers`), or when its time exceeds the median of the other ranks' by
 ``DURATION_FACTOR`` (a running rank counts with its time so far).
 
 Where widgets do not render, the output falls back to the same HTML, and to a deterministic
@@ -122,15 +123,19 @@ def rank_rows(mesh: Mesh, run: Run, factor: float = DURATION_FACTOR) -> list[dic
     durations = run.durations
     states = {s.rank: s for s in mesh.status()}
     elapsed = {r: durations.get(r, now - run.submitted_at) for r in run.ranks}
-    # Sampling evidence counts only if it was taken in this run, not in an earlier cell.
-    sampled = {t.rank for t in mesh.stragglers().ranks if t.straggler and t.request == run.id}
+    # The run's own arrivals at its collectives; sampling counts only if taken in this run.
+    exact = mesh.waiting(run) or {}
+    sampled = {t.rank for t in mesh.stragglers(run).ranks
+               if t.straggler and (t.flagged is not None or t.request == run.id)}
     flagged = sampled | {s.rank for s in slow_by_duration(elapsed, factor)}
     rows = []
     for rank in run.ranks:
         metrics = states[rank].metrics if rank in states else {}
         sampling = metrics.get("sampling") or {}
         waiting = None
-        if sampling.get("request") == run.id and sampling.get("total_n"):
+        if rank in exact:
+            waiting = round(min(exact[rank], elapsed[rank]), 2)
+        elif sampling.get("request") == run.id and sampling.get("total_n"):
             waiting = round(elapsed[rank] * sampling["total_wait"], 2)
         if rank in failures:
             failure = failures[rank]

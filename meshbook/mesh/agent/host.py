@@ -195,7 +195,8 @@ class Agent:
 
     def _ping(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """The controller's heartbeat: answer with ours (it times the round trip)."""
-        self.emit(msg.HOST_BEAT, request, {"sent": body["sent"], "ranks": sorted(self.procs)})
+        self.emit(msg.HOST_BEAT, request, {"sent": body["sent"], "wall": body.get("wall"),
+                                           "agent_wall": time.time_ns(), "ranks": sorted(self.procs)})
 
     def _attach(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """A new controller took over this (kept) mesh: what it needs to know of our ranks."""

@@ -45,6 +45,7 @@ from ..protocol.remote import encode_route
 from ..rank.ops import interrupt_request
 from .hosts import HostLink, Network
 from .launchers import AgentHandle, HostPlan, Launcher, agent_environment
+from .clock import CollectiveTimes
 from .metrics import MetricsHistory
 from .recovery import abort
 from .render import print_late
@@ -143,6 +144,8 @@ class Controller:
         self._step_checks: list[StepCheck] = []
         #: The last minutes of each rank's memory (for sparklines), kept from the start.
         self.history = MetricsHistory()
+        #: When every rank entered and left each collective: exact waiting, who arrives last.
+        self.clock = CollectiveTimes()
         #: Called on the receiver thread with (rank, metrics) for every heartbeat.
         self.heartbeat_listeners: list[Callable[[int, dict[str, Any]], None]] = [self.history.record]
         #: Called with every new Run (the notebook layer attributes its output to a cell).
@@ -154,7 +157,8 @@ class Controller:
             msg.INPUT: self._on_input, msg.DEBUG_END: self._on_debug_end, msg.RESULT: self._on_answer,
             msg.ERROR: self._on_answer, msg.EXIT: self._on_exit, msg.HELLO: self._on_hello,
             msg.READY: self._on_ready, msg.INIT_FAILED: self._on_init_failed, msg.AGENT: self._on_agent,
-            msg.HOST_BEAT: self._on_host_beat, msg.FENCED: self._on_fenced}
+            msg.HOST_BEAT: self._on_host_beat, msg.FENCED: self._on_fenced,
+            msg.COLLECTIVES: self._on_collectives}
         #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
         #: replaces this with "does this cell allow stdin").
         self.stdin_probe: Callable[[], bool] = _terminal_stdin
@@ -651,7 +655,7 @@ class Controller:
 
     def _ping(self) -> list[Any]:
         return self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []},
-                              {"op": msg.AgentOp.PING, "sent": time.monotonic()})
+                              {"op": msg.AgentOp.PING, "sent": time.monotonic(), "wall": time.time_ns()})
 
     def _on_host_beat(self, message: wire.Message) -> None:
         if self.network is None or (link := self.network.links.get(message.header[msg.HOST])) is None:
@@ -661,6 +665,8 @@ class Controller:
             link.state = "stopped"
         elif "sent" in body:
             link.rtt = time.monotonic() - body["sent"]
+            if "wall" in body and "agent_wall" in body:
+                link.clocked(body["wall"], body["agent_wall"], time.time_ns())
             if self.lease is not None:
                 self.lease.renewed()
 
@@ -703,6 +709,12 @@ class Controller:
         state.metrics, state.last_seen = metrics, time.monotonic()
         for listener in self.heartbeat_listeners:
             listener(rank, metrics)
+
+    def _on_collectives(self, message: wire.Message) -> None:
+        """When a rank entered and left its latest collectives, in its host's clock."""
+        rank = message.header[msg.RANK]
+        link = self.network.links.get(self.host_of[rank]) if self.network is not None else None
+        self.clock.add(rank, message.body(), link.clock_offset_ns if link is not None else 0)
 
     def _on_output(self, message: wire.Message) -> None:
         body = message.body()

@@ -53,6 +53,20 @@ class HostLink:
     last_ping: float = 0.0
     rtt: float | None = None
     state: str = "ok"  # ok | suspect | lost | stopped (it confirmed a stop)
+    #: How far the host's wall clock runs ahead of ours (its ranks' collective times are
+    #: stamped with it), from the quickest of the recent pings.
+    clock_offset_ns: int = 0
+    _best_ping_ns: int = 0
+
+    def clocked(self, sent_ns: int, agent_ns: int, back_ns: int) -> None:
+        """A ping's answer: the agent read its clock ``agent_ns`` between our ``sent_ns`` and
+        ``back_ns``. The quicker the round trip, the better the estimate; older bests fade."""
+        trip = back_ns - sent_ns
+        if self._best_ping_ns == 0 or trip <= self._best_ping_ns:
+            self._best_ping_ns = max(1, trip)
+            self.clock_offset_ns = agent_ns - (sent_ns + back_ns) // 2
+        else:
+            self._best_ping_ns += self._best_ping_ns // 16  # a better estimate may come along
 
     def describe(self) -> str:
         return f"host {self.name} ({self.address}): ranks {format_ranks(self.ranks)}"

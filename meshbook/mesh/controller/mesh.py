@@ -347,10 +347,21 @@ class Mesh(DebugOps, DataOps):
         return memory_report(self.status())
 
     def stragglers(self, run: Run | None = None, factor: float = DURATION_FACTOR) -> StragglerReport:
-        """Which rank the others wait for, from where each rank spent the last seconds
-        (sampled inside collectives or not); with ``run``, also the ranks whose duration
-        exceeds ``factor`` times the median of the others'."""
-        return straggler_report(self._sampled(), run.durations if run is not None else None, factor)
+        """Which rank the others wait for: the rank that arrives last at the collectives (of
+        ``run``, or of the last seconds of the latest cell), else from where each rank spent
+        the last seconds (sampled inside collectives or not); with ``run``, also the ranks
+        whose duration exceeds ``factor`` times the median of the others'."""
+        if run is not None:
+            arrivals = self.controller.clock.lateness(run.id)
+        else:
+            recent = self.controller.clock.recent()
+            arrivals = recent[1] if recent is not None else None
+        return straggler_report(self._sampled(), run.durations if run is not None else None, factor, arrivals)
+
+    def waiting(self, run: Run) -> dict[int, float] | None:
+        """Seconds each rank of ``run`` spent waiting in torch.distributed's collectives,
+        exactly (None when it called none: collectives issued from C++, DDP's, are not timed)."""
+        return self.controller.clock.waiting(run.id)
 
     def stuck(self, run: Run) -> dict[int, float]:
         """Seconds each rank of ``run`` has waited inside its current collective call, from

@@ -1,8 +1,17 @@
-"""Which rank holds the others back: scored from the ranks' own samples and cell durations.
+"""Which rank holds the others back: scored from when ranks reach their collectives, from
+the ranks' own samples, and from cell durations.
 
-Two signals, both cheap and both available while work is still running:
+Three signals, all cheap and all available while work is still running:
 
-* **Sampling** works inside a training loop. Every heartbeat carries the fraction of the last
+* **Arrivals** are exact: every rank records when it enters each collective
+  (:mod:`meshbook.mesh.rank.collectives`), and the controller lines the members of each
+  collective up (:mod:`.clock`). The rank the others wait for is the one that arrives last:
+  its score is its share of the collectives' spread (first arrival to last), about 1 for the
+  rank that is always last. A score of at least ``LATE_SCORE`` flags it, when the spread
+  matters (at least ``MATERIAL_SHARE`` of the time, and ``MATERIAL_S``). This is the verdict
+  wherever ranks call torch.distributed's collectives.
+
+* **Sampling** works inside a training loop, for collectives issued from C++ too (DDP's). Every heartbeat carries the fraction of the last
   few seconds a rank's main thread spent waiting in collectives (see
   :mod:`meshbook.mesh.rank.sampling`). In a synchronous job everyone waits for the slowest rank, so
   the straggler is the rank that waits *least* while the others wait on it. A rank's score is
@@ -31,7 +40,14 @@ from typing import Any
 
 from ..protocol.messages import WINDOW_S
 from ..protocol.text import format_percent, status_table
+from .clock import Lateness
 
+#: An arriving-last share that flags a rank, when the spread is at least MATERIAL_SHARE of the
+#: time and MATERIAL_S long; and the fewest complete collectives that count as evidence.
+LATE_SCORE = 0.5
+MATERIAL_SHARE = 0.1
+MATERIAL_S = 0.1
+MIN_COLLECTIVES = 3
 STRAGGLER_SCORE = 0.3
 MIN_SAMPLES = 5
 DURATION_FACTOR = 2.0
@@ -66,9 +82,16 @@ class RankTime:
     others_wait: float | None
     #: Why the rank stopped sampling, if it did (its time is then unknown).
     error: str | None = None
+    #: From the arrivals (exact): how late it came in all, at how many collectives it came
+    #: last, and the verdict (None: the sampling score decides).
+    late_s: float | None = None
+    last: int = 0
+    flagged: bool | None = None
 
     @property
     def straggler(self) -> bool:
+        if self.flagged is not None:
+            return self.flagged
         return self.score is not None and self.score >= STRAGGLER_SCORE
 
 
@@ -92,6 +115,8 @@ class StragglerReport:
     ranks: tuple[RankTime, ...]
     slow: tuple[SlowRank, ...] = ()
     window: float = WINDOW_S
+    #: The arrivals the scores come from, when the ranks' collectives were timed.
+    arrivals: Lateness | None = None
 
     @property
     def stragglers(self) -> list[int]:
@@ -117,10 +142,17 @@ class StragglerReport:
         """The verdict in a few lines: each straggler, its score and where its time goes."""
         lines = []
         for t in self._straggling():
-            lines.append(f"straggler: rank {t.rank} (score {t.score:.2f}): it waits in "
-                         f"collectives {format_percent(t.wait)} of the time, the others "
-                         f"{format_percent(t.others_wait)}")
-            lines.append(f"  rank {t.rank} spends its time at: {', '.join(map(str, t.places))}")
+            arrivals = self.arrivals
+            if t.flagged is not None and arrivals is not None:
+                lines.append(f"straggler: rank {t.rank} (score {t.score:.2f}): it arrived last at {t.last} of "
+                             f"{arrivals.complete} collectives, {1000 * (t.late_s or 0) / arrivals.complete:.0f} ms "
+                             f"late on average: the others waited {t.late_s or 0:.1f} s for it")
+            else:
+                lines.append(f"straggler: rank {t.rank} (score {t.score:.2f}): it waits in "
+                             f"collectives {format_percent(t.wait)} of the time, the others "
+                             f"{format_percent(t.others_wait)}")
+            if t.places:
+                lines.append(f"  rank {t.rank} spends its time at: {', '.join(map(str, t.places))}")
         for s in sorted(self.slow, key=lambda s: -s.duration):
             lines.append(f"slow: rank {s.rank} took {s.duration:.2f} s, {s.factor:.1f}x the "
                          f"median of the others ({s.others_median:.2f} s)")
@@ -131,14 +163,20 @@ class StragglerReport:
         return lines
 
     def _no_straggler(self) -> str:
+        arrivals = self.arrivals
+        if arrivals is not None and any(t.flagged is not None for t in self.ranks):
+            apart = arrivals.spread_s / arrivals.span_s if arrivals.span_s > 0 else 0.0
+            return (f"no straggler: the ranks reach their collectives together ({format_percent(apart)} "
+                    f"of the time between the first and the last to arrive)")
         if any(t.score is not None for t in self.ranks):
             return f"no straggler: the ranks wait alike (every score below {STRAGGLER_SCORE:.2f})"
         return (f"no straggler: fewer than two ranks ran code long enough in the last "
                 f"{self.window:g} s to compare them (run a loop, then ask again)")
 
     def __str__(self) -> str:
-        rows = [{"rank": t.rank, "samples": t.samples,
-                 "waiting": format_percent(t.wait) if t.samples else "-",
+        exact = self.arrivals is not None and any(t.flagged is not None for t in self.ranks)
+        rows = [{"rank": t.rank, **({"late": f"{t.late_s:.2f} s", "last": t.last} if exact else {"samples": t.samples}),
+                 "waiting": format_percent(t.wait) if t.samples or exact else "-",
                  "score": f"{t.score:.2f}" if t.score is not None else "-",
                  "flag": "straggler" if t.straggler else "",
                  "most time at": ", ".join(map(str, t.places[:2])) or "-"} for t in self.ranks]
@@ -183,13 +221,36 @@ def slow_by_duration(durations: Mapping[int, float], factor: float = DURATION_FA
     return tuple(slow)
 
 
+def score_arrivals(ranks: tuple[RankTime, ...], arrivals: Lateness) -> tuple[RankTime, ...]:
+    """The exact scores, from when each rank reached its collectives (see :mod:`.clock`):
+    a rank's share of the spread, flagged from ``LATE_SCORE`` when the spread matters."""
+    material = arrivals.spread_s >= max(MATERIAL_S, MATERIAL_SHARE * arrivals.span_s)
+    known = {t.rank: t for t in ranks}
+    out = []
+    for rank in sorted(set(known) | set(arrivals.late_s)):
+        sampled = known.get(rank) or RankTime(rank, None, 0, 0.0, (), None, None)
+        if rank not in arrivals.late_s:
+            out.append(sampled)
+            continue
+        score = round(arrivals.score(rank), 3)
+        wait = arrivals.waiting_s.get(rank, 0.0) / arrivals.span_s if arrivals.span_s > 0 else sampled.wait
+        out.append(RankTime(rank, sampled.request, sampled.samples, round(min(1.0, wait), 3), sampled.places,
+                            score, None, sampled.error, round(arrivals.late_s[rank], 3),
+                            arrivals.last.get(rank, 0), material and score >= LATE_SCORE))
+    return tuple(out)
+
+
 def straggler_report(sampled: Mapping[int, Mapping[str, Any]],
                      durations: Mapping[int, float] | None = None,
-                     factor: float = DURATION_FACTOR) -> StragglerReport:
-    """Both signals at once: ``sampled`` per rank, and optionally a request's ``durations``."""
+                     factor: float = DURATION_FACTOR, arrivals: Lateness | None = None) -> StragglerReport:
+    """Every signal at once: ``sampled`` per rank, optionally a request's ``durations``, and
+    the ``arrivals`` at its collectives (which, when there are enough, decide the verdict)."""
     window = max((float(s.get("window", 0.0)) for s in sampled.values()), default=0.0) or WINDOW_S
     slow = slow_by_duration(durations, factor) if durations else ()
-    return StragglerReport(score_ranks(sampled), slow, window)
+    ranks = score_ranks(sampled)
+    if arrivals is not None and arrivals.complete >= MIN_COLLECTIVES:
+        return StragglerReport(score_arrivals(ranks, arrivals), slow, window, arrivals)
+    return StragglerReport(ranks, slow, window)
 
 
 def stuck_in_collectives(sampled: Mapping[int, Mapping[str, Any]], request: int) -> dict[int, float]:

@@ -18,7 +18,8 @@ Who sends what:
 * controller -> agent: ``OP``, whose body names the operation (``AgentOp``).
 * rank -> controller: ``HELLO``, ``READY``, ``INIT_FAILED`` (start-up and new process-group
   generations), ``OUTPUT``, ``DISPLAY``, ``INPUT`` (a debugger prompt), ``DEBUG_END``,
-  ``RESULT``, ``ERROR`` and ``HEARTBEAT``.
+  ``RESULT``, ``ERROR``, ``HEARTBEAT`` and ``COLLECTIVES`` (when it entered and left each
+  collective, batched: the exact computing / waiting split and who arrives last).
 * agent -> controller: ``AGENT`` (its ranks' pids), ``EXIT`` (a rank died), ``RESULT`` (of an
   operation, e.g. a py-spy dump), ``HOST_BEAT`` (the answer to a ``PING``: the round trip and
   liveness of a host across the network), ``JOIN`` (an agent started by an external launcher
@@ -52,6 +53,7 @@ ACTOR = "actor"
 PEER = "peer"
 RELEASED = "released"
 FENCED = "fenced"
+COLLECTIVES = "collectives"
 
 #: Requests that run user code: an irregular end of one triggers a step check.
 USER_KINDS = (EXEC, APPLY)

@@ -196,7 +196,15 @@ def _classify(frame: FrameType) -> tuple[bool, str, FrameType | None] | None:
     return False, place, None
 
 
+def see_through(codes: set[CodeType]) -> None:
+    """Frames of these code objects are neither the user's nor meshbook's request loop: the
+    walk goes on past them (the thin wrappers that time collectives, see ``collectives.py``)."""
+    _see_through.update(codes)
+
+
 def _kind(code: CodeType) -> int:
+    if code in _see_through:
+        return _LIBRARY
     kind = _kinds.get(code)
     if kind is None:
         if len(_kinds) >= _CACHE_LIMIT:
@@ -240,4 +248,5 @@ def _describe(frame: FrameType) -> str:
 
 
 _kinds: dict[CodeType, int] = {}
+_see_through: set[CodeType] = set()
 _waits: dict[tuple[CodeType, int], bool] = {}

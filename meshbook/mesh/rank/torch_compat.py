@@ -71,6 +71,13 @@ def process_groups() -> list[tuple[str, Any]]:
     return [(c10d._get_process_group_name(pg), pg) for pg in list(c10d._world.pg_map)]
 
 
+def group_name(pg: Any) -> str:
+    """A process group's name, the same on every member (torch names groups in creation order)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return str(c10d._get_process_group_name(pg))
+
+
 def is_default_group(pg: Any) -> bool:
     from torch.distributed import distributed_c10d as c10d
 

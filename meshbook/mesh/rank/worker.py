@@ -48,7 +48,8 @@ from ..protocol.topology import Topology
 from . import torchrun
 from .actors import ActorHost
 from .memory import CudaStats, host_memory_probe
-from .sampling import MainThreadSampler
+from .collectives import CollectiveClock
+from .sampling import MainThreadSampler, see_through
 from .streams import FdPump, RankStream, install_thread_tagging
 from .torch_compat import FLIGHT_RECORDER_ENTRIES, oldest_nccl_pending
 
@@ -152,6 +153,8 @@ class Worker:
         #: Where the main thread spends its time (for straggler detection), and memory headroom.
         self.sampler = MainThreadSampler(self.main_frame, lambda: self.request,
                                          device_wait=oldest_nccl_pending if "nccl" in cfg.backend else None)
+        #: When the main thread enters and leaves each collective (see collectives.py).
+        self.clock = CollectiveClock(lambda: self.request, enqueues_gpu_work="nccl" in cfg.backend)
         self.heartbeat_extras["sampling"] = self.sampler.report
         self.heartbeat_extras["memory"] = host_memory_probe()
         #: CUDA memory, read off the control thread (an NCCL rank's GPU is its memory pool).
@@ -184,6 +187,8 @@ class Worker:
         signal.signal(signal.SIGINT, self._on_sigint)
         sys.argv = ["mesh-rank"]  # the agent's own arguments would confuse a script's argparse
         self.init_group, self.destroy_group = torchrun.install(self)
+        self.clock.install()
+        see_through(self.clock.codes)
         from .debugger import breakpoint_hook
         sys.breakpointhook = breakpoint_hook(self)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -235,6 +240,7 @@ class Worker:
                         **bound)
         device_mesh = init_device_mesh(cfg.device_type, topo.shape, mesh_dim_names=topo.names)
         self.generation = generation
+        self.clock.new_generation(generation)
         self.namespace.update(
             rank=self.rank, world_size=topo.world_size, local_rank=cfg.local_rank,
             coords=topo.coords(self.rank), device=device, torch=torch, dist=dist,
@@ -347,6 +353,9 @@ class Worker:
         self.pump.drain()
         self.last_request, self.request = request, None
         self.last_outcome = describe_outcome(failure)
+        # The collectives it ran go first, so the controller has them when the run ends (and
+        # before the answer is signed: a thread's messages must leave in the order it signs).
+        self.send_collectives()
         # False tells the controller this rank lost its process group: a step check follows.
         header = {msg.DURATION: duration, msg.HAS_GROUP: _has_process_group()}
         if failure is None:
@@ -371,6 +380,16 @@ class Worker:
             return
         with self._out_lock:
             wire.send(self._out, frames, wait=True)
+
+    def send_collectives(self) -> None:
+        """What the collective clock recorded since it was last sent (either thread): taken,
+        signed and sent under the send lock, so batches reach the controller in the order they
+        were taken."""
+        with self._out_lock:
+            batch = self.clock.take()
+            if batch is not None:
+                wire.send(self._out, self.wire.pack({msg.KIND: msg.COLLECTIVES, msg.ID: None, msg.RANK: self.rank},
+                                                    batch))
 
     def note_once(self, key: str, text: str) -> None:
         """Print ``text`` to the cell once per request (a loop calling init_process_group...)."""
@@ -431,6 +450,7 @@ class Worker:
             if now >= next_beat:
                 next_beat = now + msg.HEARTBEAT_S
                 self.emit(msg.HEARTBEAT, None, self.metrics())
+                self.send_collectives()
 
     def _control(self, message: wire.Message) -> None:
         handler = self._control_handlers.get(message.kind)

@@ -1,0 +1,93 @@
+"""The controller's book of collectives, on its own: batches in, waiting and lateness out."""
+
+from __future__ import annotations
+
+from meshbook.mesh.controller.clock import CollectiveTimes
+from meshbook.mesh.controller.stragglers import straggler_report
+
+S = 1_000_000_000  # nanoseconds in a second
+WORLD = (0, "0", (0, 1, 2))
+
+
+def batch(rank: int, entries: list[tuple[int, int, float, float]], request: int = 5) -> dict:
+    """A rank's batch: (group key, n, entered s, left s or 0 for an async call)."""
+    return {"keys": {0: WORLD}, "entries": [(request, key, n, int(t0 * S), int(t1 * S)) for key, n, t0, t1 in entries]}
+
+
+def loop(times: CollectiveTimes, steps: int = 10, slow: int = 2, offsets: dict[int, float] = {}) -> None:
+    """Three ranks; ``slow`` computes 0.2 s a step, the others 0.05 s, then an all_reduce."""
+    for rank in range(3):
+        t, entries = 100.0, []
+        for step in range(1, steps + 1):
+            start = 100.0 + 0.2 * step  # when the slow rank arrives: the collective completes then
+            entered = start if rank == slow else start - 0.15
+            entries.append((0, step, entered + offsets.get(rank, 0.0), start + 0.001 + offsets.get(rank, 0.0)))
+        times.add(rank, batch(rank, entries), offset_ns=int(offsets.get(rank, 0.0) * S))
+
+
+def test_waiting_is_the_time_inside_each_collective() -> None:
+    times = CollectiveTimes(now_ns=lambda: 105 * S)
+    loop(times)
+    waiting = times.waiting(5)
+    assert waiting is not None
+    assert abs(waiting[0] - 10 * 0.151) < 1e-6 and abs(waiting[1] - 10 * 0.151) < 1e-6
+    assert abs(waiting[2] - 10 * 0.001) < 1e-6
+
+
+def test_the_rank_that_arrives_last_is_the_straggler() -> None:
+    times = CollectiveTimes(now_ns=lambda: 105 * S)
+    loop(times)
+    arrivals = times.lateness(5)
+    assert arrivals is not None and arrivals.complete == 10 and arrivals.last == {2: 10}
+    assert round(arrivals.score(2), 3) == 1.0 and arrivals.score(0) == 0.0
+    report = straggler_report({}, arrivals=arrivals)
+    assert report.stragglers == [2]
+    assert report.summary()[0] == ("straggler: rank 2 (score 1.00): it arrived last at 10 of 10 collectives, "
+                                   "150 ms late on average: the others waited 1.5 s for it")
+
+
+def test_other_hosts_clocks_are_corrected() -> None:
+    times = CollectiveTimes(now_ns=lambda: 105 * S)
+    loop(times, offsets={1: 3.0, 2: -2.5})  # rank 1's host runs 3 s ahead, rank 2's behind
+    arrivals = times.lateness(5)
+    assert arrivals is not None and arrivals.last == {2: 10}
+    assert abs(arrivals.late_s[2] - 1.5) < 1e-6 and abs(arrivals.late_s[1]) < 1e-6
+
+
+def test_ranks_arriving_together_name_no_straggler() -> None:
+    times = CollectiveTimes(now_ns=lambda: 105 * S)
+    for rank in range(3):  # jitter of a millisecond or two, the last one changing each step
+        times.add(rank, batch(rank, [(0, n, 100 + n * 0.1 + ((rank + n) % 3) * 0.001, 100 + n * 0.1 + 0.003)
+                                     for n in range(1, 21)]))
+    report = straggler_report({}, arrivals=times.lateness(5))
+    assert report.stragglers == []
+    assert report.summary()[0].startswith("no straggler: the ranks reach their collectives together")
+
+
+def test_an_async_collective_waits_until_the_last_member_came() -> None:
+    times = CollectiveTimes(now_ns=lambda: 101 * S)
+    times.add(0, batch(0, [(0, 1, 100.0, 0)]))  # async_op=True: no exit seen
+    times.add(1, batch(1, [(0, 1, 100.3, 100.31)]))
+    assert times.waiting(5)[0] == 0.0 and times.incomplete == 1  # rank 2 has not come yet
+    times.add(2, batch(2, [(0, 1, 100.5, 100.51)]))
+    waiting = times.waiting(5)
+    assert abs(waiting[0] - 0.5) < 1e-6 and abs(waiting[1] - 0.01) < 1e-6
+
+
+def test_a_collective_a_member_never_joined_is_dropped_in_time() -> None:
+    now = [101 * S]
+    times = CollectiveTimes(now_ns=lambda: now[0])
+    times.add(0, batch(0, [(0, 1, 100.0, 100.5)]))
+    times.add(1, batch(1, [(0, 1, 100.0, 100.5)]))  # rank 2 failed before joining
+    assert times.lateness(5) is None and times.waiting(5) == {0: 0.5, 1: 0.5}
+    now[0] = 400 * S
+    times.add(0, {"entries": []})
+    assert times.incomplete == 0  # the book keeps nothing for ever
+
+
+def test_the_window_shows_the_newest_request() -> None:
+    times = CollectiveTimes(now_ns=lambda: 105 * S)
+    loop(times)
+    request, arrivals = times.recent() or (None, None)
+    assert request == 5 and arrivals is not None and arrivals.last == {2: 10}
+    assert abs(arrivals.waiting_s[0] - 1.51) < 1e-6
