@@ -126,6 +126,8 @@ class Controller:
         self.generation = 0
         self.stopped = False
         self.stop_reason = ""
+        self._stop_begun = False  # by whichever thread came first; the others wait for it
+        self._stop_done = threading.Event()
         #: Why this controller may no longer drive the mesh: another kernel attached it.
         self.fenced = ""
         #: A kept mesh's lease (:mod:`.lease`): outlives this controller, renewed by every ping.
@@ -949,11 +951,25 @@ class Controller:
         """Kill every rank and agent, fail what still runs, and remove the runtime directory.
         ``detach``: leave the agents and ranks running (a kept mesh this kernel lets go of)."""
         with self._lock:
-            already = self.stopped and not self.agents
+            already = self._stop_begun
+            self._stop_begun = True
             self._mark_stopped(reason)
             agents, self.agents = self.agents, []
-        if already:
+        if already:  # stopping on another thread (the mesh ended on its own): wait for it
+            if threading.current_thread() is not self._receiver:
+                self._stop_done.wait(60)
             return
+        try:
+            self._stop(agents, detach)
+        finally:
+            self._stop_done.set()
+        for listener in list(self.stop_listeners):
+            try:
+                listener()
+            except Exception as exc:  # a view's failure must not make stopping fail
+                _log(f"a stop listener failed: {type(exc).__name__}: {exc}")
+
+    def _stop(self, agents: list[AgentHandle], detach: bool) -> None:
         if threading.current_thread() is not self._receiver:
             with self._send_lock:
                 self._wake_send.send(b"stop")
@@ -980,11 +996,6 @@ class Controller:
         self.ctx.term()
         shutil.rmtree(self.rundir, ignore_errors=True)
         _LIVE.discard(self)
-        for listener in list(self.stop_listeners):
-            try:
-                listener()
-            except Exception as exc:  # a view's failure must not make stopping fail
-                _log(f"a stop listener failed: {type(exc).__name__}: {exc}")
 
 
 def live_controllers() -> list[Controller]:
