@@ -134,21 +134,39 @@ def test_interrupt_stops_remote_work(joined: tuple[meshbook.Mesh, ExternalLaunch
     assert mesh.run("rank").result().values() is not None  # the mesh still answers
 
 
-def test_a_third_host_with_the_spent_token_is_refused(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
+def finished(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> tuple[int, str]:
+    """The join command's exit code and what it said, once it ended (it must end on its own)."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("the join command did not end on its own") from None
+    return proc.returncode, err.decode(errors="replace")
+
+
+def test_a_third_host_with_the_spent_token_is_refused_and_told(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
     mesh, outside = joined
     refused_before = sum(mesh.controller.network.allowlist.refused.values())
-    intruder = outside.run_agent([], env={TOKEN_ENV: outside.token})
-    try:
-        deadline = time.monotonic() + 20
-        while sum(mesh.controller.network.allowlist.refused.values()) == refused_before:
-            assert time.monotonic() < deadline, "the third host was never refused"
-            time.sleep(0.1)
-        assert len(mesh.hosts()) == 2
-    finally:
-        intruder.kill()
-        intruder.wait()
-        if intruder.stderr is not None:
-            intruder.stderr.close()
+    started = time.monotonic()
+    code, said = finished(outside.run_agent([], env={TOKEN_ENV: outside.token}))
+    assert code != 0 and time.monotonic() - started < 20, "a spent token waited out the start timeout"
+    assert "refused this token: the hosts it was for have joined already" in said, said
+    assert sum(mesh.controller.network.allowlist.refused.values()) > refused_before
+    assert len(mesh.hosts()) == 2
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    ([], {TOKEN_ENV: "not-a-token"}, "not a meshbook join token"),
+    ([], {TOKEN_ENV: ""}, "no token: set $MESHBOOK_JOIN_TOKEN or pass --token-file"),
+    (["--token-file", "/nonexistent/join.token"], {}, "cannot read the token file /nonexistent/join.token"),
+])
+def test_a_bad_join_command_says_what_is_wrong_and_fails(args: list[str], env: dict[str, str], expected: str) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "meshbook.mesh.agent", "join", *args],
+                            env={**{k: v for k, v in os.environ.items() if k != TOKEN_ENV}, **env},
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    code, said = finished(proc)
+    assert code != 0 and expected in said, (code, said)
 
 
 def test_a_lost_host_fails_the_cell_and_keeps_the_kernel(tmp_path: object) -> None:

@@ -7,6 +7,7 @@ a kernel exiting). Every kept mesh here is stopped, or its lease runs out, withi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -130,3 +131,72 @@ def test_a_kernel_attached_over_is_told_so_in_its_next_cell() -> None:
         if agent is not None and psutil.pid_exists(agent):
             os.kill(agent, signal.SIGTERM)  # a failed test: end the kept agent it started
             wait_gone([agent], 10.0)
+
+
+def test_two_kernels_attaching_at_the_same_instant_leave_one_driving() -> None:
+    """Each attach takes its own epoch (under a lock on the mesh file), and the agent answers
+    one controller per epoch: the other is fenced, and its cell says so."""
+    mesh = meshbook.start(2, keep="10m")
+    mesh_id, agent = mesh.controller.lease.id, mesh.controller.agents[0].proc.pid
+    mesh.controller.stop("this process lets go of it", detach=True)
+    kernels = [Kernel(), Kernel()]
+    try:
+        for kernel in kernels:
+            kernel.ok("import meshbook\n%load_ext meshbook")
+        sent = [kernel.submit(f"%mesh attach {mesh_id}") for kernel in kernels]
+        attached = [kernel.wait(msg_id, at, timeout=90) for kernel, (msg_id, at) in zip(kernels, sent)]
+        cells = [kernel.execute("%%mesh\nrank", timeout=60) for kernel in kernels]
+        driving = [k for k, reply in zip(kernels, cells) if reply.status == "ok"]
+        assert len(driving) == 1, [reply.error_text or reply.content.get("evalue") for reply in cells]
+        loser = next(i for i, reply in enumerate(cells) if reply.status != "ok")
+        said = " ".join(str(r.content.get("evalue", "")) + r.error_text for r in (attached[loser], cells[loser]))
+        assert "attached by another kernel" in said, said
+        assert "[1] 1" in str(driving[0].ok("%%mesh\nrank").of_type("execute_result"))
+        driving[0].ok("%mesh stop")
+        assert wait_gone([agent], 10.0) == []
+    finally:
+        for kernel in kernels:
+            kernel.close()
+        if psutil.pid_exists(agent):
+            os.kill(agent, signal.SIGTERM)
+            wait_gone([agent], 10.0)
+
+
+def test_mesh_files_that_cannot_be_used_are_listed_with_why_and_kept(tmp_path, monkeypatch) -> None:
+    """A broken mesh file is never taken for an ended mesh (only its agent knows), and says
+    what is wrong with it; nor does a pid that is not running decide anything."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    directory = mesh_dir()
+    assert directory == str(tmp_path / ".meshbook" / "meshes")
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    mesh = meshbook.start(2, keep="10m")
+    try:
+        good = mesh.controller.lease.id
+        record = json.load(open(_mesh_file(good)))
+        json.dump({**record, "hosts": [{**record["hosts"][0], "pid": 999999999}]}, open(_mesh_file(good), "w"))
+        json.dump({**record, "id": "badpid", "hosts": [{**record["hosts"][0], "pid": "x"}]}, open(_mesh_file("badpid"), "w"))
+        json.dump({**record, "id": "badkey", "key": "not hex"}, open(_mesh_file("badkey"), "w"))
+        open(_mesh_file("cut"), "w").write(json.dumps(record)[:40])
+        listed = {r.id: r for r in meshbook.list_meshes()}
+        assert set(listed) == {good, "badpid", "badkey", "cut"}, "a file was dropped that only its agent may drop"
+        assert not listed[good].problem, "a pid that is not running here decides nothing"
+        assert "pid 'x' is not a number" in listed["badpid"].problem
+        assert "ValueError" in listed["badkey"].problem and "JSONDecodeError" in listed["cut"].problem
+        for broken in ("badkey", "cut"):
+            with pytest.raises(meshbook.MeshError, match=f"kept mesh {broken}: its file .* cannot be used"):
+                meshbook.attach(broken)
+        assert listed["cut"].row()["attached"].startswith("unusable: its file")
+    finally:
+        mesh.stop()
+    assert not os.path.exists(_mesh_file(good))
+
+
+def test_a_mesh_directory_someone_else_made_is_refused_before_anything_starts(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".meshbook").mkdir()
+    (tmp_path / ".meshbook" / "meshes").write_text("not a directory")
+    before = {p.pid for p in psutil.process_iter()}
+    with pytest.raises(meshbook.MeshError, match="is not a directory of yours"):
+        meshbook.start(2, keep="10m")
+    started = [p for p in psutil.process_iter() if p.pid not in before and "meshbook.mesh.agent" in " ".join(p.cmdline())]
+    assert [p for p in started if "listen" in p.cmdline()] == [], "a refused start left an agent running"

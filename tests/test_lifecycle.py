@@ -147,3 +147,25 @@ def test_a_captured_request_sent_again_does_not_run_again(mesh2: meshbook.Mesh) 
         refused = mesh2.call(lambda worker: worker.wire.replayed, ranks=[0], control=True)
     assert refused.result()[0] == 2
     assert mesh2.run("n", ranks=[0]).result()[0] == 1
+
+
+def test_a_refused_start_builds_nothing_that_could_hang_later() -> None:
+    """A launcher that refuses the layout does so before any socket or directory exists: an
+    unclosed ZeroMQ context, finalized by the garbage collector later, blocked the kernel
+    for good (``1/0`` then ``gc.collect()`` hung, and so did the next start)."""
+    import gc
+    import threading
+
+    from meshbook.mesh.protocol.proc import runtime_base
+
+    before = set(os.listdir(runtime_base()))
+    for launcher, message in ((meshbook.SSH(["a", "b"], per_host=0), "per_host=0"),
+                              (meshbook.SSH(["a", "b", "c"], per_host=2), "need 2 host")):
+        with pytest.raises(meshbook.MeshError, match=message):
+            meshbook.start(4, launcher=launcher)
+    collected = threading.Event()
+    threading.Thread(target=lambda: (gc.collect(), collected.set()), daemon=True).start()
+    assert collected.wait(20), "collecting what a refused start built hung"
+    assert set(os.listdir(runtime_base())) - before == set(), "a refused start left a directory"
+    with meshbook.start(2) as mesh:
+        assert dict(mesh.run("rank").result()) == {0: 0, 1: 1}

@@ -21,7 +21,7 @@ from meshbook.mesh.controller.hosts import Network
 from meshbook.mesh.controller.remote import SshAgent
 from meshbook.mesh.protocol import messages as msg
 from meshbook.mesh.protocol import net, wire
-from meshbook.mesh.protocol.remote import encode_epoch
+from meshbook.mesh.protocol.remote import encode_epoch, encode_seq
 
 
 class ListeningAgent:
@@ -36,6 +36,7 @@ class ListeningAgent:
         self.agent.send(json.dumps(self.bootstrap) + "\n")
         self.info = self.agent.wait_listening(time.monotonic() + 60, sys.executable)
         self.address = net.tcp_address(self.info["addr"], self.info["port"])
+        self.sent: dict[zmq.Socket, int] = {}
 
     def client(self, keys: net.Keys, server_public: bytes) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -44,7 +45,9 @@ class ListeningAgent:
         return sock
 
     def op(self, sock: zmq.Socket, frames: list[Any], epoch: int = 0) -> None:
-        sock.send_multipart([encode_epoch(epoch), b"", *frames])
+        """An operation, numbered on its own link as a controller numbers them."""
+        self.sent[sock] = self.sent.get(sock, 0) + 1
+        sock.send_multipart([encode_epoch(epoch), encode_seq(self.sent[sock]), b"", *frames])
 
     def configure(self, sock: zmq.Socket, epoch: int = 0) -> None:
         """Configure the agent with one rank and wait until it is ready."""
@@ -63,7 +66,7 @@ class ListeningAgent:
         out, deadline = [], time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             if sock.poll(left * 1000):
-                out.append(self.wire.unpack(sock.recv_multipart()))
+                out.append(self.wire.unpack(sock.recv_multipart()[1:]))  # after the link's number
                 if out[-1].kind == until:
                     break
         return out

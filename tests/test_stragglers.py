@@ -168,12 +168,13 @@ def test_memory_right_after_start_measures_every_rank(mesh2: meshbook.Mesh) -> N
     assert all(r.rss and r.rss > 50 << 20 and r.pool_fraction for r in rows), str(mesh2.memory())
 
 
-def test_sampling_flags_the_slow_rank_inside_a_loop(mesh4: meshbook.Mesh, tmp_path: Path) -> None:
+def test_the_slow_rank_is_named_inside_a_loop_with_where_it_spends_its_time(mesh4: meshbook.Mesh,
+                                                                            tmp_path: Path) -> None:
     stop = tmp_path / "stop"
     started = time.monotonic()
     run = mesh4.run(slow_rank_loop(str(stop), slow_rank=2))
-    try:
-        while not (report := mesh4.stragglers()).stragglers:
+    try:  # the verdict comes from the arrivals at once; where each rank is, from a few samples
+        while not (report := mesh4.stragglers()).stragglers or any(t.samples < 5 for t in report.ranks):
             assert time.monotonic() - started < 10, f"no straggler found in 10 s:\n{report}"
             time.sleep(0.2)
         assert report.stragglers == [2], str(report)

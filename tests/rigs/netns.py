@@ -319,6 +319,25 @@ class Hosts(Rig):
         sh(["iptables", "-I", *rule])
         self.undo.callback(quiet, ["iptables", "-D", *rule])
 
+    def reset_connections_to_controller(self, host: Host | str, seconds: float) -> None:
+        """For ``seconds``, answer every TCP packet between ``host`` and the root namespace
+        (the controller) with a reset, as a flapping firewall or a rebooted switch does: the
+        connections break, and can open again once the rules are gone (this call blocks that
+        long). Rules inside the host's namespace, removed with it too."""
+        if firewall_missing():
+            raise RigError(firewall_missing())
+        host = self.host(host)
+        inside = ["ip", "netns", "exec", host.ns, "iptables"]
+        rules = [["INPUT", "-s", self.controller_addr, "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset"],
+                 ["OUTPUT", "-d", self.controller_addr, "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset"]]
+        for rule in rules:
+            sh([*inside, "-I", *rule])
+        try:
+            time.sleep(seconds)
+        finally:
+            for rule in rules:
+                quiet([*inside, "-D", *rule])
+
     def delay(self, host: Host | str, ms: float) -> None:
         """Every packet ``host`` sends waits ``ms`` (netem): each round trip to it gets ``ms``
         longer. ``ms=0`` removes the delay; namespace deletion removes it too."""

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..protocol import messages as msg
+from ..protocol.proc import Liveness
 from ..protocol.remote import AGENT_READY
 from .gpus import GpuCount
 from .link import LocalLink, Peer, RemoteLink
@@ -80,10 +81,15 @@ class Agent:
         self._ops: dict[str | None, Callable[[list[int], dict[str, Any], int], None]] = {
             msg.AgentOp.SIGNAL: self._signal, msg.AgentOp.SPAWN: self._spawn,
             msg.AgentOp.PYSPY: self._pyspy, msg.AgentOp.PING: self._ping, msg.AgentOp.STOP: self._stop,
-            msg.AgentOp.ATTACH: self._attach}
+            msg.AgentOp.ATTACH: self._attach, msg.AgentOp.RESEND: self._resend, msg.AgentOp.LOST: self._lost}
         self.dead: set[int] = set()
         self.stopping = False
         self.threads, self.threads_note = omp_threads(len(self.my_ranks))
+        #: How long this host may go without its controller; its ranks read when the agent last
+        #: heard it from a page they share with it, and stop themselves when that is too long
+        #: ago (an agent that is stopped or hung can no longer stop them).
+        self.lost_s = float(cfg.get("lost_s", msg.HOST_LOST_S))
+        self.liveness = Liveness()
         #: Host 0 of a mesh across hosts keeps the store where its ranks meet (a rank could be
         #: restarted; the agent lives as long as the mesh).
         self.store = _serve_store(cfg) if cfg.get("serve_store") else None
@@ -109,7 +115,8 @@ class Agent:
             agent_pid=os.getpid(), request_addr=rank_address(self.rundir, rank, generation, msg.MAIN),
             control_addr=rank_address(self.rundir, rank, generation, msg.CONTROL),
             events_addr=self.link.rank_events,
-            pipes=pipes, crash_path=crash_path, threads=self.threads, threads_note=self.threads_note)
+            pipes=pipes, crash_path=crash_path, threads=self.threads, threads_note=self.threads_note,
+            liveness=self.liveness, lost_s=self.lost_s)
         oom = oom_kills()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -164,8 +171,14 @@ class Agent:
 
     # -- messages ----------------------------------------------------------------------------
 
-    def emit(self, kind: str, request: int | None, body: Any = None, **header: Any) -> None:
-        self.link.send(self.wire.pack({msg.KIND: kind, msg.ID: request, msg.HOST: self.host, **header}, body))
+    def emit(self, kind: str, request: int | None, body: Any = None, ordered: bool = True, **header: Any) -> None:
+        """A message of the agent's own to the controller (``ordered=False``: outside the link's
+        numbering, for what must pass a gap: asking for messages again)."""
+        frames = self.wire.pack({msg.KIND: kind, msg.ID: request, msg.HOST: self.host, **header}, body)
+        if self.link.remote:
+            self.link.send(frames, ordered=ordered)
+        else:
+            self.link.send(frames)
 
     def operate(self, message: Any) -> None:
         """An operation for the agent itself (the controller stops an agent by closing its stdin)."""
@@ -194,9 +207,22 @@ class Agent:
             self.emit(msg.RESULT, request, _pyspy(self.procs.get(rank)), **{msg.RANK: rank})
 
     def _ping(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
-        """The controller's heartbeat: answer with ours (it times the round trip)."""
+        """The controller's heartbeat: answer with ours (it times the round trip, and sets its
+        clock against ours); each side acknowledges what it took in order."""
+        self.link.outgoing.acknowledged(body.get("ack", 0))
         self.emit(msg.HOST_BEAT, request, {"sent": body["sent"], "wall": body.get("wall"),
-                                           "agent_wall": time.time_ns(), "ranks": sorted(self.procs)})
+                                           "agent_wall": time.time_ns(), "ranks": sorted(self.procs),
+                                           "ack": self.link.incoming.acknowledged})
+
+    def _resend(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        """The controller missed what we sent from ``from`` on (its connection reset)."""
+        self.link.resend(body["from"], lambda upto: self.emit(msg.LOST, None, {"upto": upto}, ordered=False))
+
+    def _lost(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        """What the controller sent up to ``upto`` is gone for good: go on from there (the
+        controller fails what it was for)."""
+        for frames in self.link.deliver(self.link.incoming.give_up(body["upto"])):
+            self._operate_frames(frames)
 
     def _attach(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """A new controller took over this (kept) mesh: what it needs to know of our ranks."""
@@ -238,9 +264,18 @@ class Agent:
             self.spawn(rank, self.cfg.get("generation", 0))
         self.emit(msg.AGENT, None, {"pid": os.getpid(), "hostname": socket.gethostname(),
                                   "pids": {r: p.pid for r, p in self.procs.items()}})
-        lost_s = float(self.cfg.get("lost_s", 15.0))
+        lost_s = self.lost_s
         while not self.stopping:
             ready = dict(poller.poll(1000))
+            # Silence first, before anything that came meanwhile is relayed: an agent that was
+            # stopped (SIGSTOP) or cut off past the loss window has had its host declared lost,
+            # and what was queued for it must never run (its ranks may live on elsewhere).
+            if self.link.remote and time.monotonic() - self.link.last_heard > lost_s:
+                what = "the lease of" if self.cfg.get("lease") else "nothing from the controller for"
+                print(f"meshbook agent {self.host}: {what} {lost_s:g} s ran out: stopping this "
+                      f"host's ranks", file=sys.stderr, flush=True)
+                return
+            self.liveness.beat(self.link.last_heard if self.link.remote else time.monotonic())
             if rfd in ready:
                 signals = os.read(rfd, 4096)
                 if signal.SIGTERM in signals:
@@ -254,13 +289,12 @@ class Agent:
                         self._operate_frames(frames)
             if self.link.remote:
                 self.refuse_stale()
-                if time.monotonic() - self.link.last_heard > lost_s:
-                    what = "the lease of" if self.cfg.get("lease") else "nothing from the controller for"
-                    print(f"meshbook agent {self.host}: {what} {lost_s:g} s ran out: stopping this "
-                          f"host's ranks", file=sys.stderr, flush=True)
-                    return
+                missing = self.link.incoming.ask(time.monotonic())
+                if missing is not None:  # messages from the controller went missing: ask again
+                    self.emit(msg.RESEND, None, {"from": missing}, ordered=False)
 
     def _operate_frames(self, frames: list[Any]) -> None:
+        """An operation for the agent itself: verified, then handled."""
         from ..protocol import wire
 
         try:
@@ -434,7 +468,7 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
     batch scheduler started us) stdin is not the controller's: only the link's silence ends us."""
     import zmq
 
-    from ..protocol.proc import runtime_base
+    from ..protocol.proc import owned_prefix, remove_stale, runtime_base
     from ..protocol.remote import decode_token
     from .link import RemoteLink, join, listen
 
@@ -455,7 +489,7 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
     count = GpuCount()  # with them (CUDA_VISIBLE_DEVICES...), beside our own torch import
     _import_torch()
     gpus = count.result()
-    ctx = zmq.Context()
+    ctx = zmq.Context(io_threads=2)  # decrypting the link beside relaying to the ranks
     zap = None
     # A kept mesh (a lease): the agent outlives the kernel that started it, so it neither
     # watches stdin nor writes to stdout once it has said where it listens. Nor does one a
@@ -466,7 +500,7 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
         if mode == "listen":
             sock, zap = listen(ctx, data, gpus, announce_dir)
         else:
-            sock = join(ctx, data, gpus)
+            sock = join(ctx, data, gpus, timeout=float(data.get("timeout", 120.0)))
         if lease is not None:
             _detach_stdio()
         configured = _await_configuration(sock, bytes.fromhex(data["key"]), watch_stdin,
@@ -474,11 +508,12 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
         if configured is None:
             sock.close(linger=0)
             return
-        cfg, peer = configured
-        rundir = tempfile.mkdtemp(prefix="mb-", dir=runtime_base())
+        cfg, peer, seq = configured
+        remove_stale(runtime_base(), ("mb",))  # what agents killed on this host left behind
+        rundir = tempfile.mkdtemp(prefix=owned_prefix("mb"), dir=runtime_base())
         try:
             agent = Agent({**cfg, "key": data["key"], "lost_s": lease or data.get("lost_s", 15.0),
-                           "lease": lease is not None}, ctx, RemoteLink(ctx, sock, rundir, peer), rundir,
+                           "lease": lease is not None}, ctx, RemoteLink(ctx, sock, rundir, peer, seq), rundir,
                           own_rundir=True)
         except BaseException:  # e.g. host 0 could not bind its store: leave no directory behind
             shutil.rmtree(rundir, ignore_errors=True)
@@ -487,7 +522,8 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
     finally:
         if zap is not None:
             zap.close()
-        for path in (data.get("mesh_file"), data.get("log")) if lease is not None else ():
+        mesh_file = data.get("mesh_file")
+        for path in (mesh_file, mesh_file and mesh_file + ".lock", data.get("log")) if lease is not None else ():
             _remove(path)  # the mesh ended (stopped, or its lease ran out): nothing to attach to
 
 
@@ -495,8 +531,13 @@ def _read_token(token_file: str | None) -> str:
     from ..protocol.remote import TOKEN_ENV
 
     if token_file:
-        with open(token_file) as f:
-            return f.read()
+        try:
+            with open(token_file) as f:
+                return f.read()
+        except OSError as exc:
+            raise SystemExit(f"meshbook agent join: cannot read the token file {token_file}: {exc.strerror}. "
+                             f"The notebook removes it once the hosts have joined: copy the command again "
+                             f"from the notebook, or pass the token in ${TOKEN_ENV}") from None
     token = os.environ.pop(TOKEN_ENV, "")
     if not token:
         raise SystemExit(f"meshbook agent join: no token: set ${TOKEN_ENV} or pass --token-file "
@@ -519,9 +560,9 @@ def _detach_stdio() -> None:
 
 
 def _await_configuration(sock: Any, key: bytes, watch_stdin: bool,
-                         timeout: float) -> tuple[dict[str, Any], Peer] | None:
-    """The controller's CONFIGURE operation and who sent it, or None if it never comes (or
-    stdin closes)."""
+                         timeout: float) -> tuple[dict[str, Any], Peer, int] | None:
+    """The controller's CONFIGURE operation, who sent it and its number on the link, or None
+    if it never comes (or stdin closes)."""
     import zmq
 
     from ..protocol import wire
@@ -539,26 +580,32 @@ def _await_configuration(sock: Any, key: bytes, watch_stdin: bool,
             return None
         if sock not in ready:
             continue
-        peer, route, frames = unwrap(wire.recv(sock), sock.getsockopt(zmq.TYPE) == zmq.ROUTER)
+        peer, seq, route, frames = unwrap(wire.recv(sock), sock.getsockopt(zmq.TYPE) == zmq.ROUTER)
         try:
             message = checker.unpack(frames)
         except wire.BadMessage:
             continue
         if route == b"" and message.kind == msg.OP and message.body()["op"] == msg.AgentOp.CONFIGURE:
-            return message.body()["config"], peer
+            return message.body()["config"], peer, seq
     print(f"meshbook agent: no configuration from the controller within {timeout:g} s", file=sys.stderr)
     return None
 
 
 def _serve_store(cfg: dict[str, Any]) -> Any:
-    """The TCPStore where the ranks of a mesh across hosts meet, on this host's address."""
+    """The TCPStore where the ranks of a mesh across hosts meet, listening on this host's
+    address only (torch's own server listens on every interface: it is handed a socket)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     host, port = cfg["store"]
-    return dist.TCPStore(host, port, None, True, timedelta(seconds=cfg["collective_timeout"]),
-                         wait_for_workers=False)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(1024)
+    store = dist.TCPStore(host, port, None, True, timedelta(seconds=cfg["collective_timeout"]),
+                          wait_for_workers=False, master_listen_fd=listener.fileno())
+    return store, listener  # the socket lives as long as the store
 
 
 def _read_config() -> dict[str, Any] | None:

@@ -1,8 +1,10 @@
 """How a host agent talks to its controller: locally over ipc, or over the network as a relay.
 
-Every message the controller sends an agent is ``[epoch, route, *message frames]``
+Every message the controller sends an agent is ``[epoch, seq, route, *message frames]``
 (:mod:`meshbook.mesh.protocol.remote`): an operation for the agent itself, or a message it
-relays, unchanged, to some of its ranks.
+relays, unchanged, to some of its ranks. Both directions are numbered, and kept until
+acknowledged (:mod:`meshbook.mesh.protocol.ordering`): a connection that resets loses
+nothing unnoticed.
 
 * :class:`LocalLink`: the agent on the controller's host. Operations arrive on an ipc socket;
   the controller sends to each rank directly and the ranks answer it directly (a relay on one
@@ -35,7 +37,11 @@ import zmq
 
 from ..protocol import messages as msg
 from ..protocol import net, wire
-from ..protocol.remote import LISTENING, decode_epoch, decode_route
+from ..protocol.ordering import Incoming, Outgoing
+from ..protocol.remote import LISTENING, decode_epoch, decode_route, decode_seq, encode_seq
+
+#: How long a send up a link may wait for its connection.
+SEND_TIMEOUT_MS = 1000
 
 
 class LocalLink:
@@ -85,11 +91,12 @@ class Peer:
     identity: bytes = b""
 
 
-def unwrap(frames: list[Any], routed: bool) -> tuple[Peer, bytes, list[Any]]:
-    """``[identity if routed, epoch, route, *message]`` -> (who sent it, route, message)."""
+def unwrap(frames: list[Any], routed: bool) -> tuple[Peer, int, bytes, list[Any]]:
+    """``[identity if routed, epoch, seq, route, *message]`` -> (who sent it, its number on
+    the link, route, message)."""
     identity = frames[0].bytes if routed else b""
-    epoch, route, *message = frames[1:] if routed else frames
-    return Peer(decode_epoch(epoch.bytes), identity), route.bytes, message
+    epoch, seq, route, *message = frames[1:] if routed else frames
+    return Peer(decode_epoch(epoch.bytes), identity), decode_seq(seq.bytes), route.bytes, message
 
 
 class RemoteLink:
@@ -103,11 +110,15 @@ class RemoteLink:
 
     remote = True
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, rundir: str, peer: Peer) -> None:
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, rundir: str, peer: Peer, last_seq: int) -> None:
         self.ctx = ctx
         self.sock = sock
         self.routed = sock.getsockopt(zmq.TYPE) == zmq.ROUTER
         self.peer = peer
+        #: What this agent sent up and the controller has not acknowledged; what came down, in
+        #: order (``last_seq``: the configuration's number, taken before this link existed).
+        self.outgoing = Outgoing()
+        self.incoming = Incoming(expected=last_seq + 1)
         self.rundir = rundir
         #: What this host's ranks emit arrives here, and goes up the connection unchanged.
         self.rank_events = f"ipc://{rundir}/ev"
@@ -118,13 +129,35 @@ class RemoteLink:
         self.last_heard = time.monotonic()
         #: Controllers of an older epoch that sent something since the agent last looked.
         self.stale: list[Peer] = []
+        #: Messages that could not be sent up (the connection was down).
+        self.dropped = 0
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.sock, self.relay]
 
-    def send(self, frames: list[Any], to: Peer | None = None) -> None:
-        """Up to the newest controller (or ``to``); a ROUTER drops what no one is there for."""
-        wire.send(self.sock, frames, prefix=[(to or self.peer).identity] if self.routed else ())
+    def send(self, frames: list[Any], to: Peer | None = None, ordered: bool = True) -> None:
+        """Up to the newest controller (or, outside the link's order, to ``to``), numbered and
+        kept until acknowledged. A ROUTER drops what no one is there for, and so does a DEALER
+        whose connection is down for longer than a send may wait: the numbers have it sent
+        again."""
+        seq = self.outgoing.number(frames) if ordered and to is None else 0
+        self._send(seq, frames, to)
+
+    def _send(self, seq: int, frames: list[Any], to: Peer | None = None) -> None:
+        try:
+            wire.send(self.sock, [encode_seq(seq), *frames], prefix=[(to or self.peer).identity] if self.routed else ())
+        except zmq.Again:
+            self.dropped += 1
+
+    def resend(self, since: int, lost: Any) -> None:
+        """The controller missed what this agent sent from ``since`` on: send it again; what is
+        no longer kept is lost, and ``lost(upto)`` says so first."""
+        again = self.outgoing.since(since)
+        if again is None:
+            lost(self.outgoing.let_go)
+            again = self.outgoing.since(self.outgoing.let_go + 1) or []
+        for seq, frames in again:
+            self._send(seq, frames)
 
     def operations(self, sock: zmq.Socket) -> list[list[Any]]:
         """Relay what is ready on ``sock``; return the messages for the agent itself."""
@@ -137,16 +170,28 @@ class RemoteLink:
             if sock is self.relay:
                 self.send(frames)  # up, unchanged: the rank signed it
                 continue
-            peer, route, message = unwrap(frames, self.routed)
-            if peer.epoch < self.peer.epoch:
-                self.stale.append(peer)
+            peer, seq, route, message = unwrap(frames, self.routed)
+            if peer.epoch < self.peer.epoch or \
+                    (peer.epoch == self.peer.epoch and self.routed and peer.identity != self.peer.identity):
+                self.stale.append(peer)  # an older controller, or a rival at the same epoch
                 continue
+            if peer.epoch > self.peer.epoch:  # a new controller attached: a new link's numbers
+                self.outgoing, self.incoming = Outgoing(), Incoming(expected=max(seq, 1))
             self.peer = peer
             self.last_heard = time.monotonic()
+            delivered = [[route, *message]] if seq == 0 else self.incoming.take(seq, [route, *message], self.last_heard)
+            out += self.deliver(delivered)
+
+    def deliver(self, messages: list[list[Any]]) -> list[list[Any]]:
+        """Relay what is for the ranks (in order); return what is for the agent itself."""
+        out = []
+        for route, *message in messages:
+            route = route.bytes if isinstance(route, zmq.Frame) else route
             if not route:
                 out.append(message)
             else:
                 self._relay_down(route, message)
+        return out
 
     def _relay_down(self, route: bytes, frames: list[Any]) -> None:
         channel, ranks = decode_route(route)
@@ -205,27 +250,88 @@ def _announce(directory: str, line: str) -> None:
     os.rename(path + ".part", path)
 
 
-def join(ctx: zmq.Context, data: dict[str, Any], gpus: int) -> zmq.Socket:
-    """Dial the controller with the join key and announce this host."""
+def join(ctx: zmq.Context, data: dict[str, Any], gpus: int, timeout: float = 60.0) -> zmq.Socket:
+    """Dial the controller with the join key and announce this host with a key of its own;
+    once the controller admits that key, dial again with it (the connection a reset link
+    reconnects with: the join key is revoked once the hosts have joined). A token the
+    controller refuses (spent, or its mesh gone), or a controller that cannot be reached, ends
+    the agent at once, saying so."""
+    mine = net.Keys.new()
+    identity = os.urandom(8).hex().encode()
+    signer = wire.Wire(bytes.fromhex(data["key"]))
+    host, port = data["controller"]
+    address = net.route_to(host)
+    about = {"addr": address, "pid": os.getpid(), "hostname": socket.gethostname(),
+             "store_port": net.free_port_in_range(address), "gpus": gpus}
+    first = _dial(ctx, net.Keys.from_json(data["join"]), data, identity, timeout)
+    try:
+        joining = signer.pack({msg.KIND: msg.JOIN, msg.ID: None}, {**about, "key": mine.public.decode()})
+        wire.send(first, [encode_seq(0), *joining])  # outside any link's order: there is none yet
+        _await_welcome(first, signer, timeout)
+        second = _dial(ctx, mine, data, identity, timeout)
+        wire.send(second, [encode_seq(0), *signer.pack({msg.KIND: msg.JOIN, msg.ID: None}, {**about, "switched": True})])
+    finally:
+        first.close(linger=0)
+    return second
+
+
+def _dial(ctx: zmq.Context, keys: net.Keys, data: dict[str, Any], identity: bytes, timeout: float) -> zmq.Socket:
+    """A connection to the controller with ``keys``, once its handshake succeeded."""
+    from zmq.utils.monitor import recv_monitor_message
+
     sock = _link_socket(ctx)
-    sock.setsockopt(zmq.IDENTITY, os.urandom(8).hex().encode())
-    net.curve_client(sock, net.Keys.from_json(data["join"]), data["server_public"].encode())
+    sock.setsockopt(zmq.IDENTITY, identity)
+    net.curve_client(sock, keys, data["server_public"].encode())
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     host, port = data["controller"]
     sock.connect(net.tcp_address(host, port))
-    address = net.route_to(host)
-    hello = wire.Wire(bytes.fromhex(data["key"])).pack(
-        {msg.KIND: msg.JOIN, msg.ID: None},
-        {"addr": address, "pid": os.getpid(), "hostname": socket.gethostname(),
-         "store_port": net.free_port_in_range(address), "gpus": gpus})
-    wire.send(sock, hello)
-    return sock
+    try:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if monitor.poll(left * 1000):
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return sock
+                raise SystemExit(f"meshbook agent join: the controller at {host}:{port} refused this token: "
+                                 f"the hosts it was for have joined already, or its mesh has stopped. Copy "
+                                 f"the command again from the notebook (%mesh start --join prints a new one)")
+        raise SystemExit(f"meshbook agent join: no answer from the controller at {host}:{port} within "
+                         f"{timeout:g} s: check that this host can reach it (the notebook waits for the "
+                         f"hosts only as long as its start timeout)")
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+
+
+def _await_welcome(sock: zmq.Socket, signer: wire.Wire, timeout: float) -> None:
+    """Wait for the controller to admit this agent's own key."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if not sock.poll(left * 1000):
+            break
+        _, _, route, frames = unwrap(wire.recv(sock), False)
+        try:
+            message = signer.unpack(frames)
+        except wire.BadMessage:
+            continue
+        if route == b"" and message.kind == msg.OP and message.body().get("op") == msg.AgentOp.WELCOME:
+            return
+    raise SystemExit(f"meshbook agent join: the controller did not answer within {timeout:g} s")
 
 
 def _link_socket(ctx: zmq.Context, kind: int = zmq.DEALER) -> zmq.Socket:
+    """A link's socket. A send never blocks the agent's one thread for long (a DEALER with no
+    connection blocks until it has one, and the agent would never reach the timer that ends it
+    when its controller is gone): what cannot leave in ``SEND_TIMEOUT_MS`` is dropped, and the
+    link's sequence numbers have it sent again or reported missing."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
     return sock
 
 

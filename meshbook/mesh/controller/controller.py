@@ -38,7 +38,7 @@ from ..protocol.backends import Backend, HostGpus, choose
 from ..protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
 from ..protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result
 from ..protocol.limits import DEFAULT_MAX_BYTES
-from ..protocol.proc import runtime_base
+from ..protocol.proc import owned_prefix, remove_stale, runtime_base
 from ..protocol.text import format_ranks
 from ..protocol.topology import Topology
 from ..protocol.remote import encode_route
@@ -57,6 +57,12 @@ from .watch import watch
 LATE_OUTPUT_RUNS = 256
 #: Why a mesh stopped when the user stopped it (any other reason: it ended on its own).
 USER_STOP = "stopped by the user"
+#: What processes of this machine name after themselves (``owned_prefix``) and a killed one
+#: leaves behind: runtime directories, and the ssh sessions' logs.
+STALE_KINDS = ("mb", "meshbook-ssh")
+#: ZeroMQ I/O threads of a controller: each encrypts (CurveZMQ) the links it serves, so pushes to
+#: several hosts are encrypted side by side, not one after the other on one core.
+NETWORK_IO_THREADS = max(1, min(4, (os.cpu_count() or 1)))
 
 
 @dataclass
@@ -97,22 +103,20 @@ class Controller:
         #: The most a result may weigh before it stays on its rank (``start(max_result_bytes=)``).
         self.max_result_bytes = DEFAULT_MAX_BYTES
         self.launcher = launcher
-        self.wire = wire.Wire(key or secrets.token_bytes(32))  # a kept mesh's, to attach it
-        self.rundir = tempfile.mkdtemp(prefix="mb-", dir=runtime_base())  # mode 0700
-        self.master_port = free_port()  # what a pasted torchrun script reads as MASTER_PORT
-        self.ctx = zmq.Context()
-        self.cmd = self.ctx.socket(zmq.ROUTER)
-        self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.cmd.setsockopt(zmq.SNDHWM, 0)
-        self.cmd.bind(f"ipc://{self.rundir}/cmd")
-        self.events = self.ctx.socket(zmq.PULL)
-        self.events.setsockopt(zmq.RCVHWM, 0)
-        self.events.bind(f"ipc://{self.rundir}/ev")
-        self._wake_send = self.ctx.socket(zmq.PAIR)
-        self._wake_recv = self.ctx.socket(zmq.PAIR)
-        self._wake_recv.bind(f"inproc://wake-{id(self)}")
-        self._wake_send.connect(f"inproc://wake-{id(self)}")
+        #: Which ranks go on which host; a launcher refuses a layout here (per_host=0, too few
+        #: hosts), before anything is built that would need closing.
         self.plans: list[HostPlan] = launcher.plan(topology.world_size)
+        self.wire = wire.Wire(key or secrets.token_bytes(32))  # a kept mesh's, to attach it
+        self.master_port = free_port()  # what a pasted torchrun script reads as MASTER_PORT
+        remove_stale(runtime_base(), STALE_KINDS)  # what killed kernels left on this host
+        self.rundir = tempfile.mkdtemp(prefix=owned_prefix("mb"), dir=runtime_base())  # mode 0700
+        self.ctx = zmq.Context(io_threads=NETWORK_IO_THREADS)
+        try:
+            self._bind()
+        except BaseException:  # leave nothing: an unclosed context blocks whoever collects it
+            self.ctx.destroy(linger=0)
+            shutil.rmtree(self.rundir, ignore_errors=True)
+            raise
         self.host_of = {r: p.host for p in self.plans for r in p.ranks}
         self.ranks = {r: RankState(r, self.host_of[r]) for r in range(topology.world_size)}
         #: Ranks on other hosts: requests go once per host, through its agent (see hosts.py).
@@ -160,7 +164,7 @@ class Controller:
             msg.ERROR: self._on_answer, msg.EXIT: self._on_exit, msg.HELLO: self._on_hello,
             msg.READY: self._on_ready, msg.INIT_FAILED: self._on_init_failed, msg.AGENT: self._on_agent,
             msg.HOST_BEAT: self._on_host_beat, msg.FENCED: self._on_fenced,
-            msg.COLLECTIVES: self._on_collectives}
+            msg.COLLECTIVES: self._on_collectives, msg.RESEND: self._on_resend, msg.LOST: self._on_lost}
         #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
         #: replaces this with "does this cell allow stdin").
         self.stdin_probe: Callable[[], bool] = _terminal_stdin
@@ -172,6 +176,20 @@ class Controller:
         self._receiver = threading.Thread(target=self._receive, name="meshbook-receiver", daemon=True)
         self._receiver.start()
         _LIVE.add(self)
+
+    def _bind(self) -> None:
+        """The controller's own sockets, in its private runtime directory."""
+        self.cmd = self.ctx.socket(zmq.ROUTER)
+        self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.cmd.setsockopt(zmq.SNDHWM, 0)
+        self.cmd.bind(f"ipc://{self.rundir}/cmd")
+        self.events = self.ctx.socket(zmq.PULL)
+        self.events.setsockopt(zmq.RCVHWM, 0)
+        self.events.bind(f"ipc://{self.rundir}/ev")
+        self._wake_send = self.ctx.socket(zmq.PAIR)
+        self._wake_recv = self.ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(f"inproc://wake-{id(self)}")
+        self._wake_send.connect(f"inproc://wake-{id(self)}")
 
     # -- listeners: the notebook layer's hooks -------------------------------------------------
 
@@ -619,7 +637,7 @@ class Controller:
                         runs = list(self._runs.values())
                     watch(self, runs)
                     if self.network is not None:
-                        self.network.tick(self._ping, self._host_lost)
+                        self.network.tick(self._op, self._host_lost)
             except Exception as exc:  # the receiver must outlive any one failure
                 _log(f"receiver: {type(exc).__name__}: {exc}")
 
@@ -651,13 +669,48 @@ class Controller:
         except wire.BadMessage:
             return
         if message.kind == msg.JOIN and self.network is not None:
-            self.network.on_join(identity, message.body())
+            welcome = self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []}, {"op": msg.AgentOp.WELCOME})
+            self.network.on_join(identity, message.body(), welcome)
         else:
             self.unknown_kinds[f"{message.kind} (before joining)"] += 1
 
-    def _ping(self) -> list[Any]:
-        return self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []},
-                              {"op": msg.AgentOp.PING, "sent": time.monotonic(), "wall": time.time_ns()})
+    def _op(self, body: dict[str, Any]) -> list[Any]:
+        """An operation for a remote agent, signed (pings, asking for messages again)."""
+        return self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []}, body)
+
+    def _on_resend(self, message: wire.Message) -> None:
+        """An agent missed messages we sent on its link (the connection reset): send them again;
+        what is no longer kept (a big push) is lost, and the work it was for fails now."""
+        link = self._link_of(message)
+        if link is not None and self.network is not None:
+            lost = self.network.resend(link, message.body()["from"], self._op)
+            if lost is not None:
+                self._link_lost(link, f"requests to host {link.name}")
+
+    def _on_lost(self, message: wire.Message) -> None:
+        """An agent no longer keeps messages we missed from it: go on without them, and fail the
+        work they answered."""
+        link = self._link_of(message)
+        if link is None:
+            return
+        for frames in link.incoming.give_up(message.body()["upto"]):
+            self._take(frames)
+        self._link_lost(link, f"messages from host {link.name}")
+
+    def _link_of(self, message: wire.Message) -> HostLink | None:
+        return self.network.links.get(message.header.get(msg.HOST)) if self.network is not None else None
+
+    def _link_lost(self, link: HostLink, what: str) -> None:
+        """Fail what runs on ``link``'s ranks: part of it was lost when the connection reset."""
+        with self._lock:
+            runs = [run for run in self._runs.values() if set(run.pending) & set(link.ranks)]
+        for run in runs:
+            for rank in sorted(set(run.pending) & set(link.ranks)):
+                failure = RankFailure(rank, "LinkReset", (
+                    f"{what} were lost when its connection reset, and were no longer kept to be sent "
+                    f"again (a push too big to keep, or too much since): rank {rank}'s part of this run "
+                    f"is unknown. Run it again (its ranks keep their variables)"))
+                self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
 
     def _on_host_beat(self, message: wire.Message) -> None:
         if self.network is None or (link := self.network.links.get(message.header[msg.HOST])) is None:
@@ -667,6 +720,7 @@ class Controller:
             link.state = "stopped"
         elif "sent" in body:
             link.rtt = time.monotonic() - body["sent"]
+            link.outgoing.acknowledged(body.get("ack", 0))
             if "wall" in body and "agent_wall" in body:
                 link.clocked(body["wall"], body["agent_wall"], time.time_ns())
             if self.lease is not None:

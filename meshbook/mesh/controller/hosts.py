@@ -29,7 +29,8 @@ import zmq
 
 from ..protocol import messages as msg
 from ..protocol import net, wire
-from ..protocol.remote import encode_epoch
+from ..protocol.ordering import Incoming, Outgoing
+from ..protocol.remote import decode_seq, encode_epoch, encode_seq
 from ..protocol.text import format_ranks
 
 _HOST = struct.Struct("<I")
@@ -57,6 +58,9 @@ class HostLink:
     #: stamped with it), from the quickest of the recent pings.
     clock_offset_ns: int = 0
     _best_ping_ns: int = 0
+    #: What this side sent and the agent has not acknowledged; what it sent, in order.
+    outgoing: Outgoing = field(default_factory=Outgoing)
+    incoming: Incoming = field(default_factory=Incoming)
 
     def clocked(self, sent_ns: int, agent_ns: int, back_ns: int) -> None:
         """A ping's answer: the agent read its clock ``agent_ns`` between our ``sent_ns`` and
@@ -156,7 +160,9 @@ class Network:
         self.allowlist.allow(join.public)
         self._zap = self.allowlist.serve(self.ctx)
         router = self.ctx.socket(zmq.ROUTER)
-        for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000), (zmq.ROUTER_MANDATORY, 1)):
+        # HANDOVER: a joined agent's connection with its own key takes over its routing id.
+        for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000), (zmq.ROUTER_MANDATORY, 1),
+                              (zmq.ROUTER_HANDOVER, 1)):
             router.setsockopt(option, value)
         net.curve_server(router, self.server)
         port = net.bind_in_range(router, address)
@@ -167,7 +173,19 @@ class Network:
                 "join": join.to_json(), "key": self.key.hex(), "lost_s": self.lost_s, "timeout": timeout,
                 "env": self.env}
 
-    def on_join(self, identity: bytes, body: dict[str, Any]) -> None:
+    def on_join(self, identity: bytes, body: dict[str, Any], welcome: list[Any]) -> None:
+        """A joining agent (receiver thread). First it comes with the join key, and brings a key
+        of its own: that key is admitted from now on, and the agent is told so (``welcome``)
+        and comes back with it, on a new connection that takes over its routing id. Only then
+        has it joined: the join key is revoked once the hosts have joined, and a link that
+        resets later reconnects with the agent's own key."""
+        if not body.get("switched"):
+            key = body.get("key")
+            if key:
+                self.allowlist.allow(key.encode())
+            if self.router is not None:
+                self.router.send_multipart([identity, encode_epoch(self.epoch), encode_seq(0), b"", *welcome], copy=False)
+            return
         with self.joined_changed:
             if any(j.identity == identity for j in self.joined):
                 return
@@ -234,9 +252,20 @@ class Network:
             elif sock is self.router:
                 identity = frames[0].bytes
                 link = next((l for l in self.links.values() if l.identity == identity), None)
-                handle(self._heard(link), identity, frames[1:])
+                self._in_order(link, identity, frames[1:], handle)
             else:
-                handle(self._heard(dialled), b"", frames)
+                self._in_order(dialled, b"", frames, handle)
+
+    def _in_order(self, link: HostLink | None, identity: bytes, frames: list[Any],
+                  handle: Callable[[HostLink | None, bytes, list[Any]], None]) -> None:
+        """Pass a link's messages on in the order the agent sent them; hold what comes after a
+        gap until it is sent again (see ``tick``)."""
+        seq = decode_seq(frames[0].bytes if isinstance(frames[0], zmq.Frame) else frames[0])
+        if link is None or seq == 0:  # an agent not placed yet (joining), or outside the order
+            handle(self._heard(link), identity, frames[1:])
+            return
+        for message in link.incoming.take(seq, frames[1:], time.monotonic()):
+            handle(self._heard(link), identity, message)
 
     def _heard(self, link: HostLink | None) -> HostLink | None:
         if link is not None:
@@ -250,7 +279,11 @@ class Network:
         link = self.links.get(host)
         if link is None or link.state == "lost":
             return  # the host is gone: what waited for it has failed
-        frames = [encode_epoch(self.epoch), *parts[1:]]
+        self._send(link, link.outgoing.number(parts[1:]), parts[1:])
+
+    def _send(self, link: HostLink, seq: int, parts: list[Any]) -> None:
+        """``parts`` (route and message) to ``link``'s agent, as message ``seq`` of the link."""
+        frames = [encode_epoch(self.epoch), encode_seq(seq), *parts]
         try:
             if link.sock is not None:
                 link.sock.send_multipart(frames, copy=False)
@@ -259,8 +292,9 @@ class Network:
         except zmq.ZMQError:
             pass  # EHOSTUNREACH: a joined agent reconnecting; its liveness check decides
 
-    def tick(self, ping: Callable[[], list[Any]], lost: Callable[[HostLink], None]) -> None:
-        """Ping every link that is due and mark the silent ones (receiver thread)."""
+    def tick(self, op: Callable[[dict[str, Any]], list[Any]], lost: Callable[[HostLink], None]) -> None:
+        """Ping every link that is due, mark the silent ones, and ask again for what a link is
+        missing (receiver thread). ``op`` signs an operation for an agent."""
         now = time.monotonic()
         for link in list(self.links.values()):
             if link.state in ("lost", "stopped"):
@@ -272,17 +306,42 @@ class Network:
                 continue
             if silent >= self.suspect_s:
                 link.state = "suspect"
+            missing = link.incoming.ask(now)
+            if missing is not None:
+                self.operate(link, op({"op": msg.AgentOp.RESEND, "from": missing}), ordered=False)
             if now - link.last_ping >= msg.HOST_PING_S:
                 link.last_ping = now
-                self._forward([_HOST.pack(link.host), b"", *ping()])
+                self.operate(link, op({"op": msg.AgentOp.PING, "sent": now, "wall": time.time_ns(),
+                                       "ack": link.incoming.acknowledged}))
+
+    def operate(self, link: HostLink, frames: list[Any], ordered: bool = True) -> None:
+        """An operation for ``link``'s agent itself, from the receiver thread (``ordered=False``:
+        outside the link's numbering, for what must pass a gap: asking for messages again)."""
+        if ordered:
+            self._forward([_HOST.pack(link.host), b"", *frames])
+        else:
+            self._send(link, 0, [b"", *frames])
+
+    def resend(self, link: HostLink, since: int, op: Callable[[dict[str, Any]], list[Any]]) -> int | None:
+        """The agent missed what this side sent from ``since`` on: send it again (receiver
+        thread). What is no longer kept is lost: the agent is told to skip it, and the newest
+        lost number is returned (the caller fails the work that waited on that host)."""
+        again = link.outgoing.since(since)
+        lost = None
+        if again is None:
+            lost = link.outgoing.let_go
+            self.operate(link, op({"op": msg.AgentOp.LOST, "upto": lost}), ordered=False)
+            again = link.outgoing.since(lost + 1) or []
+        for seq, parts in again:
+            self._send(link, seq, parts)
+        return lost
 
     def stop_agents(self, signer: wire.Wire, timeout: float) -> None:
         """Tell every remote agent to stop its ranks and exit, and wait for each to confirm
         (called once the receiver thread is gone, so this thread owns the sockets)."""
         waiting = {l.host: l for l in self.links.values() if l.state in ("ok", "suspect")}
         for link in waiting.values():
-            self._forward([_HOST.pack(link.host), b"", *signer.pack(
-                {msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []}, {"op": msg.AgentOp.STOP})])
+            self.operate(link, signer.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []}, {"op": msg.AgentOp.STOP}))
         poller = zmq.Poller()
         for sock in self.sockets()[1:]:
             poller.register(sock, zmq.POLLIN)

@@ -26,9 +26,11 @@ nothing changes: the ranks die with the kernel.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+import stat
 import secrets
 import shutil
 import sys
@@ -39,7 +41,7 @@ from typing import Any, Callable
 from ..protocol import net
 from ..protocol.backends import Backend
 from ..protocol.errors import MeshError
-from ..protocol.proc import pid_alive, runtime_base
+from ..protocol.proc import pid_alive
 from ..protocol.topology import Topology
 from .controller import Controller, live_controllers
 from .hosts import Network
@@ -48,6 +50,8 @@ from .remote import RemoteLauncher, SshAgent
 from .slurm import ACTIVE, Slurm, SlurmAgent, SlurmJob, query
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+#: A mesh whose lease ran out this long ago is surely over (its agent ended itself).
+LEASE_MARGIN_S = 60.0
 
 
 def parse_duration(keep: str | float) -> float:
@@ -69,10 +73,21 @@ def format_duration(seconds: float) -> str:
 
 
 def mesh_dir() -> str:
-    """Where mesh files live: private to this user."""
-    path = os.path.join(runtime_base(), f"meshbook-meshes-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    if os.lstat(path).st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+    """Where mesh files live: ``~/.meshbook/meshes``, 0700. In the home directory, which no
+    other user can write (a name in the shared temp directory could be taken first by anyone,
+    denying --keep for good), and which a cluster's nodes share (a kept Slurm mesh's agents
+    remove its file when it ends)."""
+    path = os.path.join(os.path.expanduser("~"), ".meshbook", "meshes")
+    try:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except FileExistsError:
+            pass  # something else is there: said below
+        info = os.lstat(path)
+    except OSError as exc:
+        raise MeshError(f"cannot make {path} for the kept meshes' files: {exc.strerror}; "
+                        f"check the home directory ($HOME)") from None
+    if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode):
         raise MeshError(f"{path} is not a directory of yours: remove it, then try again")
     os.chmod(path, 0o700)
     return path
@@ -99,6 +114,9 @@ class MeshRecord:
     job: str = ""  # a Slurm job's id (its agents live while it runs), and its per-job directory
     job_dir: str = ""
     job_state: str = ""  # the job's state when list_meshes() last asked Slurm
+    #: Why the file cannot be used (it is listed, never deleted: only its agent knows whether
+    #: the mesh still runs); empty for a sound record.
+    problem: str = ""
 
     @property
     def path(self) -> str:
@@ -114,8 +132,34 @@ class MeshRecord:
 
     @classmethod
     def load(cls, path: str) -> "MeshRecord":
-        with open(path) as f:
-            return cls(**json.load(f))
+        """The record in ``path``; a record saying what is wrong (``problem``) when it cannot be
+        used: unreadable, truncated, or with fields of the wrong kind."""
+        mesh_id = os.path.basename(path)[:-len(".json")]
+        try:
+            with open(path) as f:
+                record = cls(**json.load(f))
+            record.check()
+        except (OSError, ValueError, TypeError) as exc:
+            return cls.broken(mesh_id, f"its file {path} cannot be used ({type(exc).__name__}: {exc})")
+        return record
+
+    @classmethod
+    def broken(cls, mesh_id: str, problem: str) -> "MeshRecord":
+        return cls(mesh_id, "?", "?", [], "", {}, {}, [], "", 0.0, 0, 0, 0.0, 0.0, problem=problem)
+
+    def check(self) -> None:
+        """ValueError/TypeError if a field is not what a mesh file holds."""
+        bytes.fromhex(self.key)
+        for host in self.hosts:
+            for name in ("pid", "port", "store_port"):
+                if not isinstance(host[name], int):
+                    raise TypeError(f"host {host.get('name')!r}: {name} {host[name]!r} is not a number")
+            if not all(isinstance(r, int) for r in host["ranks"]):
+                raise TypeError(f"host {host.get('name')!r}: its ranks are not numbers")
+        net.Keys.from_json(self.server)
+        net.Keys.from_json(self.controller)
+        if not isinstance(self.epoch, int) or not isinstance(self.lease_s, (int, float)):
+            raise TypeError("epoch or lease_s is not a number")
 
     def lease_left(self) -> float:
         try:
@@ -124,22 +168,31 @@ class MeshRecord:
             return 0.0
         return self.lease_s - (time.time() - renewed)
 
-    def agents_alive(self) -> bool:
-        """A pid tells only on this host: a Slurm mesh's agents live while its job is active."""
-        if not self.job:
-            return all(pid_alive(h["pid"]) for h in self.hosts)
-        state = query(self.job)
-        self.job_state = state.state if state is not None else "gone"
-        return self.job_state in ACTIVE
+    def ended(self) -> bool:
+        """Is the mesh surely over? Its lease ran out (the agent ends itself then; a margin for
+        the last renewal), or Slurm says its job ended. Nothing else decides it: a pid may mean
+        another process, or none on this host, and only the agent removes a live mesh's file."""
+        if self.problem:
+            return False
+        if self.job:
+            state = query(self.job)
+            self.job_state = state.state if state is not None else "gone"
+            if self.job_state not in ACTIVE:
+                return True
+        return self.lease_left() < -LEASE_MARGIN_S
 
     def drop(self) -> None:
         """Forget an ended mesh: its file and, for a Slurm job, the job's directory."""
         _remove(self.path)
+        _remove(self.path + ".lock")
         if self.job_dir:
             shutil.rmtree(self.job_dir, ignore_errors=True)
 
     def row(self) -> dict[str, Any]:
         """This mesh as a row of ``%mesh list``."""
+        if self.problem:
+            return {"id": self.id, "name": "-", "launcher": "-", "hosts": "-", "ranks": "-", "job": "-",
+                    "dims": "-", "age": "-", "lease left": "-", "attached": f"unusable: {self.problem}"}
         here = next((c.name for c in live_controllers() if not c.stopped and
                      getattr(c.lease, "id", None) == self.id), "")
         return {"id": self.id, "name": self.name, "launcher": self.launcher,
@@ -192,6 +245,7 @@ class Keep(RemoteLauncher):
     @classmethod
     def for_launcher(cls, launcher: "str | Launcher", keep: str | float, name: str) -> "Keep | KeptSlurm":
         """How to keep a mesh of ``launcher``: the .launcher to start it with, and .record()."""
+        mesh_dir()  # where its file will go must be usable before an agent is started for it
         if isinstance(launcher, Slurm):
             return KeptSlurm(launcher, parse_duration(keep))
         if launcher != "local":
@@ -322,20 +376,18 @@ class LeasedAgent:
 
 
 def list_meshes() -> list[MeshRecord]:
-    """The kept meshes this user can attach, oldest first (files of ended meshes are removed)."""
+    """The kept meshes this user can attach, oldest first, with files that cannot be used (each
+    saying why). The files of meshes that are surely over (see ``MeshRecord.ended``) are removed."""
     records = []
-    for entry in sorted(os.listdir(mesh_dir())):
+    directory = mesh_dir()
+    for entry in sorted(os.listdir(directory)):
         if not entry.endswith(".json"):
-            continue
-        path = os.path.join(mesh_dir(), entry)
-        try:
-            record = MeshRecord.load(path)
-        except (OSError, ValueError, TypeError):
-            continue  # being written, or not ours to read
-        if record.agents_alive() and record.lease_left() > 0:
-            records.append(record)
-        else:
+            continue  # a file being written (*.tmp), or not a mesh file
+        record = MeshRecord.load(os.path.join(directory, entry))
+        if record.ended():
             record.drop()
+        else:
+            records.append(record)
     return sorted(records, key=lambda r: r.started)
 
 
@@ -347,8 +399,10 @@ def attach(mesh_id: str, name_for: Callable[[str], str], timeout: float = 60.0) 
         ids = ", ".join(r.id for r in list_meshes()) or "none"
         raise MeshError(f"no kept mesh {mesh_id!r} (meshes that can be attached: {ids}); its lease "
                         f"may have run out. %mesh list (meshbook.list_meshes()) shows them")
-    record.epoch += 1
-    record.save()
+    if record.problem:
+        raise MeshError(f"kept mesh {mesh_id}: {record.problem}. The mesh may still run (its agent "
+                        f"removes the file when it ends); it cannot be attached without a sound file")
+    record = _next_epoch(record)
     controller = Controller(Topology(tuple((k, v) for k, v in record.dims)), Attached(record), record.backend,
                             record.collective_timeout, name_for(record.name),
                             key=bytes.fromhex(record.key))
@@ -356,6 +410,23 @@ def attach(mesh_id: str, name_for: Callable[[str], str], timeout: float = 60.0) 
     controller.lease = Lease(record)
     controller.attach(timeout)
     return controller
+
+
+def _next_epoch(record: MeshRecord) -> MeshRecord:
+    """Take the next epoch, under a lock on the mesh file: two kernels attaching at the same
+    moment get two epochs, and the agents fence off the older (on a file system without locks,
+    the agents' own rule still lets one controller per epoch through)."""
+    with open(record.path + ".lock", "a") as handle:  # not the file itself: saving replaces it
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fresh = MeshRecord.load(record.path)
+            if fresh.problem:
+                raise MeshError(f"kept mesh {record.id}: {fresh.problem}")
+            fresh.epoch += 1
+            fresh.save()
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    return fresh
 
 
 def _remove(path: str) -> None:

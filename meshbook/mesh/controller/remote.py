@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 from ..protocol import messages as msg
 from ..protocol import net
 from ..protocol.errors import MeshError
+from ..protocol.proc import owned_prefix, runtime_base
 from ..protocol.remote import LISTENING, TOKEN_ENV, encode_token
 from .hosts import HostLink, Network
 from .launchers import AGENT_MODULE, HostPlan
@@ -83,6 +84,10 @@ class SSH(RemoteLauncher):
             hosts = [h for h in hosts.split(",") if h]
         if not hosts:
             raise MeshError("the ssh launcher needs hosts, e.g. SSH(['gpu1', 'gpu2']) or --hosts gpu1,gpu2")
+        twice = sorted({h for h in hosts if list(hosts).count(h) > 1})
+        if twice:
+            raise MeshError(f"--hosts: {', '.join(twice)} is named twice: a host runs one agent for all its "
+                            f"ranks; name it once and give the ranks per host with --per-host N (per_host=N)")
         self.hosts = list(hosts)
         self.per_host = per_host
         #: The Python on the hosts (default: the same path as this one, as on a shared install).
@@ -127,7 +132,7 @@ class SSH(RemoteLauncher):
         info = agent.wait_listening(deadline, self.python)
         address, port = info["addr"], info["port"]
         if self.tunnel:
-            port = agent.open_tunnel([*self.ssh, "-N", "-o", "ExitOnForwardFailure=yes"], info["port"])
+            port = agent.open_tunnel([*self.ssh, "-o", "ExitOnForwardFailure=yes"], info["port"])
             address = "127.0.0.1"
         network.dial(plan.host, agent.name, plan.ranks, info, address, port)
 
@@ -137,7 +142,7 @@ class SshAgent:
 
     def __init__(self, name: str, argv: list[str]) -> None:
         self.name = name
-        fd, self.log = tempfile.mkstemp(prefix="meshbook-ssh-", suffix=".log")
+        fd, self.log = tempfile.mkstemp(prefix=owned_prefix("meshbook-ssh"), suffix=".log", dir=runtime_base())
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=fd, start_new_session=True)
@@ -180,10 +185,15 @@ class SshAgent:
                         f"python='/path/to/python' or --python)")
 
     def open_tunnel(self, ssh: list[str], remote_port: int) -> int:
-        """Forward a local port to the agent's port on its own loopback; returns the local port."""
+        """Forward a local port to the agent's port on its own loopback; returns the local port.
+
+        The tunnel's session runs ``cat`` on the host, reading our end of a pipe: when this
+        process ends, however it ends (a SIGKILLed kernel too), the pipe closes, ``cat`` ends,
+        and the tunnel with it (``ssh -N`` would have run on for ever)."""
         port = net.free_port_in_range("127.0.0.1")
-        self.tunnel = subprocess.Popen([*ssh, "-L", f"127.0.0.1:{port}:127.0.0.1:{remote_port}", self.name],
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        self.tunnel = subprocess.Popen([*ssh, "-L", f"127.0.0.1:{port}:127.0.0.1:{remote_port}", self.name,
+                                        "exec cat >/dev/null"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL, start_new_session=True)
         return port
 

@@ -24,7 +24,8 @@ Who sends what:
   operation, e.g. a py-spy dump), ``HOST_BEAT`` (the answer to a ``PING``: the round trip and
   liveness of a host across the network), ``JOIN`` (an agent started by an external launcher
   announces itself), ``FENCED`` (a message came from a controller with an older epoch than
-  the newest the agent has seen: another kernel attached the mesh).
+  the newest the agent has seen: another kernel attached the mesh), ``RESEND`` / ``LOST``
+  (messages from the controller went missing on the link; see ``protocol/ordering.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ PEER = "peer"
 RELEASED = "released"
 FENCED = "fenced"
 COLLECTIVES = "collectives"
+RESEND = "resend"  # agent -> controller: messages went missing on the link, send again
+LOST = "lost"  # agent -> controller: what was asked again is no longer kept
 
 #: Requests that run user code: an irregular end of one triggers a step check.
 USER_KINDS = (EXEC, APPLY)
@@ -69,6 +72,9 @@ class AgentOp:
     PING = "ping"  # the controller's heartbeat to an agent on another host
     STOP = "stop"  # end an agent on another host (a local one sees its stdin close)
     ATTACH = "attach"  # a new controller took over a kept mesh: report the ranks (pids, generations)
+    WELCOME = "welcome"  # a joining agent's own key is admitted: come back with it
+    RESEND = "resend"  # a link missed messages: send again from number ``from`` (either way)
+    LOST = "lost"  # what was asked again is no longer kept: skip up to number ``upto``
 
 
 # -- channels: a rank binds one socket per channel -------------------------------------------

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import signal
+import struct
 import sys
 import tempfile
 import time
@@ -46,6 +48,27 @@ def listen_only_on(address: str) -> None:
             return
 
 
+class Liveness:
+    """When a host agent last heard its controller, in a page it shares with its ranks (an
+    anonymous shared mapping, made before it forks them): a rank reads it without asking
+    anyone, so it can stop itself when its agent can no longer stop it (a stopped or hung
+    agent, a host cut off). ``time.monotonic()`` is one clock for every process of a host."""
+
+    _FORMAT = struct.Struct("d")
+
+    def __init__(self) -> None:
+        self._page = mmap.mmap(-1, self._FORMAT.size)
+        self.beat(time.monotonic())
+
+    def beat(self, heard: float) -> None:
+        """The agent: its controller was last heard at ``heard`` (monotonic seconds)."""
+        self._FORMAT.pack_into(self._page, 0, heard)
+
+    def silence(self) -> float:
+        """A rank: seconds since its agent last heard the controller."""
+        return time.monotonic() - self._FORMAT.unpack_from(self._page, 0)[0]
+
+
 def pid_alive(pid: int) -> bool:
     """Is process ``pid`` still there (on this host; another user's counts)?"""
     try:
@@ -55,6 +78,50 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def owned_prefix(kind: str) -> str:
+    """``kind-<pid>-<host>-``: the start of a name for a file or directory this process owns,
+    so that whoever finds it later can tell whether its owner still lives (see
+    :func:`remove_stale`). The host is a short hash of its name: a runtime directory may be
+    shared by several hosts, where a pid means nothing."""
+    return f"{kind}-{os.getpid()}-{_host_tag()}-"
+
+
+def remove_stale(directory: str, kinds: tuple[str, ...]) -> list[str]:
+    """Remove what processes of this host and user left in ``directory`` when they were
+    killed (a SIGKILLed kernel cannot clean up): entries named by :func:`owned_prefix` whose
+    pid is dead. Returns what was removed."""
+    import re
+    import shutil
+
+    pattern = re.compile(rf"^({'|'.join(map(re.escape, kinds))})-(\d+)-{_host_tag()}-")
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = pattern.match(entry.name)
+        try:
+            if match is None or entry.stat(follow_symlinks=False).st_uid != os.getuid() \
+                    or pid_alive(int(match.group(2))):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+            removed.append(entry.path)
+        except OSError:
+            continue
+    return removed
+
+
+def _host_tag() -> str:
+    import hashlib
+    import socket
+
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:4]
 
 
 def runtime_base() -> str:

@@ -1,6 +1,10 @@
 """What the controller and a host agent on another host agree on, besides messages.
 
-* Every message to an agent is ``[epoch, route, *message frames]``: the epoch is the sending
+* Every message to an agent is ``[epoch, seq, route, *message frames]``, and every message
+  from one ``[seq, *message frames]``: ``seq`` numbers what each side sends on the link, so a
+  connection that resets loses nothing unnoticed (:mod:`.ordering`; 0: not numbered, for the
+  few messages outside a link's life: joining, telling an older controller it is fenced).
+  The epoch is the sending
   controller's (a kept mesh attached by a new kernel gets a higher one, and its agents refuse
   what an older controller sends); an empty route is an operation for the agent itself;
   otherwise the route names a channel and the ranks of that host the agent relays the
@@ -34,6 +38,9 @@ def encode_epoch(epoch: int) -> bytes:
 
 def decode_epoch(frame: bytes) -> int:
     return int(_EPOCH.unpack(frame)[0])
+
+
+encode_seq, decode_seq = encode_epoch, decode_epoch  # the same 8 bytes, another meaning
 
 
 def encode_route(channel: str, ranks: list[int]) -> bytes:

@@ -19,6 +19,7 @@ import codecs
 import fcntl
 import io
 import os
+import re
 import select
 import struct
 import termios
@@ -123,8 +124,15 @@ class RankBytes(io.RawIOBase):
         self._text.flush()
 
 
+#: Lines C code writes that say nothing to a user: c10d warns of each peer whose address has no
+#: name (hosts without reverse DNS, every namespace-host), in every start and restart.
+NOISE = re.compile(r"^\[W[^\]]*\] \[c10d\] The hostname of the client socket cannot be retrieved\. "
+                   r"err=-?\d+\n", re.M)
+
+
 class FdPump:
-    """Redirects fds 1 and 2 into pipes and forwards what C code writes there."""
+    """Redirects fds 1 and 2 into pipes and forwards what C code writes there (less the
+    :data:`NOISE` lines)."""
 
     def __init__(self, pipes: dict[str, tuple[int, int]], sink: Sink,
                  current_request: Callable[[], "int | None"]) -> None:
@@ -152,7 +160,7 @@ class FdPump:
             data = os.read(read, 1 << 16)
         except BlockingIOError:
             return
-        text = self._decoders[read].decode(data)
+        text = NOISE.sub("", self._decoders[read].decode(data))
         if text:
             self._sink(self._current(), self._readers[read], text)
 

@@ -54,6 +54,8 @@ from .streams import FdPump, RankStream, install_thread_tagging
 from .torch_compat import FLIGHT_RECORDER_ENTRIES, oldest_nccl_pending
 
 TICK_S = 0.2
+#: How much before its controller declares its host lost a rank stops itself.
+LOST_MARGIN_S = 1.0
 
 #: How a rank runs NCCL unless the user says otherwise (see DESIGN.md, "GPU paths"): a
 #: collective that times out aborts its communicator and raises, keeping the process and its
@@ -92,6 +94,10 @@ class RankConfig:
     crash_path: str
     threads: int | None  # torch's intra-op threads (None: torch's default)
     threads_note: str  # how that was decided, for the start line
+    #: When the agent last heard the controller (a page shared with it), and how long this rank
+    #: may go on without: past that its host counts as lost, and the rank stops itself.
+    liveness: proc.Liveness
+    lost_s: float
 
 
 class Worker:
@@ -267,6 +273,7 @@ class Worker:
             self.handle(message)
 
     def handle(self, message: wire.Message) -> None:
+        self.check_alive()  # never run what came for a host already declared lost
         request = message.header[msg.ID]
         handler = self._main_handlers.get(message.kind)
         if handler is None:
@@ -443,6 +450,7 @@ class Worker:
                 self._control(message)
             if os.getppid() != self.cfg.agent_pid:
                 os._exit(1)  # the agent is gone: never outlive it
+            self.check_alive()
             self.stdout.flush()
             self.stderr.flush()
             now = time.monotonic()
@@ -451,6 +459,18 @@ class Worker:
                 next_beat = now + msg.HEARTBEAT_S
                 self.emit(msg.HEARTBEAT, None, self.metrics())
                 self.send_collectives()
+
+    def check_alive(self) -> None:
+        """Stop this rank (and what it started) when its agent has not heard the controller for
+        the loss window: the controller declares the host lost then, and may start this rank
+        anew elsewhere; two copies must never act at once (a checkpoint written twice). A little
+        before the controller does, so that nothing more happens here after it has."""
+        silence = self.cfg.liveness.silence()
+        if silence > max(1.0, self.cfg.lost_s - LOST_MARGIN_S):
+            sys.__stderr__.write(f"meshbook: rank {self.rank} stops: its agent has not heard the controller "
+                                 f"for {silence:.0f} s\n")
+            sys.__stderr__.flush()
+            os.killpg(0, signal.SIGKILL)
 
     def _control(self, message: wire.Message) -> None:
         handler = self._control_handlers.get(message.kind)

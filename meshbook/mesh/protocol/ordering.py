@@ -1,0 +1,137 @@
+"""Nothing lost, nothing twice: numbered messages on a link between a controller and an agent
+on another host.
+
+A TCP connection that resets (a switch flaps, a firewall drops state) loses what was in its
+buffers, and ZeroMQ reconnects as if nothing happened: a rank's result in flight is gone, the
+cell waits for it forever, and requests sent meanwhile never reach the ranks. So each side of a
+link numbers what it sends (1, 2, 3...) and keeps it (:class:`Outgoing`) until the other side
+acknowledges it: every ping and its answer carry the newest number taken in order. The
+receiving side (:class:`Incoming`) delivers in order; a number beyond the next one expected
+means messages went missing: the ones after the gap are held, and the sender is asked to send
+again from the first missing. What it no longer keeps (a gigabyte push is not kept) cannot
+come again: the receiver is told, fails the work it waited for on that host, saying which
+messages were lost, and goes on from what comes next.
+
+Pure state, no sockets: tested on its own (tests/test_ordering.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: What a sender keeps for sending again, at most (older messages are let go first); a single
+#: message bigger than ``KEEP_BYTES`` is sent but never kept.
+KEEP_MESSAGES = 20_000
+KEEP_BYTES = 256 << 20
+#: How long a gap may wait for what was asked again before asking once more.
+ASK_AGAIN_S = 1.0
+
+
+def size(frames: Sequence[Any]) -> int:
+    return sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
+
+
+class Outgoing:
+    """A link's sender side: numbers each message and keeps it until acknowledged."""
+
+    def __init__(self, keep_messages: int = KEEP_MESSAGES, keep_bytes: int = KEEP_BYTES) -> None:
+        self.keep_messages, self.keep_bytes = keep_messages, keep_bytes
+        self.next = 1
+        self._kept: deque[tuple[int, list[Any], int]] = deque()
+        self._bytes = 0
+        #: The newest number that is no longer kept although unacknowledged (0: none).
+        self.let_go = 0
+
+    def number(self, frames: list[Any]) -> int:
+        """The number of a message about to be sent; it is kept for sending again."""
+        seq = self.next
+        self.next += 1
+        nbytes = size(frames)
+        if nbytes > self.keep_bytes:
+            self.let_go = seq
+            return seq
+        self._kept.append((seq, frames, nbytes))
+        self._bytes += nbytes
+        while len(self._kept) > self.keep_messages or self._bytes > self.keep_bytes:
+            old, _, old_bytes = self._kept.popleft()
+            self._bytes -= old_bytes
+            self.let_go = max(self.let_go, old)
+        return seq
+
+    def acknowledged(self, seq: int) -> None:
+        """The other side has everything up to ``seq``: let it go."""
+        while self._kept and self._kept[0][0] <= seq:
+            self._bytes -= self._kept.popleft()[2]
+
+    def since(self, seq: int) -> list[tuple[int, list[Any]]] | None:
+        """Every message from ``seq`` on, to send again; None if some of them are gone."""
+        if self.let_go >= seq:
+            return None
+        return [(n, frames) for n, frames, _ in self._kept if n >= seq]
+
+    @property
+    def kept(self) -> int:
+        return len(self._kept)
+
+
+@dataclass
+class Incoming:
+    """A link's receiver side: delivers in order, holds what comes after a gap."""
+
+    expected: int = 1
+    held: dict[int, list[Any]] = field(default_factory=dict)
+    #: Since when a gap waits (monotonic seconds), and when it was last asked for.
+    gap_since: float | None = None
+    asked_at: float = 0.0
+    #: Numbers that were lost for good (what the sender could not send again), for reports.
+    lost: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def acknowledged(self) -> int:
+        """The newest number taken in order (what a ping acknowledges)."""
+        return self.expected - 1
+
+    def take(self, seq: int, frames: list[Any], now: float) -> list[list[Any]]:
+        """A message arrived: what can be delivered now, in order (maybe nothing)."""
+        if seq < self.expected or seq in self.held:
+            return []  # sent again, and already here
+        if seq > self.expected:
+            self.held[seq] = frames
+            if self.gap_since is None:
+                self.gap_since = now
+            return []
+        out = [frames]
+        self.expected += 1
+        while self.expected in self.held:
+            out.append(self.held.pop(self.expected))
+            self.expected += 1
+        if not self.held:
+            self.gap_since = None
+        return out
+
+    def ask(self, now: float) -> int | None:
+        """The number to ask the sender for again, when a gap waits and it is time to ask."""
+        if self.gap_since is None or now - self.asked_at < ASK_AGAIN_S:
+            return None
+        self.asked_at = now
+        return self.expected
+
+    def give_up(self, upto: int) -> list[list[Any]]:
+        """The sender no longer keeps messages up to ``upto``: they are lost; deliver what
+        comes after them."""
+        if upto < self.expected:
+            return []
+        self.lost.append((self.expected, upto))
+        self.expected = upto + 1
+        out = []
+        for seq in sorted(n for n in self.held if n <= upto):
+            del self.held[seq]
+        while self.expected in self.held:
+            out.append(self.held.pop(self.expected))
+            self.expected += 1
+        if not self.held:
+            self.gap_since = None
+        return out
