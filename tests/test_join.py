@@ -110,6 +110,16 @@ def test_push_and_pull_cross_the_network(joined: tuple[meshbook.Mesh, ExternalLa
     assert torch.equal(pulled[3], data)
 
 
+def test_a_big_push_travels_in_pieces_and_arrives_whole(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
+    mesh, _ = joined
+    data = torch.arange(10 << 20, dtype=torch.float32)  # 40 MiB: in pieces, pipelined across the network
+    bf16 = torch.randn(3 << 20).to(torch.bfloat16)
+    mesh.push(big=data, half=bf16)
+    same = mesh.run("(torch.equal(big, torch.arange(10 << 20, dtype=torch.float32)), half.dtype, half.shape)")
+    assert set(same.result().values()) == {(True, torch.bfloat16, torch.Size([3 << 20]))}
+    assert torch.equal(mesh.pull("half", ranks=[2])[2], bf16)
+
+
 def test_status_shows_each_host(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
     mesh, outside = joined
     deadline = time.monotonic() + 10

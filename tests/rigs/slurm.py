@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from rigs import Rig
 from rigs.netns import Hosts, RigError, kill_pids, namespace_pids
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from rigs import Rig
 from rigs.netns import Host, Hosts, RigError, kill_pids, sh
 

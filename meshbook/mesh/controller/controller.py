@@ -39,13 +39,13 @@ from ..protocol.errors import MeshError, MeshStoppedError, RankFailure, SendErro
 from ..protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result
 from ..protocol.limits import DEFAULT_MAX_BYTES
 from ..protocol.proc import owned_prefix, remove_stale, runtime_base
+from ..protocol.remote import encode_route
 from ..protocol.text import format_ranks
 from ..protocol.topology import Topology
-from ..protocol.remote import encode_route
 from ..rank.ops import interrupt_request
+from .clock import CollectiveTimes
 from .hosts import HostLink, Network
 from .launchers import AgentHandle, HostPlan, Launcher, agent_environment
-from .clock import CollectiveTimes
 from .metrics import MetricsHistory
 from .recovery import abort
 from .render import print_late

@@ -48,7 +48,7 @@ from ..protocol.errors import (
 )
 from ..protocol.limits import DEFAULT_MAX_BYTES
 from ..protocol.namespaces import SEEDED, Layout, Namespaces
-from ..protocol.payload import pack
+from ..protocol.payload import PIECE, pack, pieces
 from ..protocol.text import format_bytes, format_ranks, group_by_text
 from ..protocol.topology import DimSelector
 from ..protocol.values import RankValues
@@ -254,8 +254,13 @@ def _deliver(mesh: Mesh, parts: list[tuple[list[int], dict[str, Any]]], what: st
     with contextlib.ExitStack() as stack:
         payloads = [stack.enter_context(pack(values, _on_this_machine(controller, ranks), what))
                     for ranks, values in parts]  # every value pickled before anything is sent
-        runs = [mesh.call(ops.store, payload, ranks=ranks, what=what)
-                for (ranks, _), payload in zip(parts, payloads)]
+        runs = []
+        for (ranks, _), payload in zip(parts, payloads):
+            if controller.remote and sum(memoryview(b).nbytes for b in payload.buffers) >= 2 * PIECE:
+                payload, sent_ahead = pieces(payload)  # pipelined across the network
+                runs += [mesh.call(ops.stage, payload.staged.token, *piece, ranks=ranks, what=what)
+                         for piece in sent_ahead]
+            runs.append(mesh.call(ops.store, payload, ranks=ranks, what=what))
         try:
             for run in runs:
                 run.wait()

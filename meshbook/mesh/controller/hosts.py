@@ -279,7 +279,11 @@ class Network:
         link = self.links.get(host)
         if link is None or link.state == "lost":
             return  # the host is gone: what waited for it has failed
-        self._send(link, link.outgoing.number(parts[1:]), parts[1:])
+        # Kept as a copy: whoever sent a big buffer waits until ZeroMQ lets go of it (to change
+        # its tensor), which it would not until the agent acknowledged it.
+        kept = [bytes(f.buffer) if isinstance(f, zmq.Frame) and len(f) >= wire.ZERO_COPY_MIN else f
+                for f in parts[1:]]
+        self._send(link, link.outgoing.number(kept), parts[1:])
 
     def _send(self, link: HostLink, seq: int, parts: list[Any]) -> None:
         """``parts`` (route and message) to ``link``'s agent, as message ``seq`` of the link."""

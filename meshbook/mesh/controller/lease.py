@@ -30,9 +30,9 @@ import fcntl
 import json
 import os
 import re
-import stat
 import secrets
 import shutil
+import stat
 import sys
 import time
 from dataclasses import asdict, dataclass

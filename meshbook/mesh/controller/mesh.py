@@ -38,10 +38,10 @@ from .controller import USER_STOP, Controller, RankState
 from .data import DataOps
 from .debug import DebugOps
 from .hosts import HostLink
+from .launchers import Launcher, get_launcher
 from .lease import Keep, MeshRecord
 from .lease import attach as attach_controller
 from .lease import list_meshes as kept_meshes
-from .launchers import Launcher, get_launcher
 from .memory import MemoryReport, memory_report
 from .metrics import MetricsHistory
 from .run import Run

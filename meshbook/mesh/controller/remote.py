@@ -36,6 +36,7 @@ from ..protocol.remote import LISTENING, TOKEN_ENV, encode_token
 from .hosts import HostLink, Network
 from .launchers import AGENT_MODULE, HostPlan
 
+
 def plan_hosts(world_size: int, hosts: int | None, per_host: int | None, what: str) -> list[HostPlan]:
     """Contiguous blocks of ranks, host by host (ranks 0-7 on the first of 8 per host)."""
     if per_host is None:

@@ -25,6 +25,7 @@ import socket
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+
 import zmq
 from zmq.utils import z85
 

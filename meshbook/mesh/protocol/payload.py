@@ -13,7 +13,11 @@ two ways:
   The file has no name, so nothing can outlive the notebook process: it is closed when the
   push completes, and its pages go away with the last rank that still maps them;
 * **wire frames** otherwise (ranks on other hosts, small values): the buffers travel as
-  zero-copy frames, the same frames sent by reference to each rank.
+  zero-copy frames, the same frames sent by reference to each rank. A big push to other hosts
+  travels in pieces (:func:`pieces`, a request each, in order before the one that stores the
+  values, which names them with a :class:`Staged`): one piece crosses the network, encrypted,
+  while the one before is decrypted and handed to the ranks, where one message would take each
+  stage in turn (measured: about a third faster to one host).
 
 The message naming the shared file is signed like every other message; the file starts with
 a random token the message carries too, so a rank never maps a file that is not this push's.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import pickle
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +48,8 @@ from .errors import SendError
 
 #: Below this many buffer bytes a shared-memory file costs more than frames on the wire.
 SHARE_MIN = 1 << 20
+#: The pieces a push to other hosts travels in; one that is not twice as big goes whole.
+PIECE = 16 << 20
 
 _ALIGN = 64  # buffers start on cache-line boundaries, as allocators would place them
 _TOKEN_BYTES = 16
@@ -59,13 +66,24 @@ class SharedFile:
     spans: tuple[tuple[int, int], ...]  # (offset, length) per buffer, in pickle order
 
 
+@dataclass(frozen=True)
+class Staged:
+    """Where a rank finds buffers that came before the payload in pieces: put together under
+    ``token`` by the ``stage`` requests, ``sizes`` bytes each."""
+
+    token: bytes
+    sizes: tuple[int, ...]
+
+
 @dataclass
 class Payload:
-    """A pickled value and its buffers (inline as frames, or in a :class:`SharedFile`)."""
+    """A pickled value and its buffers (inline as frames, in a :class:`SharedFile`, or sent
+    ahead in pieces, :class:`Staged`)."""
 
     body: bytes
     buffers: list[Any] = field(default_factory=list)
     shared: SharedFile | None = None
+    staged: Staged | None = None
 
     def load(self) -> Any:
         """The value, on a rank: its tensors alias the frames or the mapped file, uncopied."""
@@ -90,6 +108,16 @@ class Payload:
             return True
 
         return value, release
+
+
+def pieces(payload: Payload, piece: int = PIECE) -> tuple[Payload, list[tuple[int, int, int, Any]]]:
+    """A payload whose buffers travel ahead in pieces: the payload to send last (naming them),
+    and each piece as ``(buffer index, offset, buffer size, piece)``, the piece zero-copy."""
+    views = [memoryview(b.raw() if isinstance(b, pickle.PickleBuffer) else b).cast("B") for b in payload.buffers]
+    out = [(i, start, view.nbytes, pickle.PickleBuffer(view[start:start + piece]))
+           for i, view in enumerate(views) for start in range(0, view.nbytes, piece)]
+    staged = Staged(secrets.token_bytes(8), tuple(v.nbytes for v in views))
+    return Payload(payload.body, staged=staged), out
 
 
 def pickled(values: Mapping[str, Any], what: str) -> tuple[bytes, list[memoryview], list[Any]]:

@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..protocol import messages as msg
@@ -271,7 +271,23 @@ def info(worker: Any, name: str) -> VarInfo | None:
     return describe(name, namespace[name]) if name in namespace else None
 
 
+def stage(worker: Any, token: bytes, index: int, offset: int, size: int, piece: Any) -> None:
+    """A piece of a push that travels in pieces (main thread, in order before its ``store``)."""
+    if token not in worker.staged:
+        worker.staged.clear()  # an earlier push that never reached its store (interrupted)
+    buffers = worker.staged.setdefault(token, {})
+    if index not in buffers:
+        buffers[index] = bytearray(size)
+    view = memoryview(piece).cast("B")
+    buffers[index][offset:offset + view.nbytes] = view
+
+
 def store(worker: Any, payload: Payload) -> None:
+    if payload.staged is not None:
+        buffers = worker.staged.pop(payload.staged.token, {})
+        if sorted(buffers) != list(range(len(payload.staged.sizes))):
+            raise RuntimeError("pieces of this push went missing before it was stored; push again")
+        payload = Payload(payload.body, [buffers[i] for i in range(len(buffers))])
     values = on_device(payload.load(), worker.namespace["device"])
     worker.namespace.update(values)  # only once every value arrived: all of them or none
 

@@ -47,8 +47,8 @@ from ..protocol.limits import KeptOnRank
 from ..protocol.topology import Topology
 from . import torchrun
 from .actors import ActorHost
-from .memory import CudaStats, host_memory_probe
 from .collectives import CollectiveClock
+from .memory import CudaStats, host_memory_probe
 from .sampling import MainThreadSampler, see_through
 from .streams import FdPump, RankStream, install_thread_tagging
 from .torch_compat import FLIGHT_RECORDER_ENTRIES, oldest_nccl_pending
@@ -136,6 +136,8 @@ class Worker:
         self.unknown_kinds: Counter[str] = Counter()
         #: This rank's actors (spawned, called from the notebook and from other ranks).
         self.actors = ActorHost(self)
+        #: Pieces of a push to another host, put together until its store (see ops.stage).
+        self.staged: dict[bytes, dict[int, bytearray]] = {}
         self._main_handlers: dict[str, Callable[[dict[str, Any], int], Any]] = {
             msg.EXEC: self._exec, msg.APPLY: self._apply, msg.CALL: self._call,
             msg.ACTOR: self.actors.serve, msg.PEER: self.actors.serve}
