@@ -12,8 +12,8 @@ from typing import Iterator
 import psutil
 import pytest
 
-from meshbook.mesh.controller import launchers
-from meshbook.mesh.controller.controller import live_controllers
+from meshbook.mesh.controller.core.controller import live_controllers
+from meshbook.mesh.controller.launch import base, local
 
 
 def meshbook_processes() -> list[psutil.Process]:
@@ -21,7 +21,7 @@ def meshbook_processes() -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if launchers.AGENT_MODULE in (proc.info["cmdline"] or []):
+            if base.AGENT_MODULE in (proc.info["cmdline"] or []):
                 found.append(proc)
         except psutil.Error:
             continue
@@ -56,7 +56,7 @@ def _expected_parent(proc: psutil.Process, parent: psutil.Process) -> int:
     """An agent started with ``--parent PID`` belongs to that controller; a rank (a fork of an
     agent, same command line) belongs to its agent."""
     cmdline = proc.cmdline()
-    if launchers.AGENT_MODULE in parent.cmdline() and parent.cmdline() == cmdline:
+    if base.AGENT_MODULE in parent.cmdline() and parent.cmdline() == cmdline:
         return parent.pid  # a rank under its agent
     if "--parent" in cmdline:
         return int(cmdline[cmdline.index("--parent") + 1])
@@ -78,7 +78,7 @@ def no_orphans() -> Iterator[None]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for ctl in live_controllers():
         ctl.stop("test session over")
-    launchers.discard_standby()
+    local.discard_standby()
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
     left = [p for p in meshbook_processes() if p.pid in mine or _ppid(p) == 1]
     gone, alive = psutil.wait_procs(left, timeout=10)

@@ -6,7 +6,7 @@ requests once per host):
 * :class:`StandInHosts`: many hosts, each a stand-in agent (:mod:`bench.standin_host`) on its
   own loopback address, 127.0.0.2, 127.0.0.3, ..., that answers for its ranks itself. The
   launcher starts them and dials them as the ssh launcher does (same bootstrap on stdin,
-  same ``LISTENING`` line, same :class:`~meshbook.mesh.controller.remote.SshAgent` handle).
+  same ``LISTENING`` line, same :class:`~meshbook.mesh.controller.launch.ssh.ListeningAgent` handle).
   For the fan-out table only: 1,024 real ranks do not fit on a small machine.
 * :func:`local_ssh`: ``meshbook.SSH`` with an ``ssh`` that runs the remote command on this
   machine, so real agents and real ranks run behind the network path exactly as on another
@@ -25,9 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from meshbook import SSH
-from meshbook.mesh.controller.hosts import Network
-from meshbook.mesh.controller.launchers import HostPlan
-from meshbook.mesh.controller.remote import RemoteLauncher, SshAgent, plan_hosts
+from meshbook.mesh.controller.launch.base import AgentHandle, HostPlan, LaunchContext, Launcher
+from meshbook.mesh.controller.launch.ssh import ListeningAgent, plan_hosts
 
 #: What a stand-in host runs (with this Python); ``bench`` is on PYTHONPATH (see bench.run).
 STANDIN = "bench.standin_host"
@@ -39,22 +38,27 @@ def loopback(host: int) -> str:
     return f"127.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
 
 
-class StandInHosts(RemoteLauncher):
-    """``hosts`` stand-in agents, one per loopback address, dialled like ssh agents."""
+class StandInHosts(Launcher):
+    """``hosts`` stand-in agents, one per loopback address, dialled like ssh agents: a whole
+    launcher in a few lines (see :class:`~meshbook.Launcher`)."""
+
+    name = "stand-in"
 
     def __init__(self, hosts: int) -> None:
-        super().__init__(None, None)
+        super().__init__()
         self.hosts = hosts
 
     def plan(self, world_size: int) -> list[HostPlan]:
         return plan_hosts(world_size, self.hosts, None, "stand-in hosts")
 
-    def launch(self, plans: list[HostPlan], network: Network, timeout: float) -> list[SshAgent]:
-        boot = json.dumps(network.bootstrap()) + "\n"
-        agents = []
+    def launch(self, plans: list[HostPlan], ctx: LaunchContext, timeout: float) -> list[AgentHandle]:
+        network = ctx.network
+        assert network is not None
+        boot = json.dumps(network.bootstrap().to_dict()) + "\n"
+        agents: list[ListeningAgent] = []
         try:
             for plan in plans:
-                agents.append(SshAgent(loopback(plan.host), [sys.executable, "-m", STANDIN,
+                agents.append(ListeningAgent(loopback(plan.host), [sys.executable, "-m", STANDIN,
                                                              loopback(plan.host)]))
                 agents[-1].send(boot)
             deadline = time.monotonic() + timeout
@@ -65,7 +69,7 @@ class StandInHosts(RemoteLauncher):
             for agent in agents:
                 agent.terminate(2.0)
             raise
-        return agents
+        return list(agents)
 
 
 #: An ``ssh`` for one machine: run the remote command (the last argument) here.

@@ -36,7 +36,9 @@ import zmq
 from meshbook.mesh.agent import link
 from meshbook.mesh.protocol import messages as msg
 from meshbook.mesh.protocol import wire
+from meshbook.mesh.protocol.bodies import Bootstrap
 from meshbook.mesh.protocol.remote import decode_route
+from meshbook.mesh.protocol.versions import versions
 
 
 class StandIn:
@@ -95,7 +97,7 @@ class StandIn:
         self.host = config["host"]
         self.signers = {rank: wire.Wire(self.key) for rank in config["ranks"]}
         pid = os.getpid()
-        self._emit(msg.AGENT, None, {"pid": pid, "hostname": socket.gethostname(),
+        self._emit(msg.AGENT, None, {"pid": pid, "hostname": socket.gethostname(), "versions": versions(),
                                      "pids": {rank: pid for rank in self.signers}})
         for rank, signer in self.signers.items():
             self._send(signer.pack({msg.KIND: msg.READY, msg.ID: None, msg.RANK: rank,
@@ -122,7 +124,7 @@ def main(address: str) -> None:
     # The stand-in plays a host whose interface is ``address``: that is what it listens on
     # and advertises, where a real agent finds the interface that routes to the controller.
     with mock.patch.object(link, "advertised_address", lambda hint=None: address):
-        sock, zap = link.listen(ctx, boot)
+        sock, zap = link.listen(ctx, Bootstrap.from_dict(boot), 0)
     try:
         StandIn(sock, bytes.fromhex(boot["key"])).serve()
     finally:

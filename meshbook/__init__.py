@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "start", "current", "prewarm", "SSH", "Join", "Slurm", "Mesh", "Run", "RankValues", "Topology",
+    "start", "current", "prewarm", "SSH", "Join", "Slurm", "Launcher", "AgentHandle", "HostPlan",
+    "LaunchContext", "Mesh", "Run", "RankValues", "Topology",
     "meshes", "use", "mesh_named", "attach", "list_meshes", "Actor", "endpoint", "ActorMesh", "ActorFuture",
     "SupervisionEvent",
     "NoEndpointError",
@@ -43,9 +44,13 @@ if TYPE_CHECKING:
         Actor,
         ActorFuture,
         ActorMesh,
+        AgentHandle,
         CellSyntaxError,
         Display,
         Error,
+        HostPlan,
+        LaunchContext,
+        Launcher,
         Mesh,
         MeshError,
         MeshStoppedError,
@@ -80,14 +85,14 @@ if TYPE_CHECKING:
     )
 
 
-def load_ipython_extension(ipython):  # type: ignore[no-untyped-def]
+def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext meshbook``: register the %mesh magics and the kernel hooks."""
     from .magics import load
 
     load(ipython)
 
 
-def unload_ipython_extension(ipython):  # type: ignore[no-untyped-def]
+def unload_ipython_extension(ipython: Any) -> None:
     from .magics import unload
 
     unload(ipython)

@@ -97,7 +97,7 @@ def test_a_users_omp_num_threads_wins_and_one_rank_keeps_torchs_default(monkeypa
 
 
 def test_env_names_variables_and_bad_ones_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from meshbook.mesh.controller.mesh import parse_env
+    from meshbook.mesh.controller.api.mesh import parse_env
 
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     assert parse_env(["NCCL_DEBUG", "FOO=bar=baz"]) == {"NCCL_DEBUG": "INFO", "FOO": "bar=baz"}

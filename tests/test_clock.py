@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from meshbook.mesh.controller.clock import CollectiveTimes
-from meshbook.mesh.controller.stragglers import straggler_report
+from meshbook.mesh.controller.insight.clock import CollectiveTimes
+from meshbook.mesh.controller.insight.stragglers import straggler_report
 
 S = 1_000_000_000  # nanoseconds in a second
 WORLD = (0, "0", (0, 1, 2))
@@ -17,7 +17,7 @@ def batch(rank: int, entries: list[tuple[int, int, float, float]], request: int 
 def loop(times: CollectiveTimes, steps: int = 10, slow: int = 2, offsets: dict[int, float] = {}) -> None:
     """Three ranks; ``slow`` computes 0.2 s a step, the others 0.05 s, then an all_reduce."""
     for rank in range(3):
-        t, entries = 100.0, []
+        entries = []
         for step in range(1, steps + 1):
             start = 100.0 + 0.2 * step  # when the slow rank arrives: the collective completes then
             entered = start if rank == slow else start - 0.15

@@ -168,12 +168,12 @@ def test_a_rank_that_finished_cleanly_without_joining_frees_the_others(mesh: mes
     assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}
 
 
-def test_cell_explains_a_hang_while_no_rank_has_finished(mesh: meshbook.Mesh, capsys) -> None:
-    from meshbook.magics.render import RenderOptions, show_run
+def test_a_hang_is_explained_while_no_rank_has_finished(mesh: meshbook.Mesh, capsys) -> None:
+    from meshbook.mesh import EventRenderer, FollowOptions, follow  # what run.result() and cells use
 
     run = mesh.run(SKIP_ALL_REDUCE)  # rank 1 sleeps 60 s: no rank finishes for a minute
     with pytest.raises(meshbook.MeshTimeout):
-        show_run(run, RenderOptions(stuck_hint=2.0, timeout=8), mesh)
+        follow(run, mesh, EventRenderer(run), FollowOptions(timeout=8, stuck_hint=2.0))
     note = capsys.readouterr().err
     assert "rank(s) 0,2,3 wait in a collective (for over 2 s) while rank(s) 1 are elsewhere." in note
     assert note.count("wait in a collective (for over") == 1, "the hint was repeated"
@@ -182,15 +182,15 @@ def test_cell_explains_a_hang_while_no_rank_has_finished(mesh: meshbook.Mesh, ca
     assert run.done()
 
 
-def test_a_cell_waiting_on_stuck_ranks_after_explaining_does_not_spin(mesh: meshbook.Mesh) -> None:
-    from meshbook.magics.render import RenderOptions, show_run
+def test_waiting_on_stuck_ranks_after_explaining_does_not_spin(mesh: meshbook.Mesh) -> None:
+    from meshbook.mesh import EventRenderer, FollowOptions, follow
 
     run = mesh.run(SKIP_ALL_REDUCE)  # rank 1 is busy elsewhere: nobody is freed on their own
     rescue = threading.Timer(3.0, mesh.restart, args=([1],))  # frees them after 3 s
     rescue.start()
     before = time.thread_time()  # CPU of this (the rendering) thread only
     with pytest.raises(RemoteError):
-        show_run(run, RenderOptions(hang_hint=0.5), mesh)
+        follow(run, mesh, EventRenderer(run), FollowOptions(hang_hint=0.5))
     assert time.thread_time() - before < 1.0, "the render loop spun while it waited"
     rescue.join()  # the restart re-creates the process group after the cell ended: let it finish
 
@@ -210,3 +210,56 @@ def test_a_request_sent_while_a_rank_is_re_forked_reaches_the_new_process(mesh: 
     mesh.restart([3])
     new_pid = early[0].result(timeout=60)[3]
     assert new_pid != old_pid and new_pid == controller.ranks[3].pid
+
+
+SCRIPT = '''
+import meshbook
+mesh = meshbook.start(4)
+run = mesh.run(CODE)
+print("submitted", flush=True)
+try:
+    run.result()
+except meshbook.RemoteError as error:
+    print("FAILED\\n" + str(error), flush=True)
+print("next:", sorted(mesh.run("t = torch.ones(1)\\ndist.all_reduce(t)\\nt.item()").result().values()), flush=True)
+mesh.stop()
+'''
+
+
+def test_run_result_in_a_script_explains_the_hang_and_escalates_interrupts_as_a_cell_does() -> None:
+    """A script's ``run.result()`` is followed like a ``%%mesh`` cell: the hang is explained on
+    its own, a first Ctrl-C that cannot stop a rank is explained, a second frees the ranks."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    code = SKIP_ALL_REDUCE.replace("    time.sleep(60)", "    import signal\n    signal.pthread_sigmask("
+                                   "signal.SIG_BLOCK, [signal.SIGINT])\n    time.sleep(60)")  # ignores a SIGINT
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = subprocess.Popen([sys.executable, "-c", f"CODE = {code!r}\n{SCRIPT}"], cwd=root, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(script.stderr.readline, "")), daemon=True)
+    reader.start()
+
+    def wait_for(text: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while text not in "".join(err):
+            assert time.monotonic() < deadline and script.poll() is None, f"never said {text!r}: {''.join(err)}"
+            time.sleep(0.1)
+
+    try:
+        wait_for("rank 1 never reached it: at cell line 6 (time.sleep(60))", 90)  # the hint, unasked
+        script.send_signal(signal.SIGINT)  # rank 1 blocks SIGINT: it cannot stop
+        wait_for("did not stop within 3 s of the interrupt", 30)
+        assert "Interrupt again to free them" in "".join(err)
+        script.send_signal(signal.SIGINT)
+        out, _ = script.communicate(timeout=120)
+    finally:
+        if script.poll() is None:
+            script.kill()
+    assert script.returncode == 0, "".join(err)
+    assert "FAILED" in out and "rank 1 restarted: its variables are lost" in out, out
+    assert "ranks 0,2,3 kept their variables" in out, out
+    assert "next: [4.0, 4.0, 4.0, 4.0]" in out, "the mesh is usable again"

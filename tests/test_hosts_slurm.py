@@ -22,7 +22,7 @@ from kernels import Kernel, wait_gone
 from rigs import slurm
 
 import meshbook
-from meshbook.mesh.controller.lease import mesh_dir
+from meshbook.mesh.controller.launch.kept import mesh_dir
 
 pytestmark = pytest.mark.hosts
 
@@ -248,7 +248,8 @@ def test_a_kept_slurm_mesh_survives_its_kernel_and_a_new_kernel_attaches_it(
         first.ok("%%mesh\nimport socket\nmarker = f'rank {rank} kept on {socket.gethostname()}'")
         path = Path(mesh_dir()) / f"{mesh_id}.json"
         record = json.loads(path.read_text())
-        assert (record["job"], [h["name"] for h in record["hosts"]]) == (job, ["h1", "h2"])
+        assert (record["launcher_state"]["job"], [h["name"] for h in record["hosts"]]) == (job, ["h1", "h2"])
+        assert record["launcher"] == "slurm" and record["versions"]["meshbook"] == meshbook.__version__
         assert [h["addr"] for h in record["hosts"]] == [cluster.hosts["h1"].addr, cluster.hosts["h2"].addr]
         assert all(h["port"] and h["pid"] and h["store_port"] for h in record["hosts"]), record["hosts"]
         os.kill(first.pid, signal.SIGKILL)
@@ -294,7 +295,7 @@ def test_a_slurm_that_does_not_answer_is_not_a_job_that_ended(cluster: slurm.Slu
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A kept mesh's file holds its keys: forgetting it because slurmctld was busy for a moment
     would lose the mesh. Only Slurm saying it no longer knows the job ends it."""
-    from meshbook.mesh.controller.slurm import UNANSWERED, query
+    from meshbook.mesh.controller.launch.slurm import UNANSWERED, query
 
     assert query("999999") is None, "a job id Slurm does not know"
     silent = tmp_path / "slurm.conf"

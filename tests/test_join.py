@@ -92,7 +92,8 @@ def test_joined_hosts_run_cells_and_collectives(joined: tuple[meshbook.Mesh, Ext
     mesh, outside = joined
     assert "--token-file" in outside.announced and TOKEN_ENV in outside.announced
     assert outside.mode == 0o600, "the token file is readable by its owner only"
-    assert not any(p.name.startswith("join-") for p in os.scandir(os.path.dirname(mesh.controller.launcher.token_path))), \
+    token_dir = os.path.dirname(mesh.controller.launcher.token_path)
+    assert not any(p.name.startswith("join-") for p in os.scandir(token_dir)), \
         "the token file is removed once the hosts joined"
     values = mesh.run("import os; (rank, os.environ['GROUP_RANK'], os.environ['LOCAL_RANK'])").result()
     assert [values[r] for r in range(4)] == [(0, "0", "0"), (1, "0", "1"), (2, "1", "0"), (3, "1", "1")]

@@ -153,7 +153,8 @@ def test_no_mesh_says_how_to_start_one() -> None:
         assert reply.status == "error" and "could not start the agent on no-such-host-a" in reply.content["evalue"]
         # Set after %load_ext prewarmed the agent: the ranks see the notebook's environment as
         # it is at %mesh start, as a subprocess started then would.
-        k.ok("import os\nos.environ['MESHBOOK_TEST_SETTING'] = 'set in a cell'\nos.environ.pop('OMP_NUM_THREADS', None)")
+        k.ok("import os\nos.environ['MESHBOOK_TEST_SETTING'] = 'set in a cell'\n"
+             "os.environ.pop('OMP_NUM_THREADS', None)")
         started = k.ok("%mesh start -n 2").stream()
         assert "started 2 ranks" in started and "OMP_NUM_THREADS=1 per rank, as torchrun sets it" in started
         reply = k.ok("%%mesh\nimport os\nos.environ.get('MESHBOOK_TEST_SETTING')")

@@ -14,10 +14,11 @@ import stat
 
 import psutil
 import pytest
+import torch
 from kernels import Kernel, wait_gone
 
 import meshbook
-from meshbook.mesh.controller.lease import mesh_dir, parse_duration
+from meshbook.mesh.controller.launch.kept import mesh_dir, parse_duration
 
 
 def _mesh_file(mesh_id: str) -> str:
@@ -64,6 +65,14 @@ def test_a_kept_mesh_survives_its_kernel_and_a_new_kernel_attaches_it(how: str) 
             wait_gone(pids, 10.0)
 
 
+def _pushed_through_shared_memory(mesh: meshbook.Mesh) -> bool:
+    """Did a big push reach every rank as a mapping of the notebook's memfd (not as frames)?"""
+    mesh.push(big=torch.ones(1 << 20))
+    mapped = mesh.run("any('meshbook-push' in line for line in open('/proc/self/maps'))").result()
+    mesh.run("del big").result()
+    return all(mapped.values())
+
+
 def test_the_lease_running_out_ends_the_agent_and_ranks_and_leaves_nothing() -> None:
     mesh = meshbook.start(2, keep="3s")
     agent = mesh.controller.agents[0]
@@ -86,8 +95,10 @@ def test_attaching_fences_the_first_controller_off() -> None:
         first.controller.kill([1])
         first.restart([1])  # generation 1: the agent's store, as a new kernel finds it
         first.run("x = 40 + rank", ranks=[1]).result()
+        assert _pushed_through_shared_memory(first), "a kept mesh's ranks are on this machine"
         second = meshbook.attach(first.controller.lease.id, name="second")
         assert [(s.state, s.generation) for s in second.status()] == [("idle", 1)] * 2
+        assert _pushed_through_shared_memory(second), "and still are, seen from the kernel that attached it"
         assert dict(second.run("t = torch.ones(1); dist.all_reduce(t); x + t.item()").result()) == {0: 42, 1: 43}
         with pytest.raises(meshbook.MeshError, match="attached by another kernel"):
             first.run("x").result()
@@ -103,7 +114,7 @@ def test_keep_takes_durations_and_says_what_it_wants() -> None:
     for bad in ("soon", "8x", "0", "-1"):
         with pytest.raises(meshbook.MeshError, match="keep="):
             parse_duration(bad)
-    with pytest.raises(meshbook.MeshError, match="local and Slurm launchers"):
+    with pytest.raises(meshbook.MeshError, match="the ssh launcher cannot keep a mesh past its kernel"):
         meshbook.start(2, keep="1h", launcher=meshbook.SSH(["gpu1"]))
     with pytest.raises(meshbook.MeshError, match="%mesh list"):
         meshbook.attach("nosuchmesh")
@@ -174,7 +185,8 @@ def test_mesh_files_that_cannot_be_used_are_listed_with_why_and_kept(tmp_path, m
         good = mesh.controller.lease.id
         record = json.load(open(_mesh_file(good)))
         json.dump({**record, "hosts": [{**record["hosts"][0], "pid": 999999999}]}, open(_mesh_file(good), "w"))
-        json.dump({**record, "id": "badpid", "hosts": [{**record["hosts"][0], "pid": "x"}]}, open(_mesh_file("badpid"), "w"))
+        json.dump({**record, "id": "badpid", "hosts": [{**record["hosts"][0], "pid": "x"}]},
+                  open(_mesh_file("badpid"), "w"))
         json.dump({**record, "id": "badkey", "key": "not hex"}, open(_mesh_file("badkey"), "w"))
         open(_mesh_file("cut"), "w").write(json.dumps(record)[:40])
         listed = {r.id: r for r in meshbook.list_meshes()}
@@ -198,5 +210,6 @@ def test_a_mesh_directory_someone_else_made_is_refused_before_anything_starts(tm
     before = {p.pid for p in psutil.process_iter()}
     with pytest.raises(meshbook.MeshError, match="is not a directory of yours"):
         meshbook.start(2, keep="10m")
-    started = [p for p in psutil.process_iter() if p.pid not in before and "meshbook.mesh.agent" in " ".join(p.cmdline())]
+    started = [p for p in psutil.process_iter()
+               if p.pid not in before and "meshbook.mesh.agent" in " ".join(p.cmdline())]
     assert [p for p in started if "listen" in p.cmdline()] == [], "a refused start left an agent running"

@@ -17,10 +17,11 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from meshbook.mesh.controller.hosts import Network
-from meshbook.mesh.controller.remote import SshAgent
+from meshbook.mesh.controller.launch import ssh
+from meshbook.mesh.controller.launch.network import Network
 from meshbook.mesh.protocol import messages as msg
 from meshbook.mesh.protocol import net, wire
+from meshbook.mesh.protocol.bodies import AgentConfig
 from meshbook.mesh.protocol.remote import encode_epoch, encode_seq
 
 
@@ -31,9 +32,9 @@ class ListeningAgent:
         self.ctx = zmq.Context()
         self.network = Network(self.ctx, b"k" * 32)
         self.wire = wire.Wire(self.network.key)
-        self.agent = SshAgent("local", [sys.executable, "-m", "meshbook.mesh.agent", "listen"])
+        self.agent = ssh.ListeningAgent("local", [sys.executable, "-m", "meshbook.mesh.agent", "listen"])
         self.bootstrap = self.network.bootstrap()
-        self.agent.send(json.dumps(self.bootstrap) + "\n")
+        self.agent.send(json.dumps(self.bootstrap.to_dict()) + "\n")
         self.info = self.agent.wait_listening(time.monotonic() + 60, sys.executable)
         self.address = net.tcp_address(self.info["addr"], self.info["port"])
         self.sent: dict[zmq.Socket, int] = {}
@@ -51,12 +52,11 @@ class ListeningAgent:
 
     def configure(self, sock: zmq.Socket, epoch: int = 0) -> None:
         """Configure the agent with one rank and wait until it is ready."""
-        config = {"host": 0, "hosts": 1, "ranks": [0], "generation": 0, "dims": [["world", 1]],
-                  "backend": "gloo", "device_type": "cpu", "listen_addr": self.info["addr"],
-                  "store": [self.info["addr"], self.info["store_port"]], "serve_store": True,
-                  "master_port": self.info["store_port"], "collective_timeout": 60.0}
+        config = AgentConfig(0, 1, [0], [["world", 1]], "gloo", "cpu", self.info["addr"], 60.0,
+                             master_port=self.info["store_port"], store=[self.info["addr"], self.info["store_port"]],
+                             serve_store=True)
         self.op(sock, self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: [0]},
-                                     {"op": msg.AgentOp.CONFIGURE, "config": config}), epoch)
+                                     {"op": msg.AgentOp.CONFIGURE, "config": config.to_dict()}), epoch)
         ready = [m for m in self.replies(sock, 12, until=msg.READY) if m.kind == msg.READY]
         assert ready, "the configured agent's rank became ready"
 
@@ -153,7 +153,7 @@ def test_an_older_epoch_is_refused_and_told_it_is_fenced(listening: ListeningAge
 
 
 def test_secrets_never_appear_on_a_command_line(listening: ListeningAgent) -> None:
-    secrets = [listening.network.key.hex(), listening.bootstrap["server_secret"],
+    secrets = [listening.network.key.hex(), listening.bootstrap.server_secret,
                listening.network.me.secret.decode()]
     seen = 0
     for proc in psutil.process_iter(["cmdline"]):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshbook.mesh.controller.output import LineMerger, OrderedCollector
+from meshbook.mesh.controller.core.output import LineMerger, OrderedCollector
 from meshbook.mesh.protocol.events import Output, Result
 
 

@@ -114,13 +114,13 @@ def test_first_line_shifts_reported_lines(mesh4: meshbook.Mesh) -> None:
 
 
 def test_syntax_error_is_caught_before_anything_is_sent(mesh4: meshbook.Mesh) -> None:
-    before = mesh4.controller.request_ids
+    before = mesh4.controller.book.request_ids
     peek = next(before)
     with pytest.raises(meshbook.CellSyntaxError) as info:
         mesh4.run("x = (")
     assert isinstance(info.value, MeshError) and info.value.lineno == 1
     assert "was never closed" in str(info.value)
-    assert next(mesh4.controller.request_ids) == peek + 1  # no request id was used in between
+    assert next(mesh4.controller.book.request_ids) == peek + 1  # no request id was used in between
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import meshbook
-from meshbook.mesh.controller.slurm import JobState
+from meshbook.mesh.controller.launch.slurm import JobState
 
 
 def test_a_spec_becomes_the_job_request() -> None:

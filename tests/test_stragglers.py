@@ -10,10 +10,10 @@ from pathlib import Path
 from workloads import slow_rank_loop
 
 import meshbook
-from meshbook.mesh.controller.controller import RankState
-from meshbook.mesh.controller.memory import memory_report
-from meshbook.mesh.controller.metrics import MetricsHistory
-from meshbook.mesh.controller.stragglers import slow_by_duration, straggler_report
+from meshbook.mesh.controller.core.book import RankState
+from meshbook.mesh.controller.insight.memory import memory_report
+from meshbook.mesh.controller.insight.metrics import MetricsHistory
+from meshbook.mesh.controller.insight.stragglers import slow_by_duration, straggler_report
 from meshbook.mesh.protocol.text import format_bytes
 from meshbook.mesh.rank.sampling import MainThreadSampler, classify
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import ipyparallel as ipp
 
-from meshbook.mesh.controller.controller import free_port
+from meshbook.mesh.controller.core.agents import free_port
 
 from . import rank_side
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from monarch.actor import Actor, current_rank, endpoint, this_host
 
-from meshbook.mesh.controller.controller import free_port
+from meshbook.mesh.controller.core.agents import free_port
 
 from . import rank_side
 

@@ -22,7 +22,7 @@ import time
 from functools import partial
 
 from meshbook.mesh import prewarm
-from meshbook.mesh.controller import launchers
+from meshbook.mesh.controller.launch import local
 
 from ..harness import Context, Outcome
 from ..peers import PEERS, running
@@ -38,7 +38,7 @@ COLD, PREWARMED = "meshbook", "meshbook prewarmed"
 
 def _once(name: str, n: int, prewarmed: bool = False) -> float:
     if name == "meshbook":
-        launchers.discard_standby()
+        local.discard_standby()
         if prewarmed:
             _prewarm_and_settle()
     started = time.perf_counter()

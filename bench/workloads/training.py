@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
-from meshbook.mesh.controller.controller import free_port
+from meshbook.mesh.controller.core.agents import free_port
 
 from ..ddp_loop import train
 from ..harness import Context, Outcome

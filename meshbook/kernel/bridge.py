@@ -48,6 +48,7 @@ class KernelBridge:
     def publish(self, parent: dict[str, Any], event: Event) -> None:
         """Send late output to the cell whose ``parent`` header is given (any thread)."""
         kernel = self.kernel
+        assert kernel is not None  # attach() hooks this up only in a kernel
         if isinstance(event, Output):
             text = "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines())
             kernel.session.send(kernel.iopub_socket, "stream", {"name": event.stream, "text": text},

@@ -1,7 +1,7 @@
 """``%mesh stacks / diagnose / interrupt / kill / restart RANKS / debug``: stuck ranks, live.
 
 A mixin of :class:`~meshbook.magics.mesh_magic.MeshMagics`; each command is a thin call to
-the :class:`~meshbook.Mesh` debugging API (:mod:`meshbook.mesh.controller.debug`).
+the :class:`~meshbook.Mesh` debugging API (:mod:`meshbook.mesh.controller.api.debug`).
 """
 
 from __future__ import annotations

@@ -16,14 +16,13 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..mesh import (
-    SSH,
     CellSyntaxError,
-    Join,
     MeshError,
     RemoteError,
-    Slurm,
+    add_start_arguments,
     attach,
     ended_meshes,
+    launcher_from_args,
     list_meshes,
     meshes,
     parse_dims,
@@ -143,23 +142,6 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     @argument("--timeout", type=float, default=120.0, help="seconds to wait for the ranks to start")
     @argument("--collective-timeout", type=float, default=300.0,
               help="seconds before a hung collective fails on its own (default 300)")
-    @argument("--hosts", help="start the ranks on these hosts through ssh: gpu1,gpu2 "
-                              "(your ~/.ssh/config applies)")
-    @argument("--per-host", type=int, help="ranks per host (default: ranks / hosts)")
-    @argument("--python", help="the Python on the hosts (default: this kernel's path)")
-    @argument("--tunnel", action="store_true",
-              help="reach the hosts' agents through ssh tunnels (hosts reachable only by ssh)")
-    @argument("--join", action="store_true",
-              help="print a command for any launcher to run on each host, and wait for them")
-    @argument("--join-address", help="--join: the address the hosts dial (default: this "
-                                     "machine's address on its default route)")
-    @argument("--slurm", help="start the ranks in a Slurm job, one agent per node: nodes=2,"
-                              "gpus-per-node=8,time=2:00:00,partition=gpu (sbatch), or job=ID (srun "
-                              "inside an allocation you have)")
-    @argument("--sbatch", help='--slurm: more sbatch options, e.g. "--account=proj --qos=high" '
-                               '(one alone: --sbatch=--account=proj)')
-    @argument("--on-time-limit", help='--slurm: code every rank runs when Slurm signals the time '
-                                      'limit is near, e.g. "save()"')
     @argument("--name", help="name the mesh, to run several (%%%%mesh --mesh NAME, "
                                    "%%mesh use NAME)")
     @argument("--force", action="store_true", help="stop a running mesh (of that name) and start a new one")
@@ -177,9 +159,9 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
         %mesh start -n 4 --keep 8h (outlives the kernel),
         %mesh start --slurm nodes=2,gpus-per-node=8,time=2:00:00 (a Slurm job; job=ID: your allocation)"""
         args = parse_argstring(self.start, line)
-        launcher = _launcher(args)
+        launcher = launcher_from_args(args)  # the launchers' own options (add_start_arguments)
         n = args.n
-        if n is None and not args.dims and not isinstance(launcher, str):
+        if n is None and not args.dims:
             n = launcher.default_ranks()  # hosts x --per-host, Slurm's nodes x GPUs per node
         if n is None and not args.dims:
             raise UsageError("say how many ranks: %mesh start -n 4 (or --dims dp=2,tp=2, or "
@@ -208,7 +190,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
     def list_(self, line: str) -> None:
         """List the kept meshes you can attach: id, launcher, hosts, ranks, Slurm job, age, lease left."""
         parse_argstring(self.list_, line)
-        rows = [record.row() for record in list_meshes()]
+        here = {m.controller.lease.id: name for name, m in meshes().items() if m.controller.lease is not None}
+        rows = [record.row(here.get(record.id, "")) for record in list_meshes()]
         print(status_table(rows) if rows else "no kept mesh (start one with %mesh start -n 4 --keep 8h)")
 
     @magic_arguments(name="mesh attach")
@@ -331,31 +314,6 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
             self.off("")
 
 
-def _launcher(args: argparse.Namespace) -> Any:
-    """The launcher ``%mesh start``'s options ask for: local, ssh (--hosts), join (--join) or
-    Slurm (--slurm)."""
-    if sum(map(bool, (args.hosts, args.join, args.slurm))) > 1:
-        raise UsageError("--hosts (ssh), --join and --slurm are ways to start on other hosts: pick one")
-    for flag in ("sbatch", "on_time_limit"):
-        if getattr(args, flag) is not None and not args.slurm:
-            raise UsageError(f"--{flag.replace('_', '-')} goes with --slurm")
-    if args.slurm:
-        if args.tunnel or args.join_address:
-            raise UsageError("--tunnel and --join-address do not go with --slurm")
-        return Slurm.from_spec(args.slurm, sbatch=args.sbatch or (), per_node=args.per_host,
-                               python=args.python, on_time_limit=args.on_time_limit)
-    if args.hosts:
-        return SSH(args.hosts.split(","), per_host=args.per_host, python=args.python, tunnel=args.tunnel)
-    if args.join:
-        return Join(per_host=args.per_host, address=args.join_address)
-    for flag in ("per_host", "python", "join_address"):
-        if getattr(args, flag) is not None:
-            raise UsageError(f"--{flag.replace('_', '-')} goes with --hosts or --join")
-    if args.tunnel:
-        raise UsageError("--tunnel goes with --hosts")
-    return "local"
-
-
 def _auto_mesh(lines: list[str]) -> list[str]:
     """Input transformer of %mesh on: prefix plain cells with %%mesh."""
     first = next((line for line in lines if line.strip()), None)
@@ -372,3 +330,6 @@ def _command_help(magics: type) -> str:
 
 
 MeshMagics.mesh.__doc__ = (MeshMagics.mesh.__doc__ or "") + _command_help(MeshMagics)
+# %mesh start's launcher options come from the launchers (a plug-in's too), declared once each.
+add_start_arguments(MeshMagics.start.parser)
+MeshMagics.start.__doc__ = MeshMagics.start.parser.format_help()

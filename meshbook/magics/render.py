@@ -1,69 +1,26 @@
-"""Render a run into the current cell: streamed output, displays, prompts, interrupts.
+"""Render a run into the current cell: streamed output, displays, prompts, its status view.
 
-:func:`show_run` runs on the kernel's main thread while the cell executes. The runtime's one
-event renderer (:class:`~meshbook.mesh.controller.render.EventRenderer`, which ``Run.result()``
-uses too) writes the ranks' output through the cell's own ``sys.stdout``/``sys.stderr`` (so
-Jupyter attributes it to this cell), merged across ranks or buffered in rank order, and answers
-ranks' debugger prompts through the kernel's stdin; here ranks' ``display()`` calls are
-published as display data, and the cell adds its status view, hang hints and interrupts.
-
-Interrupts escalate. A kernel interrupt (the stop button) arrives here as
-``KeyboardInterrupt``: the first is forwarded to the running ranks as SIGINT; ranks that do not
-stop within the grace period (blocked in a collective or C code) are shown with where they
-block, and the cell keeps waiting. A second interrupt frees them with
-:meth:`~meshbook.Mesh.recover` (restarting as few ranks as possible, usually none) and the
-cell ends with the ranks' errors and what the recovery did.
-
-When ranks have waited ``STUCK_HINT_S`` inside one collective call that other ranks of the
-cell have not joined (their heartbeats say so), when some ranks finished and the others stay
-busy, or when ``--timeout`` expires, the hang diagnosis (:meth:`~meshbook.Mesh.diagnose`) is
-printed, so a hang never goes unexplained, even while no rank has finished.
+:func:`show_run` runs on the kernel's main thread while the cell executes. It follows the run
+with the runtime's own watcher (:func:`~meshbook.mesh.controller.api.follow.follow`, which
+``Run.result()`` uses too: hang hints, escalating interrupts, the timeout's diagnosis) and
+renders with the runtime's one event renderer, writing through the cell's own
+``sys.stdout``/``sys.stderr`` (so Jupyter attributes the output to this cell), merged across
+ranks or buffered in rank order, answering ranks' debugger prompts through the kernel's stdin.
+What is the cell's own: ranks' ``display()`` calls are published as display data, and the
+cell's live status view is updated as the run goes.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Protocol
 
-from ..mesh import (
-    Display,
-    EventRenderer,
-    Mesh,
-    MeshTimeout,
-    RankValues,
-    RemoteError,
-    Run,
-    format_ranks,
-    write_stream,
-)
-
-#: How long ranks get to stop after a forwarded interrupt before we show where they block
-#: (ranks blocked in a collective that a stopped rank will never join are freed before that).
-INTERRUPT_GRACE_S = 3.0
-#: How long ranks may stay busy after others finished before the diagnosis is printed.
-HANG_HINT_S = 10.0
-#: How long ranks may wait in one collective that others have not joined before it is.
-STUCK_HINT_S = 5.0
-#: How often a cell re-reads the ranks' heartbeats for that (they arrive every 0.5 s).
-STUCK_CHECK_S = 0.5
-
-
-class CellView(Protocol):
-    """Something showing a run's progress in the cell (the live status widget)."""
-
-    def update(self, run: Run) -> None: ...
-
-    def close(self, run: Run) -> None: ...
+from ..mesh import Display, EventRenderer, FollowOptions, Mesh, RankValues, Run, View, follow, write_stream
 
 
 @dataclass
 class RenderOptions:
     ordered: bool = False
     timeout: float | None = None
-    grace: float = INTERRUPT_GRACE_S
-    hang_hint: float = HANG_HINT_S
-    stuck_hint: float = STUCK_HINT_S
 
 
 def publish_display(event: Display) -> None:
@@ -72,132 +29,8 @@ def publish_display(event: Display) -> None:
     publish_display_data(event.data, metadata={"meshbook": {"rank": event.rank}})
 
 
-def show_run(run: Run, options: RenderOptions, mesh: Mesh | None = None,
-             view: CellView | None = None) -> RankValues:
+def show_run(run: Run, options: RenderOptions, mesh: Mesh, view: View | None = None) -> RankValues:
     """Stream ``run`` into the cell and return its values (or raise its error)."""
-    return _CellRun(run, options, mesh, view).show()
-
-
-class _CellRun:
-    def __init__(self, run: Run, options: RenderOptions, mesh: Mesh | None,
-                 view: CellView | None) -> None:
-        self.run, self.options, self.mesh, self.view = run, options, mesh, view
-        # The cell's own sys.stdout/sys.stderr, so Jupyter attributes the output to this cell.
-        self.renderer = EventRenderer(run, write_stream, publish_display, ordered=options.ordered)
-        self.index = 0
-        self.started = time.monotonic()
-        self.interrupted_at: float | None = None
-        self.first_done_at: float | None = None
-        self.explained = False  # the hang hint was printed
-        self.interrupt_explained = False  # the "did not stop after the interrupt" note was printed
-        self.recovery_report = ""
-
-    def show(self) -> RankValues:
-        try:
-            while not self.run.done():
-                try:
-                    self._pump(self._next_wake())
-                    self._check_time()
-                    self._check_stuck()
-                except KeyboardInterrupt:
-                    if self.interrupted_at is None:
-                        self.interrupted_at = time.monotonic()
-                        self.run.interrupt()
-                    else:
-                        self._recover()
-            self._pump(0)
-        finally:
-            self.renderer.close()
-            if self.view:
-                self.view.close(self.run)
-        report = "\n".join(filter(None, [self.recovery_report, self.run.step_report()]))
-        error = self.run.exception()
-        if error is not None:
-            hint = "\n".join(filter(None, [error.hint, report]))
-            raise RemoteError(error.failures, error.partial, hint=hint) from None
-        if report:
-            _note(report)
-        return self.run.values()
-
-    def _next_wake(self) -> float | None:
-        now = time.monotonic()
-        waits = [self.renderer.next_deadline(), 0.25 if self.view else None,
-                 _left(self.options.timeout, self.started, now)]
-        if not self.interrupt_explained:  # once explained, a deadline is past: never spin on it
-            waits.append(_left(self.options.grace, self.interrupted_at, now))
-        if not self.explained:
-            waits += [_left(self.options.hang_hint, self.first_done_at, now),
-                      STUCK_CHECK_S if self.mesh is not None else None]
-        return min((w for w in waits if w is not None), default=None)
-
-    def _pump(self, timeout: float | None) -> None:
-        events, self.index = self.run.events_since(self.index, timeout)
-        self.renderer.feed(events)
-        if self.view:
-            self.view.update(self.run)
-        if self.first_done_at is None and len(self.run.pending) < len(self.run.ranks):
-            self.first_done_at = time.monotonic()
-
-    def _check_time(self) -> None:
-        now = time.monotonic()
-        if self.interrupted_at is not None and now - self.interrupted_at >= self.options.grace:
-            if not self.interrupt_explained:
-                self.interrupt_explained = self.explained = True
-                self._explain(f"rank(s) {format_ranks(self.run.pending)} did not stop within "
-                              f"{self.options.grace:g} s of the interrupt (still busy, blocked outside "
-                              f"Python). Interrupt again to free them: meshbook restarts as few ranks "
-                              f"as possible (usually none) and keeps the others' variables.")
-        elif self.first_done_at is not None and now - self.first_done_at >= self.options.hang_hint:
-            if not self.explained:
-                self.explained = True
-                self._explain(f"rank(s) {format_ranks(self.run.pending)} are still busy "
-                              f"{now - self.first_done_at:.0f} s after the others finished.")
-        if self.options.timeout is not None and now - self.started >= self.options.timeout:
-            diagnosis = self._diagnosis()
-            raise MeshTimeout(
-                f"the cell is still running on rank(s) {format_ranks(self.run.pending)} after "
-                f"{self.options.timeout:g} s. The ranks keep running as they are: inspect them "
-                f"with %mesh stacks, stop them with %mesh interrupt." +
-                (f"\n{diagnosis}" if diagnosis else ""))
-
-    def _check_stuck(self) -> None:
-        """Explain ranks waiting in a collective call the other ranks have not joined."""
-        if self.explained or self.mesh is None or self.interrupted_at is not None \
-                or self.renderer.prompts.used:  # ranks wait on purpose while one is in the debugger
-            return
-        waiting = self.mesh.stuck(self.run)
-        elsewhere = [r for r in self.run.ranks if r not in waiting]
-        if elsewhere and max(waiting.values(), default=0.0) >= self.options.stuck_hint:
-            self.explained = True  # once per cell: the heartbeats say the same every half second
-            self._explain(f"rank(s) {format_ranks(waiting)} wait in a collective (for over "
-                          f"{self.options.stuck_hint:g} s) while rank(s) {format_ranks(elsewhere)} "
-                          f"are elsewhere.")
-
-    def _explain(self, headline: str) -> None:
-        self.renderer.flush()
-        _note(headline + "\n" + self._diagnosis())
-
-    def _diagnosis(self) -> str:
-        if self.mesh is None:
-            return ""
-        try:
-            return "\n".join(self.mesh.diagnose().verdict)
-        except Exception as exc:  # a diagnosis must never make things worse
-            return f"(no diagnosis: {exc})"
-
-    def _recover(self) -> None:
-        if self.mesh is None:
-            raise KeyboardInterrupt
-        self.renderer.flush()
-        _note(f"freeing rank(s) {format_ranks(self.run.pending)} ...")
-        self.recovery_report = self.mesh.recover().render()
-
-
-def _note(text: str) -> None:
-    write_stream("stderr", text.rstrip("\n") + "\n")
-
-
-def _left(span: float | None, since: float | None, now: float) -> float | None:
-    if span is None or since is None:
-        return None
-    return max(0.0, since + span - now)
+    renderer = EventRenderer(run, write_stream, publish_display, ordered=options.ordered)
+    steps = "inspect them with %mesh stacks, stop them with %mesh interrupt"
+    return follow(run, mesh, renderer, FollowOptions(options.timeout, "the cell", steps), view)

@@ -20,11 +20,10 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from ..kernel import cell_allows_stdin
-from ..mesh import DURATION_FACTOR, Mesh, Run, meshes
+from ..mesh import DURATION_FACTOR, Mesh, Run, View, meshes
 from ..widgets import CellStatusView, Dashboard
 from ..widgets.dashboard import REFRESH_S
 from .base import command, require_mesh
-from .render import CellView
 
 
 class WidgetCommands:
@@ -36,7 +35,7 @@ class WidgetCommands:
     #: The last ``%%mesh`` cell's mesh and run: ``%mesh stragglers`` reports its durations.
     _last_cell: tuple[Mesh, Run] | None = None
 
-    def cell_view(self, mesh: Mesh, run: Run, enabled: bool = True) -> CellView | None:
+    def cell_view(self, mesh: Mesh, run: Run, enabled: bool = True) -> View | None:
         """The live status of a ``%%mesh`` cell's ``run``, if someone is watching it."""
         self._last_cell = (mesh, run)
         if not enabled or not _watched(self.shell):

@@ -18,14 +18,18 @@ from typing import TYPE_CHECKING, Any
 #: Public name -> the module (under this package) that defines it.
 _WHERE = {
     # the Python API
-    "start": "controller.mesh", "current": "controller.mesh", "Mesh": "controller.mesh",
-    "SSH": "controller.remote", "Join": "controller.remote", "Slurm": "controller.slurm",
-    "meshes": "controller.mesh", "use": "controller.mesh", "mesh_named": "controller.mesh",
-    "attach": "controller.mesh", "list_meshes": "controller.mesh", "ended_meshes": "controller.mesh",
+    "start": "controller.api.mesh", "current": "controller.api.mesh", "Mesh": "controller.api.mesh",
+    "SSH": "controller.launch.ssh", "Join": "controller.launch.join", "Slurm": "controller.launch.slurm",
+    "Launcher": "controller.launch.base", "add_start_arguments": "controller.launch",
+    "launcher_from_args": "controller.launch", "launchers": "controller.launch",
+    "AgentHandle": "controller.launch.base",
+    "HostPlan": "controller.launch.base", "LaunchContext": "controller.launch.base",
+    "meshes": "controller.api.mesh", "use": "controller.api.mesh", "mesh_named": "controller.api.mesh",
+    "attach": "controller.api.mesh", "list_meshes": "controller.api.mesh", "ended_meshes": "controller.api.mesh",
     **dict.fromkeys(["Actor", "endpoint", "ActorFuture", "SupervisionEvent", "NoEndpointError"],
                     "protocol.actors"),
-    "ActorMesh": "controller.actors",
-    "prewarm": "controller.launchers", "Run": "controller.run", "RemoteRef": "controller.data",
+    "ActorMesh": "controller.api.actors",
+    "prewarm": "controller.launch.local", "Run": "controller.core.run", "RemoteRef": "controller.api.data",
     "RankValues": "protocol.values", "Topology": "protocol.topology",
     "Namespaces": "protocol.namespaces", "VarInfo": "protocol.namespaces",
     **dict.fromkeys(["Output", "Display", "Result", "Error", "InputRequest", "DebugEnd", "Event"],
@@ -34,19 +38,21 @@ _WHERE = {
                      "SendError", "CellSyntaxError", "RankFailure", "MissingNameError", "TooLargeError",
                      "ShapeError"], "protocol.errors"),
     # for the notebook face
-    "add_start_listener": "controller.mesh", "remove_start_listener": "controller.mesh",
-    "EventRenderer": "controller.render", "write_stream": "controller.render",
-    "print_late": "controller.render",
-    "MemoryRow": "controller.memory",
-    "StragglerReport": "controller.stragglers", "DURATION_FACTOR": "controller.stragglers",
-    "slow_by_duration": "controller.stragglers",
+    "add_start_listener": "controller.api.mesh", "remove_start_listener": "controller.api.mesh",
+    "EventRenderer": "controller.core.render", "write_stream": "controller.core.render",
+    "print_late": "controller.core.render",
+    "follow": "controller.api.follow", "FollowOptions": "controller.api.follow", "View": "controller.api.follow",
+    "MemoryRow": "controller.insight.memory",
+    "StragglerReport": "controller.insight.stragglers", "DURATION_FACTOR": "controller.insight.stragglers",
+    "slow_by_duration": "controller.insight.stragglers",
     "DEFAULT_MAX_BYTES": "protocol.limits",
     "parse_dims": "protocol.topology", "parse_where": "protocol.topology",
     **dict.fromkeys(["format_ranks", "group_by_text", "format_bytes", "status_table"], "protocol.text"),
 }
 
 __all__ = [
-    "start", "current", "prewarm", "SSH", "Join", "Slurm", "Mesh", "Run", "RankValues", "Topology",
+    "start", "current", "prewarm", "SSH", "Join", "Slurm", "Launcher", "AgentHandle", "HostPlan", "LaunchContext",
+    "Mesh", "Run", "RankValues", "Topology",
     "meshes", "use", "mesh_named", "attach", "list_meshes", "ended_meshes", "Actor", "endpoint", "ActorMesh",
     "ActorFuture", "SupervisionEvent",
     "NoEndpointError",
@@ -55,6 +61,7 @@ __all__ = [
     "SendError", "CellSyntaxError",
     "RemoteRef", "Namespaces", "VarInfo", "MissingNameError", "TooLargeError", "ShapeError",
     "add_start_listener", "remove_start_listener", "EventRenderer", "write_stream", "print_late",
+    "follow", "FollowOptions", "View", "add_start_arguments", "launcher_from_args", "launchers",
     "MemoryRow", "StragglerReport", "DURATION_FACTOR", "slow_by_duration", "DEFAULT_MAX_BYTES",
     "parse_dims", "parse_where", "format_ranks", "group_by_text", "format_bytes", "status_table",
 ]
@@ -74,11 +81,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see
-    from .controller.actors import ActorMesh
-    from .controller.data import RemoteRef
-    from .controller.launchers import prewarm
-    from .controller.memory import MemoryRow
-    from .controller.mesh import (
+    from .controller.api.actors import ActorMesh
+    from .controller.api.data import RemoteRef
+    from .controller.api.follow import FollowOptions, View, follow
+    from .controller.api.mesh import (
         Mesh,
         add_start_listener,
         attach,
@@ -91,11 +97,16 @@ if TYPE_CHECKING:  # what type checkers and editors see
         start,
         use,
     )
-    from .controller.remote import SSH, Join
-    from .controller.render import EventRenderer, print_late, write_stream
-    from .controller.run import Run
-    from .controller.slurm import Slurm
-    from .controller.stragglers import DURATION_FACTOR, StragglerReport, slow_by_duration
+    from .controller.core.render import EventRenderer, print_late, write_stream
+    from .controller.core.run import Run
+    from .controller.insight.memory import MemoryRow
+    from .controller.insight.stragglers import DURATION_FACTOR, StragglerReport, slow_by_duration
+    from .controller.launch import add_start_arguments, launcher_from_args, launchers
+    from .controller.launch.base import AgentHandle, HostPlan, LaunchContext, Launcher
+    from .controller.launch.join import Join
+    from .controller.launch.local import prewarm
+    from .controller.launch.slurm import Slurm
+    from .controller.launch.ssh import SSH
     from .protocol.actors import Actor, ActorFuture, NoEndpointError, SupervisionEvent, endpoint
     from .protocol.errors import (
         CellSyntaxError,

@@ -16,8 +16,8 @@ widget would land inside the pdb transcript. If it was already showing, it ends 
 ranks' states only, since their durations count the time the user spent at the prompt.
 
 A rank is marked as a straggler when it keeps arriving last at the cell's collectives, or the
-sampling detector flags it (:meth:`meshbook.Mesh.stragglers`), or when its time exceeds the median of the other ranks' by
-``DURATION_FACTOR`` (a running rank counts with its time so far).
+sampling detector flags it (:meth:`meshbook.Mesh.stragglers`), or when its time exceeds the
+median of the other ranks' by ``DURATION_FACTOR`` (a running rank counts with its time so far).
 
 Where widgets do not render, the output falls back to the same HTML, and to a deterministic
 ``text/plain`` (the ranks' final states, no times: ``cell status: [0-2] done, [3] dead``).

@@ -309,13 +309,14 @@ class Hosts(Rig):
         New TCP connections, by their SYN: stateless, because conntrack only starts
         tracking a namespace when a rule first needs it, and would then take the next
         packet of an older connection for a new one. Connections the root namespace opens
-        to the hosts, and ones already established, keep working: what a controller that dials out to its agents needs. Slurm (slurmd
-        registers with slurmctld) and ``srun`` (steps call back) do not survive this rule.
-        Removed on exit.
+        to the hosts, and ones already established, keep working: what a controller that
+        dials out to its agents needs. Slurm (slurmd registers with slurmctld) and ``srun``
+        (steps call back) do not survive this rule. Removed on exit.
         """
         if firewall_missing():
             raise RigError(firewall_missing())
-        rule = ["INPUT", "-s", str(self.subnet), "-p", "tcp", "--syn", "-m", "comment", "--comment", f"meshbook-rig-{self.tag}", "-j", "DROP"]
+        rule = ["INPUT", "-s", str(self.subnet), "-p", "tcp", "--syn",
+                "-m", "comment", "--comment", f"meshbook-rig-{self.tag}", "-j", "DROP"]
         sh(["iptables", "-I", *rule])
         self.undo.callback(quiet, ["iptables", "-D", *rule])
 

@@ -38,12 +38,15 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ..protocol import config
 from ..protocol import messages as msg
+from ..protocol.bodies import AgentConfig, Bootstrap
 from ..protocol.proc import Liveness
 from ..protocol.remote import AGENT_READY
+from ..protocol.versions import mismatch, versions
 from .gpus import GpuCount
 from .link import LocalLink, Peer, RemoteLink
 from .oom import killed_by_oom, oom_kills
@@ -61,16 +64,18 @@ class RankProcess:
 
 
 class Agent:
-    def __init__(self, cfg: dict[str, Any], ctx: Any, link: "LocalLink | RemoteLink", rundir: str,
-                 own_rundir: bool) -> None:
+    def __init__(self, cfg: AgentConfig, ctx: Any, link: "LocalLink | RemoteLink", rundir: str,
+                 own_rundir: bool, lost_s: float = config.HOST_LOST_S, leased: bool = False) -> None:
         from ..protocol import wire
         from ..protocol.topology import Topology
 
         self.cfg = cfg
-        self.host = cfg["host"]
-        self.my_ranks: list[int] = cfg["ranks"]
-        self.topology = Topology(tuple((k, v) for k, v in cfg["dims"]))
-        self.wire = wire.Wire(bytes.fromhex(cfg["key"]))
+        self.host = cfg.host
+        self.my_ranks: list[int] = cfg.ranks
+        self.topology = Topology(tuple((k, v) for k, v in cfg.dims))
+        self.wire = wire.Wire(bytes.fromhex(cfg.key))
+        #: A kept mesh's agent: its silence window is the lease.
+        self.leased = leased
         self.rundir = rundir
         self.own_rundir = own_rundir
         self.ctx = ctx
@@ -88,30 +93,31 @@ class Agent:
         #: How long this host may go without its controller; its ranks read when the agent last
         #: heard it from a page they share with it, and stop themselves when that is too long
         #: ago (an agent that is stopped or hung can no longer stop them).
-        self.lost_s = float(cfg.get("lost_s", msg.HOST_LOST_S))
+        self.lost_s = float(lost_s)
         self.liveness = Liveness()
         #: Host 0 of a mesh across hosts keeps the store where its ranks meet (a rank could be
         #: restarted; the agent lives as long as the mesh).
-        self.store = _serve_store(cfg) if cfg.get("serve_store") else None
+        self.store = _serve_store(cfg) if cfg.serve_store else None
 
     # -- ranks -------------------------------------------------------------------------------
 
     def spawn(self, rank: int, generation: int) -> None:
         from ..protocol.wire import rank_address
-        from ..rank.worker import RankConfig, run_rank
+        from ..rank.context import RankConfig
+        from ..rank.worker import run_rank
 
         local_rank = self.my_ranks.index(rank)
         pipes = {name: os.pipe() for name in ("stdout", "stderr")}
         self.link.connect_rank(rank, generation, self.rundir)
-        store = self.cfg.get("store")
+        store = self.cfg.store
         crash_path = os.path.join(self.rundir, f"crash-{rank}")
         cfg = RankConfig(
             rank=rank, local_rank=local_rank, local_world_size=len(self.my_ranks),
-            group_rank=self.host, group_world_size=self.cfg.get("hosts", 1),
-            topology=self.topology, backend=self.cfg["backend"], device_type=self.cfg["device_type"],
-            listen_addr=self.cfg["listen_addr"], store_addr=tuple(store) if store else None,
-            rundir=self.rundir, generation=generation, master_port=self.cfg["master_port"],
-            collective_timeout=self.cfg["collective_timeout"], key=self.wire.key,
+            group_rank=self.host, group_world_size=self.cfg.hosts,
+            topology=self.topology, backend=self.cfg.backend, device_type=self.cfg.device_type,
+            listen_addr=self.cfg.listen_addr, store_addr=(store[0], int(store[1])) if store else None,
+            rundir=self.rundir, generation=generation, master_port=self.cfg.master_port,
+            collective_timeout=self.cfg.collective_timeout, key=self.wire.key,
             agent_pid=os.getpid(), request_addr=rank_address(self.rundir, rank, generation, msg.MAIN),
             control_addr=rank_address(self.rundir, rank, generation, msg.CONTROL),
             events_addr=self.link.rank_events,
@@ -171,6 +177,13 @@ class Agent:
 
     # -- messages ----------------------------------------------------------------------------
 
+    @property
+    def remote_link(self) -> RemoteLink:
+        """The link, for what only an agent on another host is sent (the controller pings,
+        asks again and fences over the network only)."""
+        assert isinstance(self.link, RemoteLink)
+        return self.link
+
     def emit(self, kind: str, request: int | None, body: Any = None, ordered: bool = True, **header: Any) -> None:
         """A message of the agent's own to the controller (``ordered=False``: outside the link's
         numbering, for what must pass a gap: asking for messages again)."""
@@ -204,41 +217,45 @@ class Agent:
 
     def _pyspy(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         for rank in ranks:
-            self.emit(msg.RESULT, request, _pyspy(self.procs.get(rank)), **{msg.RANK: rank})
+            header: dict[str, Any] = {msg.RANK: rank}  # a header field, not emit's option
+            self.emit(msg.RESULT, request, _pyspy(self.procs.get(rank)), **header)
 
     def _ping(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """The controller's heartbeat: answer with ours (it times the round trip, and sets its
         clock against ours); each side acknowledges what it took in order."""
-        self.link.outgoing.acknowledged(body.get("ack", 0))
+        link = self.remote_link
+        link.outgoing.acknowledged(body.get("ack", 0))
         self.emit(msg.HOST_BEAT, request, {"sent": body["sent"], "wall": body.get("wall"),
                                            "agent_wall": time.time_ns(), "ranks": sorted(self.procs),
-                                           "ack": self.link.incoming.acknowledged})
+                                           "ack": link.incoming.acknowledged})
 
     def _resend(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """The controller missed what we sent from ``from`` on (its connection reset)."""
-        self.link.resend(body["from"], lambda upto: self.emit(msg.LOST, None, {"upto": upto}, ordered=False))
+        self.remote_link.resend(body["from"], lambda upto: self.emit(msg.LOST, None, {"upto": upto}, ordered=False))
 
     def _lost(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """What the controller sent up to ``upto`` is gone for good: go on from there (the
         controller fails what it was for)."""
-        for frames in self.link.deliver(self.link.incoming.give_up(body["upto"])):
+        link = self.remote_link
+        for frames in link.deliver(link.incoming.give_up(body["upto"])):
             self._operate_frames(frames)
 
     def _attach(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """A new controller took over this (kept) mesh: what it needs to know of our ranks."""
         self.emit(msg.AGENT, request, {
-            "pid": os.getpid(), "hostname": socket.gethostname(), "attached": True,
+            "pid": os.getpid(), "hostname": socket.gethostname(), "attached": True, "versions": versions(),
             "pids": {r: p.pid for r, p in self.procs.items()},
             "generations": {r: p.generation for r, p in self.procs.items()}, "dead": sorted(self.dead)})
 
     def refuse_stale(self) -> None:
         """Tell each controller of an older epoch that wrote to us that it is fenced off."""
-        while self.link.stale:
-            peer = self.link.stale.pop()
+        link = self.remote_link
+        while link.stale:
+            peer = link.stale.pop()
             print(f"meshbook agent {self.host}: refused a message of epoch {peer.epoch} (the mesh "
-                  f"is now driven at epoch {self.link.peer.epoch})", file=sys.stderr, flush=True)
-            self.link.send(self.wire.pack({msg.KIND: msg.FENCED, msg.ID: None, msg.HOST: self.host},
-                                          {"epoch": self.link.peer.epoch}), to=peer)
+                  f"is now driven at epoch {link.peer.epoch})", file=sys.stderr, flush=True)
+            link.send(self.wire.pack({msg.KIND: msg.FENCED, msg.ID: None, msg.HOST: self.host},
+                                     {"epoch": link.peer.epoch}), to=peer)
 
     def _stop(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """The controller stops a remote agent (a local one sees its stdin close instead)."""
@@ -261,9 +278,9 @@ class Agent:
             poller.register(sys.stdin.fileno(), zmq.POLLIN)
         poller.register(rfd, zmq.POLLIN)
         for rank in self.my_ranks:
-            self.spawn(rank, self.cfg.get("generation", 0))
+            self.spawn(rank, self.cfg.generation)
         self.emit(msg.AGENT, None, {"pid": os.getpid(), "hostname": socket.gethostname(),
-                                  "pids": {r: p.pid for r, p in self.procs.items()}})
+                                  "pids": {r: p.pid for r, p in self.procs.items()}, "versions": versions()})
         lost_s = self.lost_s
         while not self.stopping:
             ready = dict(poller.poll(1000))
@@ -271,7 +288,7 @@ class Agent:
             # stopped (SIGSTOP) or cut off past the loss window has had its host declared lost,
             # and what was queued for it must never run (its ranks may live on elsewhere).
             if self.link.remote and time.monotonic() - self.link.last_heard > lost_s:
-                what = "the lease of" if self.cfg.get("lease") else "nothing from the controller for"
+                what = "the lease of" if self.leased else "nothing from the controller for"
                 print(f"meshbook agent {self.host}: {what} {lost_s:g} s ran out: stopping this "
                       f"host's ranks", file=sys.stderr, flush=True)
                 return
@@ -318,6 +335,14 @@ def omp_threads(local_ranks: int) -> tuple[int | None, str]:
         os.environ["OMP_NUM_THREADS"] = "1"
         return 1, "OMP_NUM_THREADS=1 per rank, as torchrun sets it"
     return None, ""
+
+
+def check_versions(theirs: dict[str, str] | None, who: str) -> None:
+    """Refuse to serve a controller that runs other versions (its operations and pickles would
+    fail somewhere deep): the message names both sides, and says what to install."""
+    problem = mismatch(versions(), theirs, f"the host agent on {socket.gethostname()}", who, follow_theirs=True)
+    if problem:
+        raise SystemExit(f"meshbook agent: {problem}")
 
 
 def apply_environment(env: dict[str, str] | None, replace: bool) -> None:
@@ -433,20 +458,22 @@ def _run(log: str | None) -> None:
     try:
         count = GpuCount()  # beside our own torch import: no wall time
         _import_torch()
-        _say(AGENT_READY, {"gpus": count.result(), "pid": os.getpid()})
-        cfg = _read_config()
+        _say(AGENT_READY, {"gpus": count.result(), "pid": os.getpid(), "versions": versions()})
+        data = _read_config()
     except BaseException:
         _remove(log)  # a standby agent whose controller went away, or died
         raise
-    if cfg is None:
+    if data is None:
         _remove(log)
         return
-    apply_environment(cfg.get("env"), replace=True)
+    cfg = AgentConfig.from_dict(data)
+    check_versions(cfg.versions, "its controller")
+    apply_environment(cfg.env, replace=True)
     ctx = zmq.Context()
-    rundir = cfg.get("rundir") or tempfile.mkdtemp(prefix="meshbook-agent-")
-    agent = Agent(cfg, ctx, LocalLink(ctx, cfg), rundir, own_rundir="rundir" not in cfg)
-    if log is not None and "log" in cfg:
-        _move_log(log, cfg["log"])
+    rundir = cfg.rundir or tempfile.mkdtemp(prefix="meshbook-agent-")
+    agent = Agent(cfg, ctx, LocalLink(ctx, cfg), rundir, own_rundir=not cfg.rundir)
+    if log is not None and cfg.log:
+        _move_log(log, cfg.log)
     _serve(agent, watch_stdin=True)
 
 
@@ -474,18 +501,20 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
 
     if mode == "listen" and bootstrap_file:
         with open(bootstrap_file) as f:
-            data = json.load(f)
+            raw = json.load(f)
     elif mode == "listen":
-        data = _read_config()
-        if data is None:
+        raw = _read_config()
+        if raw is None:
             return
     else:
         try:
-            data = decode_token(_read_token(token_file))
+            raw = decode_token(_read_token(token_file))
         except ValueError as exc:
             raise SystemExit(f"meshbook agent join: {exc}; copy it again from the notebook's "
                              f"output") from None
-    apply_environment(data.get("env"), replace=False)  # the variables the user named
+    data = Bootstrap.from_dict(raw)
+    check_versions(data.versions, "the controller that started it")  # before torch: fail fast
+    apply_environment(data.env, replace=False)  # the variables the user named
     count = GpuCount()  # with them (CUDA_VISIBLE_DEVICES...), beside our own torch import
     _import_torch()
     gpus = count.result()
@@ -494,17 +523,16 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
     # A kept mesh (a lease): the agent outlives the kernel that started it, so it neither
     # watches stdin nor writes to stdout once it has said where it listens. Nor does one a
     # batch scheduler started (a bootstrap file): its stdin is not the controller's.
-    lease = data.get("lease_s")
+    lease = data.lease_s
     watch_stdin = mode == "listen" and lease is None and not bootstrap_file
     try:
         if mode == "listen":
             sock, zap = listen(ctx, data, gpus, announce_dir)
         else:
-            sock = join(ctx, data, gpus, timeout=float(data.get("timeout", 120.0)))
+            sock = join(ctx, data, gpus, timeout=data.timeout)
         if lease is not None:
             _detach_stdio()
-        configured = _await_configuration(sock, bytes.fromhex(data["key"]), watch_stdin,
-                                          timeout=float(data.get("timeout", 120.0)))
+        configured = _await_configuration(sock, bytes.fromhex(data.key), watch_stdin, timeout=data.timeout)
         if configured is None:
             sock.close(linger=0)
             return
@@ -512,9 +540,8 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
         remove_stale(runtime_base(), ("mb",))  # what agents killed on this host left behind
         rundir = tempfile.mkdtemp(prefix=owned_prefix("mb"), dir=runtime_base())
         try:
-            agent = Agent({**cfg, "key": data["key"], "lost_s": lease or data.get("lost_s", 15.0),
-                           "lease": lease is not None}, ctx, RemoteLink(ctx, sock, rundir, peer, seq), rundir,
-                          own_rundir=True)
+            agent = Agent(replace(cfg, key=data.key), ctx, RemoteLink(ctx, sock, rundir, peer, seq), rundir,
+                          own_rundir=True, lost_s=lease or data.lost_s, leased=lease is not None)
         except BaseException:  # e.g. host 0 could not bind its store: leave no directory behind
             shutil.rmtree(rundir, ignore_errors=True)
             raise
@@ -522,8 +549,8 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
     finally:
         if zap is not None:
             zap.close()
-        mesh_file = data.get("mesh_file")
-        for path in (mesh_file, mesh_file and mesh_file + ".lock", data.get("log")) if lease is not None else ():
+        mesh_file = data.mesh_file
+        for path in (mesh_file, mesh_file and mesh_file + ".lock", data.log) if lease is not None else ():
             _remove(path)  # the mesh ended (stopped, or its lease ran out): nothing to attach to
 
 
@@ -560,7 +587,7 @@ def _detach_stdio() -> None:
 
 
 def _await_configuration(sock: Any, key: bytes, watch_stdin: bool,
-                         timeout: float) -> tuple[dict[str, Any], Peer, int] | None:
+                         timeout: float) -> tuple[AgentConfig, Peer, int] | None:
     """The controller's CONFIGURE operation, who sent it and its number on the link, or None
     if it never comes (or stdin closes)."""
     import zmq
@@ -575,7 +602,7 @@ def _await_configuration(sock: Any, key: bytes, watch_stdin: bool,
         poller.register(sys.stdin.fileno(), zmq.POLLIN)
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
-        ready = dict(poller.poll(left * 1000))
+        ready = dict(poller.poll(int(left * 1000)))
         if watch_stdin and sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
             return None
         if sock not in ready:
@@ -586,24 +613,27 @@ def _await_configuration(sock: Any, key: bytes, watch_stdin: bool,
         except wire.BadMessage:
             continue
         if route == b"" and message.kind == msg.OP and message.body()["op"] == msg.AgentOp.CONFIGURE:
-            return message.body()["config"], peer, seq
+            cfg = AgentConfig.from_dict(message.body()["config"])
+            check_versions(cfg.versions, "its controller")
+            return cfg, peer, seq
     print(f"meshbook agent: no configuration from the controller within {timeout:g} s", file=sys.stderr)
     return None
 
 
-def _serve_store(cfg: dict[str, Any]) -> Any:
+def _serve_store(cfg: AgentConfig) -> Any:
     """The TCPStore where the ranks of a mesh across hosts meet, listening on this host's
     address only (torch's own server listens on every interface: it is handed a socket)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    host, port = cfg["store"]
+    assert cfg.store is not None
+    host, port = cfg.store
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, port))
     listener.listen(1024)
-    store = dist.TCPStore(host, port, None, True, timedelta(seconds=cfg["collective_timeout"]),
+    store = dist.TCPStore(host, port, None, True, timedelta(seconds=cfg.collective_timeout),
                           wait_for_workers=False, master_listen_fd=listener.fileno())
     return store, listener  # the socket lives as long as the store
 
@@ -618,7 +648,7 @@ def _read_config() -> dict[str, Any] | None:
         if not chunk:
             return None
         line += chunk
-    return json.loads(line)  # type: ignore[no-any-return]
+    return json.loads(line)
 
 
 def _move_log(old: str, new: str) -> None:

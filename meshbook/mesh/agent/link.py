@@ -31,14 +31,16 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import zmq
 
 from ..protocol import messages as msg
 from ..protocol import net, wire
+from ..protocol.bodies import AgentConfig, Bootstrap
 from ..protocol.ordering import Incoming, Outgoing
 from ..protocol.remote import LISTENING, decode_epoch, decode_route, decode_seq, encode_seq
+from ..protocol.versions import versions
 
 #: How long a send up a link may wait for its connection.
 SEND_TIMEOUT_MS = 1000
@@ -47,17 +49,17 @@ SEND_TIMEOUT_MS = 1000
 class LocalLink:
     """Operations on an ipc DEALER, the agent's own events on an ipc PUSH."""
 
-    remote = False
+    remote: Literal[False] = False  # the agent branches on it (and a type checker with it)
 
-    def __init__(self, ctx: zmq.Context, cfg: dict[str, Any]) -> None:
+    def __init__(self, ctx: zmq.Context, cfg: AgentConfig) -> None:
         self.cmd = ctx.socket(zmq.DEALER)
-        self.cmd.setsockopt(zmq.IDENTITY, f"agent:{cfg['host']}".encode())
-        self.cmd.connect(cfg["cmd_addr"])
+        self.cmd.setsockopt(zmq.IDENTITY, f"agent:{cfg.host}".encode())
+        self.cmd.connect(cfg.cmd_addr)
         self.up = ctx.socket(zmq.PUSH)
         self.up.setsockopt(zmq.LINGER, 2000)
-        self.up.connect(cfg["events_addr"])
+        self.up.connect(cfg.events_addr)
         #: Where this host's ranks send what they emit: the controller itself.
-        self.rank_events = cfg["events_addr"]
+        self.rank_events = cfg.events_addr
         self.last_heard = time.monotonic()
 
     def sockets(self) -> list[zmq.Socket]:
@@ -108,7 +110,7 @@ class RemoteLink:
     an older one sends is refused and collected in ``stale`` (the agent tells it it is fenced).
     """
 
-    remote = True
+    remote: Literal[True] = True
 
     def __init__(self, ctx: zmq.Context, sock: zmq.Socket, rundir: str, peer: Peer, last_seq: int) -> None:
         self.ctx = ctx
@@ -216,21 +218,21 @@ class RemoteLink:
 # -- the two ways an agent on another host connects --------------------------------------------
 
 
-def listen(ctx: zmq.Context, data: dict[str, Any], gpus: int,
+def listen(ctx: zmq.Context, data: Bootstrap, gpus: int,
            announce_dir: str | None = None) -> tuple[zmq.Socket, net.ZapHandler]:
     """Bind a Curve server socket only the controller's key may use, and say where: on stdout,
     or in ``announce_dir`` (a file per task, named by the scheduler's task id) for a
     controller that cannot read our stdout."""
-    allowlist = net.Allowlist({data["controller_public"].encode()})
+    allowlist = net.Allowlist({data.controller_public.encode()})
     zap = allowlist.serve(ctx)
     sock = _link_socket(ctx, zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a controller that reconnects keeps its routing id
-    net.curve_server(sock, net.Keys(data["server_public"].encode(), data["server_secret"].encode()))
-    address = advertised_address(data.get("controller_hint"))
-    bind = "127.0.0.1" if data.get("tunnel") else address
+    net.curve_server(sock, net.Keys(data.server_public.encode(), data.server_secret.encode()))
+    address = advertised_address(data.controller_hint or None)
+    bind = "127.0.0.1" if data.tunnel else address
     port = net.bind_in_range(sock, bind)
     info = {"addr": address, "port": port, "pid": os.getpid(), "hostname": socket.gethostname(),
-            "store_port": net.free_port_in_range(address), "gpus": gpus}
+            "store_port": net.free_port_in_range(address), "gpus": gpus, "versions": versions()}
     line = f"{LISTENING} {json.dumps(info)}\n"
     if announce_dir:
         _announce(announce_dir, line)
@@ -250,7 +252,7 @@ def _announce(directory: str, line: str) -> None:
     os.rename(path + ".part", path)
 
 
-def join(ctx: zmq.Context, data: dict[str, Any], gpus: int, timeout: float = 60.0) -> zmq.Socket:
+def join(ctx: zmq.Context, data: Bootstrap, gpus: int, timeout: float = 60.0) -> zmq.Socket:
     """Dial the controller with the join key and announce this host with a key of its own;
     once the controller admits that key, dial again with it (the connection a reset link
     reconnects with: the join key is revoked once the hosts have joined). A token the
@@ -258,37 +260,40 @@ def join(ctx: zmq.Context, data: dict[str, Any], gpus: int, timeout: float = 60.
     the agent at once, saying so."""
     mine = net.Keys.new()
     identity = os.urandom(8).hex().encode()
-    signer = wire.Wire(bytes.fromhex(data["key"]))
-    host, port = data["controller"]
+    signer = wire.Wire(bytes.fromhex(data.key))
+    assert data.controller is not None and data.join is not None
+    host, port = data.controller
     address = net.route_to(host)
     about = {"addr": address, "pid": os.getpid(), "hostname": socket.gethostname(),
-             "store_port": net.free_port_in_range(address), "gpus": gpus}
-    first = _dial(ctx, net.Keys.from_json(data["join"]), data, identity, timeout)
+             "store_port": net.free_port_in_range(address), "gpus": gpus, "versions": versions()}
+    first = _dial(ctx, net.Keys.from_json(data.join), data, identity, timeout)
     try:
         joining = signer.pack({msg.KIND: msg.JOIN, msg.ID: None}, {**about, "key": mine.public.decode()})
         wire.send(first, [encode_seq(0), *joining])  # outside any link's order: there is none yet
         _await_welcome(first, signer, timeout)
         second = _dial(ctx, mine, data, identity, timeout)
-        wire.send(second, [encode_seq(0), *signer.pack({msg.KIND: msg.JOIN, msg.ID: None}, {**about, "switched": True})])
+        switched = signer.pack({msg.KIND: msg.JOIN, msg.ID: None}, {**about, "switched": True})
+        wire.send(second, [encode_seq(0), *switched])
     finally:
         first.close(linger=0)
     return second
 
 
-def _dial(ctx: zmq.Context, keys: net.Keys, data: dict[str, Any], identity: bytes, timeout: float) -> zmq.Socket:
+def _dial(ctx: zmq.Context, keys: net.Keys, data: Bootstrap, identity: bytes, timeout: float) -> zmq.Socket:
     """A connection to the controller with ``keys``, once its handshake succeeded."""
     from zmq.utils.monitor import recv_monitor_message
 
     sock = _link_socket(ctx)
     sock.setsockopt(zmq.IDENTITY, identity)
-    net.curve_client(sock, keys, data["server_public"].encode())
+    net.curve_client(sock, keys, data.server_public.encode())
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-    host, port = data["controller"]
+    assert data.controller is not None
+    host, port = data.controller
     sock.connect(net.tcp_address(host, port))
     try:
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            if monitor.poll(left * 1000):
+            if monitor.poll(int(left * 1000)):
                 event = recv_monitor_message(monitor)["event"]
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     return sock
@@ -310,7 +315,7 @@ def _await_welcome(sock: zmq.Socket, signer: wire.Wire, timeout: float) -> None:
     """Wait for the controller to admit this agent's own key."""
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
-        if not sock.poll(left * 1000):
+        if not sock.poll(int(left * 1000)):
             break
         _, _, route, frames = unwrap(wire.recv(sock), False)
         try:

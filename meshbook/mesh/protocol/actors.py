@@ -193,9 +193,13 @@ class ActorFuture:
         loop = asyncio.get_running_loop()
         arrived = loop.create_future()
 
+        def settle() -> None:
+            if not arrived.done():
+                arrived.set_result(None)
+
         def waiter() -> None:
             self.wait()
-            loop.call_soon_threadsafe(lambda: arrived.done() or arrived.set_result(None))
+            loop.call_soon_threadsafe(settle)
 
         threading.Thread(target=waiter, name="meshbook-await", daemon=True).start()
         yield from arrived.__await__()

@@ -56,8 +56,10 @@ def compile_cell(source: str, filename: str, first_line: int = 1) -> CompiledCel
     except SyntaxError as exc:
         raise CellSyntaxError(exc.msg, exc.lineno, exc.offset, exc.text) from None
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    tail = tree.body[-1] if tree.body else None
+    if isinstance(tail, ast.Expr):
+        tree.body.pop()
+        last = ast.Expression(tail.value)
     body = compile(tree, filename, "exec", dont_inherit=True)
     expr = compile(last, filename, "eval", dont_inherit=True) if last is not None else None
     return CompiledCell(body, expr)

@@ -1,7 +1,7 @@
 """What a run produces, as the controller hands it to whoever renders it.
 
 The controller turns each message from a rank into one of these events and adds it to the
-:class:`~meshbook.mesh.controller.run.Run` it belongs to; renderers (a script's
+:class:`~meshbook.mesh.controller.core.run.Run` it belongs to; renderers (a script's
 ``Run.result()``, the ``%%mesh`` cell) read them in arrival order.
 """
 

@@ -95,16 +95,3 @@ HAS_GROUP = "pg"  # False: the rank lost its process group (a step check follows
 GENERATION = "generation"  # the process-group generation a READY / INIT_FAILED is about
 REPLY_TO = "reply"  # where a rank-to-rank (PEER) call is answered
 TYPE = "type"  # a RESULT's type (module.qualname): named when the notebook cannot unpickle it
-
-# -- heartbeats ------------------------------------------------------------------------------
-
-#: How often a rank's control thread sends a heartbeat.
-HEARTBEAT_S = 0.5
-#: How often the controller pings an agent on another host.
-HOST_PING_S = 1.0
-#: A host not heard from for this long is "suspect" in the status...
-HOST_SUSPECT_S = 5.0
-#: ...and after this long "lost": its ranks are dead, and its agent stops them on its side.
-HOST_LOST_S = 15.0
-#: How far back a rank's sampling report (stragglers, waiting) looks.
-WINDOW_S = 10.0

@@ -277,12 +277,12 @@ def _shown(name: str, value: Any) -> bool:
     return True
 
 
-def dtensor_type() -> type | None:
+def dtensor_type() -> type[Any] | None:
     """torch's DTensor class, if the user's code imported it (no DTensor exists otherwise)."""
     for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
         found = getattr(sys.modules.get(module), "DTensor", None)
         if found is not None:
-            return found  # type: ignore[no-any-return]
+            return found
     return None
 
 

@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils import z85
 
+from .config import PORT_RANGE_ENV
+
 #: Where the ZAP handler listens, as RFC 27 names it (per ZeroMQ context).
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
 #: ``MESHBOOK_PORT_RANGE=40000-40999``: the ports meshbook listens on (agents, a joining
 #: controller, the store), for sites whose firewalls open only a range.
-PORT_RANGE_ENV = "MESHBOOK_PORT_RANGE"
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,9 @@ def bind_in_range(sock: zmq.Socket, address: str) -> int:
     ports = port_range()
     if ports is None:
         sock.bind(f"tcp://{host}:0")
-        return int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)  # a string option
+        return int(endpoint.decode().rsplit(":", 1)[1])
     for port in random.sample(ports, len(ports)):
         try:
             sock.bind(f"tcp://{host}:{port}")

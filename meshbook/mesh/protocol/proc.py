@@ -96,7 +96,7 @@ def remove_stale(directory: str, kinds: tuple[str, ...]) -> list[str]:
     import shutil
 
     pattern = re.compile(rf"^({'|'.join(map(re.escape, kinds))})-(\d+)-{_host_tag()}-")
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:

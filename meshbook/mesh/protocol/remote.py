@@ -24,9 +24,10 @@ import json
 import struct
 from typing import Any
 
+from .config import TOKEN_ENV  # noqa: F401 - the joining agent reads it, named with the other settings
+
 LISTENING = "MESHBOOK-AGENT-LISTENING"
 AGENT_READY = "MESHBOOK-AGENT-READY"
-TOKEN_ENV = "MESHBOOK_JOIN_TOKEN"
 
 
 _EPOCH = struct.Struct("<Q")
@@ -63,4 +64,4 @@ def decode_token(text: str) -> dict[str, Any]:
             raise ValueError("fields missing")
     except (ValueError, TypeError) as exc:
         raise ValueError(f"not a meshbook join token ({exc})") from None
-    return data  # type: ignore[no-any-return]
+    return data

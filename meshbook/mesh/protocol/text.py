@@ -48,7 +48,7 @@ def format_ranks(ranks: Iterable[int]) -> str:
     ordered = sorted(set(ranks))
     parts: list[str] = []
     start = prev = None
-    for r in ordered + [None]:  # type: ignore[operator]
+    for r in ordered + [None]:
         if start is not None and r is not None and r == prev + 1:  # type: ignore[operator]
             prev = r
             continue

@@ -339,7 +339,12 @@ def fan_out(socks: Sequence[zmq.Socket], frames: list[Any]) -> list[zmq.MessageT
         for sock in socks:
             _send_parts(sock, frames, copy=True)
         return []
-    return [sock.send_multipart(frames, copy=False, track=True) for sock in socks]
+    trackers = []
+    for sock in socks:
+        tracker = sock.send_multipart(frames, copy=False, track=True)
+        assert tracker is not None  # track=True with copy=False always returns one
+        trackers.append(tracker)
+    return trackers
 
 
 def recv(sock: zmq.Socket, flags: int = 0) -> list[Any]:

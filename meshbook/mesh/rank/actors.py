@@ -59,7 +59,7 @@ from ..protocol.values import RankValues
 from .devices import on_device
 
 if TYPE_CHECKING:
-    from .worker import Worker
+    from .context import RankContext
 
 #: How often a caller waiting for answers checks that its targets are still alive.
 LIVENESS_S = 0.25
@@ -70,7 +70,7 @@ _host: "ActorHost | None" = None
 class ActorHost:
     """This rank's actors, and its end of rank-to-rank calls."""
 
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: "RankContext") -> None:
         global _host
         self.worker = worker
         self.actors: dict[str, Actor] = {}
@@ -152,6 +152,7 @@ class ActorHost:
         if note is not None:
             sock.send_multipart(note)
         tracker = sock.send_multipart(frames, copy=False, track=True)
+        assert tracker is not None  # track=True with copy=False always returns one
         # The caller may change the tensors it gets: wait until ZeroMQ let go of ours, unless
         # the caller died meanwhile (then nothing will ever take them).
         while not tracker.done and pid_alive(pid):

@@ -9,7 +9,7 @@ and, for a blocking call, when it returned (wall-clock nanoseconds: the controll
 up by them, correcting other hosts' clocks). A nested call (``all_gather_object`` calls
 ``all_gather``) counts once, as the call the user made.
 
-The controller (:mod:`meshbook.mesh.controller.clock`) pairs each collective's entries across
+The controller (:mod:`meshbook.mesh.controller.insight.clock`) pairs each collective's entries across
 its members: a rank's waiting is its time inside blocking calls, and its *lateness* is how long
 after the group's first member it arrived; the rank that keeps arriving last is the straggler.
 An async call (``async_op=True``) has no end here (its ``wait()`` runs in C): its waiting is
@@ -98,7 +98,6 @@ class CollectiveClock:
         group_at = params.index("group") if "group" in params else None
         async_at = params.index("async_op") if "async_op" in params else None
 
-        @functools.wraps(fn)
         def collective(*args: Any, **kwargs: Any) -> Any:
             if self._inside or threading.get_ident() != self._main:
                 return fn(*args, **kwargs)
@@ -113,7 +112,7 @@ class CollectiveClock:
                 self._record(group, entered, time.time_ns() if waits else 0)
 
         self.codes.add(collective.__code__)
-        return collective
+        return functools.wraps(fn)(collective)
 
     def _record(self, group: Any, entered: int, left: int) -> None:
         try:

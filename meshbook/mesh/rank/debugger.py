@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 from ..protocol import messages as msg
 
 if TYPE_CHECKING:
-    from .worker import Worker
+    from .context import RankContext
 
 
 class RemoteStdin:
     """pdb's stdin on a rank: each ``readline`` is a prompt answered by the notebook."""
 
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: "RankContext") -> None:
         self.worker = worker
         self.prompt = f"(Pdb rank {worker.rank}) "
 
@@ -46,7 +46,7 @@ class RankPdb(pdb.Pdb):
     """pdb talking to the notebook; announces the end of its session (so the next rank can
     be served) when the user continues or quits."""
 
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: "RankContext") -> None:
         super().__init__(stdin=RemoteStdin(worker), stdout=sys.stdout, nosigint=True)  # type: ignore[arg-type]
         self.use_rawinput = False
         self.prompt = ""  # the prompt travels with each input request instead
@@ -65,7 +65,7 @@ class RankPdb(pdb.Pdb):
         self.worker.emit(msg.DEBUG_END, self.worker.current_request(), None)
 
 
-def breakpoint_hook(worker: "Worker") -> Any:
+def breakpoint_hook(worker: "RankContext") -> Any:
     """``sys.breakpointhook`` of a rank."""
 
     def hook(*args: Any, **kwargs: Any) -> None:

@@ -5,7 +5,7 @@ shared by the host's ranks and bounded by a container's cgroup limit when there 
 ``used`` counts other processes too (they exhaust the pool just the same), but not this
 rank's own cached, free CUDA blocks: its allocator hands those out again before it asks the
 GPU for more, so they are no step towards an OOM. The controller's report is
-:mod:`meshbook.mesh.controller.memory`.
+:mod:`meshbook.mesh.controller.insight.memory`.
 
 CUDA's numbers come from :class:`CudaStats`, a thread of their own: torch's allocator calls
 take the allocator's lock, which an allocation stuck behind a hung kernel can hold for good,
@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from ..protocol.messages import HEARTBEAT_S
+from ..protocol.config import HEARTBEAT_S
 
 #: CUDA numbers older than this are marked stale in heartbeats.
 STALE_S = 3 * HEARTBEAT_S

@@ -1,9 +1,10 @@
 """Every operation a rank runs on request: the rank's remote surface, in one place.
 
-The controller sends these by reference (``Controller.call(op, *args, ranks=..., channel=...)``;
-cloudpickle names a module-level function, so nothing of the controller travels) and the rank
-runs ``op(worker, *args)``: on its main thread, in request order (``MAIN``), or on its control
-thread, answered while the main thread is busy (``CONTROL``). This module imports only the
+The controller sends these by reference (``Controller.call(op, *args, ranks=...)``; cloudpickle
+names a module-level function, so nothing of the controller travels) and the rank runs
+``op(worker, *args)``: on its main thread, in request order (``MAIN``, the default), or on its
+control thread, answered while the main thread is busy (declared with
+``@rank_op(channel=CONTROL)``). This module imports only the
 protocol at load time, so the controller may import it to name the operations without
 loading the rank's machinery.
 """
@@ -16,8 +17,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..protocol import messages as msg
 from ..protocol.actors import ActorAddress
@@ -30,6 +31,18 @@ from .torch_compat import abort_process_groups, backends, flight_records, is_def
 
 if TYPE_CHECKING:
     from .worker import Worker
+
+Op = TypeVar("Op", bound=Callable[..., Any])
+
+
+def rank_op(channel: str = msg.MAIN) -> Callable[[Op], Op]:
+    """Declare an operation's channel once: ``CONTROL`` operations run on the rank's control
+    thread and answer while its main thread is busy; ``MAIN`` ones run in request order."""
+    def declare(fn: Op) -> Op:
+        fn.channel = channel  # type: ignore[attr-defined]
+        return fn
+
+    return declare
 
 
 # -- debugging and interrupts ---------------------------------------------------------------
@@ -52,6 +65,7 @@ def post_mortem(worker: "Worker") -> str:
     return f"left the post-mortem of rank {worker.rank}"
 
 
+@rank_op(channel=msg.CONTROL)
 def interrupt_request(worker: "Worker", request: int) -> None:
     """Interrupt ``request`` only (control thread): ``KeyboardInterrupt`` if the rank runs it
     now, dropped unstarted if it still waits in the rank's queue, nothing otherwise."""
@@ -67,12 +81,14 @@ def interrupt_request(worker: "Worker", request: int) -> None:
 # -- where the rank is (control thread: answered while the rank is busy) ------------------------
 
 
+@rank_op(channel=msg.CONTROL)
 def heartbeat(worker: "Worker") -> dict[str, Any]:
     """What this rank's next heartbeat will say, now (control thread): for reports asked for
     before its first heartbeat arrived."""
     return worker.metrics()
 
 
+@rank_op(channel=msg.CONTROL)
 def snapshot(worker: "Worker") -> RankSnapshot:
     busy = worker.request is not None
     frames = stack_frames(worker.main_frame()) if busy else ()
@@ -105,17 +121,19 @@ def reinit(worker: "Worker", generation: int, store: tuple[str, int] | None = No
     """Leave the old process group and join generation ``generation``'s (exec thread), at
     ``store`` when a mesh across hosts has its store somewhere new (its host was re-formed)."""
     if store is not None:
-        worker.move_store(tuple(store))
+        worker.move_store((store[0], store[1]))  # a tuple, whatever sequence crossed the wire
     with worker.shielded():
         worker.reinit(generation)
 
 
+@rank_op(channel=msg.CONTROL)
 def prepare_abort(worker: "Worker", stuck_in: dict[int, int], reasons: dict[int, str]) -> list[int]:
     """The first round of an abort (control thread): a rank about to have its collective
     aborted learns why, so its error says so even if a peer's shut-down connection fails the
     collective first; every rank answers the ports it listens on."""
-    if worker.rank in reasons and worker.request == stuck_in.get(worker.rank):
-        worker.abort_reasons[worker.request] = reasons[worker.rank]
+    request = worker.request
+    if worker.rank in reasons and request is not None and request == stuck_in.get(worker.rank):
+        worker.abort_reasons[request] = reasons[worker.rank]
     return listening_ports(worker)
 
 
@@ -127,6 +145,7 @@ def listening_ports(worker: "Worker") -> list[int]:
                    if c.status == psutil.CONN_LISTEN})
 
 
+@rank_op(channel=msg.CONTROL)
 def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: list[int],
                       lost_hosts: list[str] = []) -> int:  # noqa: B006 - never mutated
     """Shut down this rank's connections to other ranks' endpoints (control thread), and
@@ -212,6 +231,7 @@ def hold(worker: "Worker") -> list[str]:
     return bound_objects(worker.namespace)
 
 
+@rank_op(channel=msg.CONTROL)
 def release(worker: "Worker", check: int, verdict: int | None) -> None:
     """The controller's verdict for the step check ``check`` (control thread): a rank may get
     it before it reaches :func:`hold`."""
@@ -262,10 +282,12 @@ def _bound_kind(torch: Any, value: Any) -> str:
 # -- data (mesh/controller/data.py) ---------------------------------------------------------------
 
 
+@rank_op(channel=msg.CONTROL)
 def who(worker: Any) -> dict[str, VarInfo]:
     return inventory(worker.namespace)
 
 
+@rank_op(channel=msg.CONTROL)
 def info(worker: Any, name: str) -> VarInfo | None:
     namespace = worker.namespace
     return describe(name, namespace[name]) if name in namespace else None

@@ -15,7 +15,7 @@ stopped) and classifies each look, a *sample*:
 latest one sampled: evidence from an earlier cell never speaks for the current one), how many
 samples, the fraction spent waiting, and the few places the rank spends most of its time
 (``"cell line 5"``, ``"all_reduce at cell line 6"``). The controller compares the ranks that
-run the same request (:mod:`meshbook.mesh.controller.stragglers`): the rank that waits least while the
+run the same request (:mod:`meshbook.mesh.controller.insight.stragglers`): the rank that waits least while the
 others wait is the one they wait for.
 
 The window slides with the samples, not with the clock: an idle rank takes none, so the last
@@ -46,7 +46,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from ..protocol.cell import CELL_PREFIX, is_internal
-from ..protocol.messages import WINDOW_S
+from ..protocol.config import WINDOW_S
 
 #: Minimum gap between samples, however often the control loop wakes (it wakes every 0.2 s).
 SAMPLE_GAP_S = 0.1
@@ -95,7 +95,8 @@ class MainThreadSampler:
         self.error: str | None = None
         self._samples: deque[Sample] = deque()
         self._next = 0.0
-        self._total = (None, 0, 0)  # (request, samples, waiting samples) over the whole request
+        # (request, samples, waiting samples) over the whole request
+        self._total: tuple[int | None, int, int] = (None, 0, 0)
         self._stuck: tuple[FrameType, float, float] | None = None  # (collective frame, first, last)
 
     def tick(self, now: float) -> None:

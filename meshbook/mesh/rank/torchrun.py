@@ -22,7 +22,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from .worker import Worker
+    from .context import RankContext
 
 GroupOp = Callable[..., Any]
 
@@ -41,7 +41,7 @@ def environment(rank: int, world_size: int, local_rank: int, local_world_size: i
     return {name: str(value) for name, value in values.items()}
 
 
-def install(worker: "Worker") -> tuple[GroupOp, GroupOp]:
+def install(worker: "RankContext") -> tuple[GroupOp, GroupOp]:
     """Replace ``init_process_group``/``destroy_process_group`` in ``torch.distributed`` for
     user code; returns the originals, which meshbook itself keeps using."""
     import torch.distributed as dist
@@ -68,9 +68,9 @@ def install(worker: "Worker") -> tuple[GroupOp, GroupOp]:
                                     "group, so the next cells can go on using what was built on it "
                                     "(DDP/FSDP modules, DTensors); %mesh restart gives a fresh one")
 
-    for module in (dist, c10d):
-        module.init_process_group = init_process_group
-        module.destroy_process_group = destroy_process_group
+    for module in (dist, c10d):  # both names: code may have imported either
+        setattr(module, "init_process_group", init_process_group)
+        setattr(module, "destroy_process_group", destroy_process_group)
     return real_init, real_destroy
 
 

@@ -31,7 +31,7 @@ import time
 import traceback
 import types
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from types import FunctionType
 from typing import Any, Callable
@@ -42,12 +42,14 @@ import zmq
 from ..protocol import messages as msg
 from ..protocol import proc, wire
 from ..protocol.cell import cell_filename, compile_cell, current_cell_line, failure_from, register_source
+from ..protocol.config import HEARTBEAT_S
 from ..protocol.errors import RankFailure, SendError
 from ..protocol.limits import KeptOnRank
-from ..protocol.topology import Topology
+from ..protocol.versions import versions
 from . import torchrun
 from .actors import ActorHost
 from .collectives import CollectiveClock
+from .context import RankConfig
 from .memory import CudaStats, host_memory_probe
 from .sampling import MainThreadSampler, see_through
 from .streams import FdPump, RankStream, install_thread_tagging
@@ -63,41 +65,6 @@ LOST_MARGIN_S = 1.0
 #: past the timeout would kill its peers); no dump on timeout, whose signal makes every rank's
 #: heartbeat monitor kill its process minutes later (meshbook reads the flight recorder itself).
 NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
-
-
-@dataclass
-class RankConfig:
-    """Everything a forked rank needs; handed over in memory by the fork, never pickled."""
-
-    rank: int
-    local_rank: int
-    local_world_size: int
-    group_rank: int  # the host's index (torchrun's GROUP_RANK)
-    group_world_size: int  # how many hosts
-    topology: Topology
-    backend: str  # "gloo", or "cuda:nccl,cpu:gloo" on GPUs
-    device_type: str  # "cpu" or "cuda"
-    listen_addr: str  # this host's address: its interface is the one torch.distributed listens on
-    #: The TCPStore of a mesh across hosts (its host 0's agent keeps it); None: a FileStore in
-    #: the private runtime directory, on one host.
-    store_addr: tuple[str, int] | None
-    rundir: str  # the private runtime directory of this host's part of the mesh
-    master_port: int  # torchrun's MASTER_PORT for scripts that read it
-    generation: int
-    collective_timeout: float
-    key: bytes
-    agent_pid: int
-    request_addr: str
-    control_addr: str
-    events_addr: str
-    pipes: dict[str, tuple[int, int]]
-    crash_path: str
-    threads: int | None  # torch's intra-op threads (None: torch's default)
-    threads_note: str  # how that was decided, for the start line
-    #: When the agent last heard the controller (a page shared with it), and how long this rank
-    #: may go on without: past that its host counts as lost, and the rank stops itself.
-    liveness: proc.Liveness
-    lost_s: float
 
 
 class Worker:
@@ -122,7 +89,7 @@ class Worker:
         self.result_limit: int | None = None
         #: Lines typed in the notebook for this rank's debugger, delivered by the control thread.
         self.input_replies: queue.Queue[str] = queue.Queue()
-        #: Verdicts of step checks (see :mod:`meshbook.mesh.controller.step`), delivered by the control thread.
+        #: Verdicts of step checks (see :mod:`meshbook.mesh.controller.recovery.step`), delivered by the control thread.
         self.verdicts: queue.Queue[tuple[int, int | None]] = queue.Queue()
         #: Requests interrupted before they started: dropped when their turn comes.
         self.cancelled: set[int] = set()
@@ -203,7 +170,7 @@ class Worker:
         self._requests = self._listen(cfg.request_addr)
         self._control_requests = self._listen(cfg.control_addr)  # handed to the control thread
         threading.Thread(target=self._control_loop, name="meshbook-control", daemon=True).start()
-        self.emit(msg.HELLO, None, {"pid": os.getpid(), "host": socket.gethostname()})
+        self.emit(msg.HELLO, None, {"pid": os.getpid(), "host": socket.gethostname(), "versions": versions()})
         self.reinit(cfg.generation)
 
     def move_store(self, store: tuple[str, int]) -> None:
@@ -212,13 +179,14 @@ class Worker:
 
     def reinit(self, generation: int) -> None:
         """Join process-group ``generation`` and tell the controller (start and recovery)."""
+        header: dict[str, Any] = {msg.GENERATION: generation}  # header fields, not emit's options
         try:
             self.init_distributed(generation)
         except BaseException as exc:
-            self.emit(msg.INIT_FAILED, None, failure_from(self.rank, exc), **{msg.GENERATION: generation})
+            self.emit(msg.INIT_FAILED, None, failure_from(self.rank, exc), **header)
             raise
         self.emit(msg.READY, None, {"device": str(self.namespace["device"]), "pid": os.getpid(),
-                                    "threads": self.cfg.threads_note}, **{msg.GENERATION: generation})
+                                    "threads": self.cfg.threads_note}, **header)
 
     def init_distributed(self, generation: int) -> None:
         """(Re)create the process group and the namespace's ``device_mesh``."""
@@ -333,9 +301,11 @@ class Worker:
     def note_unknown(self, kind: str, channel: str) -> None:
         """Count and log a message no handler takes (a controller of another version?)."""
         self.unknown_kinds[kind] += 1
-        sys.__stderr__.write(f"meshbook: rank {self.rank} has no handler for {kind!r} messages on its "
-                             f"{channel} channel ({self.unknown_kinds[kind]} so far)\n")
-        sys.__stderr__.flush()
+        stderr = sys.__stderr__
+        assert stderr is not None  # a rank inherits its agent's
+        stderr.write(f"meshbook: rank {self.rank} has no handler for {kind!r} messages on its "
+                     f"{channel} channel ({self.unknown_kinds[kind]} so far)\n")
+        stderr.flush()
 
     def _rebind(self, fn: FunctionType) -> FunctionType:
         """A notebook function sees the rank's namespace first, then what it carried along."""
@@ -458,7 +428,7 @@ class Worker:
             now = time.monotonic()
             self.sampler.tick(now)
             if now >= next_beat:
-                next_beat = now + msg.HEARTBEAT_S
+                next_beat = now + HEARTBEAT_S
                 self.emit(msg.HEARTBEAT, None, self.metrics())
                 self.send_collectives()
 
@@ -469,9 +439,11 @@ class Worker:
         before the controller does, so that nothing more happens here after it has."""
         silence = self.cfg.liveness.silence()
         if silence > max(1.0, self.cfg.lost_s - LOST_MARGIN_S):
-            sys.__stderr__.write(f"meshbook: rank {self.rank} stops: its agent has not heard the controller "
-                                 f"for {silence:.0f} s\n")
-            sys.__stderr__.flush()
+            stderr = sys.__stderr__
+            assert stderr is not None  # a rank inherits its agent's
+            stderr.write(f"meshbook: rank {self.rank} stops: its agent has not heard the controller "
+                         f"for {silence:.0f} s\n")
+            stderr.flush()
             os.killpg(0, signal.SIGKILL)
 
     def _control(self, message: wire.Message) -> None:

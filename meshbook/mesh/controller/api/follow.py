@@ -1,0 +1,195 @@
+"""Following a run until it ends: its events rendered, hangs explained, interrupts escalated.
+
+The one watcher of a run a person waits on, in a script (``run.result()``) or in a notebook
+cell (``%%mesh``, which adds its status view and renders displays as rich output): both behave
+alike.
+
+Interrupts escalate. A Ctrl-C (a kernel interrupt: the stop button) is forwarded to the running
+ranks; ranks that do not stop within the grace period (blocked in a collective or C code) are
+shown with where they block, and the wait goes on. A second one frees them with
+:meth:`~meshbook.Mesh.recover` (restarting as few ranks as possible, usually none) and the run
+ends with the ranks' errors and what the recovery did.
+
+When ranks have waited ``STUCK_HINT_S`` inside one collective call that other ranks of the run
+have not joined (their heartbeats say so), when some ranks finished and the others stay busy
+``HANG_HINT_S`` later, or when the timeout expires, the hang diagnosis
+(:meth:`~meshbook.Mesh.diagnose`) is printed, so a hang never goes unexplained, even while no
+rank has finished.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ...protocol.errors import MeshTimeout, RemoteError
+from ...protocol.text import format_ranks
+from ...protocol.values import RankValues
+from ..core.render import EventRenderer, write_stream
+from ..core.run import Run
+
+#: How long ranks get to stop after a forwarded interrupt before we show where they block
+#: (ranks blocked in a collective that a stopped rank will never join are freed before that).
+INTERRUPT_GRACE_S = 3.0
+#: How long ranks may stay busy after others finished before the diagnosis is printed.
+HANG_HINT_S = 10.0
+#: How long ranks may wait in one collective that others have not joined before it is.
+STUCK_HINT_S = 5.0
+#: How often the heartbeats are read again for that (they arrive every 0.5 s).
+STUCK_CHECK_S = 0.5
+
+
+class Watched(Protocol):
+    """What the watcher asks of the mesh (a :class:`~meshbook.Mesh`)."""
+
+    def stuck(self, run: Run) -> dict[int, float]: ...
+
+    def diagnose(self) -> Any: ...
+
+    def recover(self) -> Any: ...
+
+
+class View(Protocol):
+    """Something showing a run's progress (a cell's live status widget)."""
+
+    def update(self, run: Run) -> None: ...
+
+    def close(self, run: Run) -> None: ...
+
+
+@dataclass
+class FollowOptions:
+    timeout: float | None = None
+    #: What the run is called in the timeout's message ("the cell" in a notebook), and what
+    #: the user can do next, in the words of where it runs (magics in a notebook).
+    what: str = ""
+    next_steps: str = "wait again with run.result(), inspect them with mesh.stacks(), stop them with run.interrupt()"
+    grace: float = INTERRUPT_GRACE_S
+    hang_hint: float = HANG_HINT_S
+    stuck_hint: float = STUCK_HINT_S
+
+
+def follow(run: Run, mesh: Watched, renderer: EventRenderer, options: FollowOptions,
+           view: View | None = None) -> RankValues:
+    """Render ``run`` until it ends and return its values (or raise its error)."""
+    return _Follow(run, mesh, renderer, options, view).show()
+
+
+class _Follow:
+    def __init__(self, run: Run, mesh: Watched, renderer: EventRenderer, options: FollowOptions,
+                 view: View | None) -> None:
+        self.run, self.mesh, self.renderer, self.options, self.view = run, mesh, renderer, options, view
+        self.index = 0
+        self.started = time.monotonic()
+        self.interrupted_at: float | None = None
+        self.first_done_at: float | None = None
+        self.explained = False  # the hang hint was printed
+        self.interrupt_explained = False  # the "did not stop after the interrupt" note was printed
+        self.recovery_report = ""
+
+    def show(self) -> RankValues:
+        try:
+            while not self.run.done():
+                try:
+                    self._pump(self._next_wake())
+                    self._check_time()
+                    self._check_stuck()
+                except KeyboardInterrupt:
+                    if self.interrupted_at is None:
+                        self.interrupted_at = time.monotonic()
+                        self.run.interrupt()
+                    else:
+                        self._recover()
+            self._pump(0)
+        finally:
+            self.renderer.close()
+            if self.view:
+                self.view.close(self.run)
+        report = "\n".join(filter(None, [self.recovery_report, self.run.step_report()]))
+        error = self.run.exception()
+        if error is not None:
+            hint = "\n".join(filter(None, [error.hint, report]))
+            raise RemoteError(error.failures, error.partial, hint=hint) from None
+        if report:
+            _note(report)
+        return self.run.values()
+
+    def _next_wake(self) -> float | None:
+        now = time.monotonic()
+        waits = [self.renderer.next_deadline(), 0.25 if self.view else None,
+                 _left(self.options.timeout, self.started, now)]
+        if not self.interrupt_explained:  # once explained, a deadline is past: never spin on it
+            waits.append(_left(self.options.grace, self.interrupted_at, now))
+        if not self.explained:
+            waits += [_left(self.options.hang_hint, self.first_done_at, now), STUCK_CHECK_S]
+        return min((w for w in waits if w is not None), default=None)
+
+    def _pump(self, timeout: float | None) -> None:
+        events, self.index = self.run.events_since(self.index, timeout)
+        self.renderer.feed(events)
+        if self.view:
+            self.view.update(self.run)
+        if self.first_done_at is None and len(self.run.pending) < len(self.run.ranks):
+            self.first_done_at = time.monotonic()
+
+    def _check_time(self) -> None:
+        now = time.monotonic()
+        if self.interrupted_at is not None and now - self.interrupted_at >= self.options.grace:
+            if not self.interrupt_explained:
+                self.interrupt_explained = self.explained = True
+                self._explain(f"rank(s) {format_ranks(self.run.pending)} did not stop within "
+                              f"{self.options.grace:g} s of the interrupt (still busy, blocked outside "
+                              f"Python). Interrupt again to free them: meshbook restarts as few ranks "
+                              f"as possible (usually none) and keeps the others' variables.")
+        elif self.first_done_at is not None and now - self.first_done_at >= self.options.hang_hint:
+            if not self.explained:
+                self.explained = True
+                self._explain(f"rank(s) {format_ranks(self.run.pending)} are still busy "
+                              f"{now - self.first_done_at:.0f} s after the others finished.")
+        timeout = self.options.timeout
+        if timeout is not None and now - self.started >= timeout and not self.run.done():
+            self.renderer.flush()
+            diagnosis = self._diagnosis()
+            raise MeshTimeout(
+                f"{self.options.what or self.run.what} is still running on rank(s) "
+                f"{format_ranks(self.run.pending)} after {timeout:g} s. The ranks keep running as they "
+                f"are: {self.options.next_steps}." + (f"\n{diagnosis}" if diagnosis else ""))
+
+    def _check_stuck(self) -> None:
+        """Explain ranks waiting in a collective call the other ranks have not joined."""
+        if self.explained or self.interrupted_at is not None \
+                or self.renderer.prompts.used:  # ranks wait on purpose while one is in the debugger
+            return
+        waiting = self.mesh.stuck(self.run)
+        elsewhere = [r for r in self.run.ranks if r not in waiting]
+        if elsewhere and max(waiting.values(), default=0.0) >= self.options.stuck_hint:
+            self.explained = True  # once per run: the heartbeats say the same every half second
+            self._explain(f"rank(s) {format_ranks(waiting)} wait in a collective (for over "
+                          f"{self.options.stuck_hint:g} s) while rank(s) {format_ranks(elsewhere)} "
+                          f"are elsewhere.")
+
+    def _explain(self, headline: str) -> None:
+        self.renderer.flush()
+        _note(headline + "\n" + self._diagnosis())
+
+    def _diagnosis(self) -> str:
+        try:
+            return "\n".join(self.mesh.diagnose().verdict)
+        except Exception as exc:  # a diagnosis must never make things worse
+            return f"(no diagnosis: {exc})"
+
+    def _recover(self) -> None:
+        self.renderer.flush()
+        _note(f"freeing rank(s) {format_ranks(self.run.pending)} ...")
+        self.recovery_report = self.mesh.recover().render()
+
+
+def _note(text: str) -> None:
+    write_stream("stderr", text.rstrip("\n") + "\n")
+
+
+def _left(span: float | None, since: float | None, now: float) -> float | None:
+    if span is None or since is None:
+        return None
+    return max(0.0, since + span - now)

@@ -1,0 +1,210 @@
+"""The controller's book of ranks and runs: pure state, events in, decisions out.
+
+Everything the controller knows about its ranks and the requests in flight, with no socket,
+thread or clock of its own (as dask's ``worker_state_machine``): the receiver thread and the
+callers feed it what happened (a request was sent, a rank answered, said hello, became ready,
+died) and it answers with what follows (the run is done; a step check must start before its
+last answer is seen; these runs waited on the dead rank, and these ranks ran beside it). The
+:class:`~.controller.Controller` facade holds the lock around it and does what it decides.
+Tested on its own (tests/test_book.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...protocol import messages as msg
+from ...protocol.events import Error, Event
+from .run import Run
+
+#: How many finished runs still get their late output routed to them.
+LATE_OUTPUT_RUNS = 256
+
+
+@dataclass
+class RankState:
+    rank: int
+    host: int
+    pid: int | None = None
+    hostname: str = ""
+    device: str = ""
+    state: str = "starting"  # starting | idle | busy | failed (its group did not start) | dead
+    cause: str = ""  # why it is dead
+    generation: int = -1
+    metrics: dict[str, Any] = field(default_factory=dict)
+    last_seen: float = 0.0
+    #: Set when the rank was restarted and its variables are gone.
+    lost_namespace: bool = False
+    #: The variables the rank had at the last who() or push: what a restart loses.
+    known_names: frozenset[str] = frozenset()
+    #: How its torch threads were set (``OMP_NUM_THREADS=1 per rank, as torchrun sets it``).
+    threads: str = ""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What follows a rank's answer: the run it was for (None: already retired, or never
+    known), whether a step check must start before the answer is seen (the run ends
+    irregularly with it), and whether the run is done."""
+
+    run: Run | None
+    check_step: bool = False
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Death:
+    """What follows ranks' deaths: the request each ran (its output goes there), the runs that
+    waited on them (they fail for those ranks), and the live ranks that ran beside them in those
+    runs (their collectives can no longer complete: they are freed)."""
+
+    running: dict[int, int | None]
+    waiting: list[Run]
+    stranded: list[int]
+
+
+class RankBook:
+    """Ranks, the runs in flight, each rank's queue of requests, and the process-group generation."""
+
+    def __init__(self, host_of: dict[int, int]) -> None:
+        self.ranks = {r: RankState(r, host) for r, host in sorted(host_of.items())}
+        self.runs: dict[int, Run] = {}
+        self.queues: dict[int, deque[int]] = {r: deque() for r in self.ranks}
+        self.generation = 0
+        #: Where request ids come from (one per request, ranks and agents alike).
+        self.request_ids = itertools.count(1)
+        self._late: OrderedDict[int, Callable[[Event], None]] = OrderedDict()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def open(self, run: Run, queued: bool) -> None:
+        """``run`` was sent; ``queued``: to its ranks' main threads, in order behind what they run."""
+        self.runs[run.id] = run
+        if queued:
+            for r in run.ranks:
+                self.queues[r].append(run.id)
+                self.ranks[r].state = "busy"
+
+    def answered(self, request: int, rank: int, event: Event, lost_group: bool) -> Answer:
+        """``rank`` answered ``request`` (``event``: its Result or Error; ``lost_group``: it no
+        longer has a process group). Call :meth:`settle` once the event was given to the run."""
+        run = self.runs.get(request)
+        if run is None:
+            return Answer(None)
+        if lost_group or isinstance(event, Error):
+            run.irregular = True
+        last = run.pending == [rank]
+        check = last and (run.irregular or run.interrupted) and run.kind in msg.USER_KINDS
+        return Answer(run, check, last)
+
+    def settle(self, request: int, rank: int) -> None:
+        """``rank`` is done with ``request``: its queue moves on, and a run done is retired."""
+        queue = self.queues[rank]
+        if queue and queue[0] == request:
+            queue.popleft()
+            state = self.ranks[rank]
+            if state.state == "busy" and not queue:
+                state.state = "idle"
+        run = self.runs.get(request)
+        if run is not None and run.done():
+            del self.runs[request]
+            self._late[request] = run.on_late_output
+            while len(self._late) > LATE_OUTPUT_RUNS:
+                self._late.popitem(last=False)
+
+    def route(self, request: int | None) -> "Run | Callable[[Event], None] | None":
+        """Where an event of ``request`` goes: its run, or, once retired, its late-output route."""
+        if request is None:
+            return None
+        return self.runs.get(request) or self._late.get(request)
+
+    # -- ranks ---------------------------------------------------------------------------------
+
+    def hello(self, rank: int, pid: int, host: str) -> None:
+        state = self.ranks[rank]
+        state.pid, state.hostname = pid, host
+
+    def ready(self, rank: int, generation: int, device: str, pid: int, threads: str) -> None:
+        state = self.ranks[rank]
+        state.device, state.pid, state.threads, state.generation = device, pid, threads, generation
+        if not self.queues[rank]:
+            state.state = "idle"
+
+    def init_failed(self, rank: int, generation: int, headline: str) -> None:
+        state = self.ranks[rank]
+        state.generation, state.state = generation, "failed"
+        state.cause = f"torch.distributed did not initialise: {headline}"
+
+    def adopt(self, generations: dict[Any, int], dead: list[Any], hostname: str) -> None:
+        """An agent's answer to ATTACH: its ranks as they are. An agent knows the generation
+        each rank was forked into; a restart moves every live rank into the new one, so the
+        newest is every rank's."""
+        self.generation = max([self.generation, *generations.values()])
+        for r in generations:
+            state = self.ranks[int(r)]
+            state.generation, state.state, state.hostname = self.generation, "idle", hostname
+        for r in dead:
+            state = self.ranks[int(r)]
+            state.state, state.cause = "dead", "died while no kernel was attached"
+
+    def died(self, ranks: list[int], cause: str) -> Death:
+        """``ranks`` died together (a rank's exit, a lost host)."""
+        running = {}
+        for rank in ranks:
+            state = self.ranks[rank]
+            state.state, state.cause, state.pid = "dead", cause, None
+            queue = self.queues[rank]
+            running[rank] = queue[0] if queue else None
+            queue.clear()
+        waiting = [run for run in self.runs.values() if set(run.pending) & set(ranks)]
+        stranded = sorted({r for run in waiting for r in run.pending if r not in ranks})
+        return Death(running, waiting, stranded)
+
+    def respawning(self, ranks: list[int]) -> None:
+        """``ranks`` are being forked anew: their variables are gone."""
+        for r in ranks:
+            state = self.ranks[r]
+            state.state, state.cause, state.lost_namespace = "starting", "", True
+
+    def new_generation(self) -> int:
+        """A new process-group generation (its ranks meet in a new store)."""
+        self.generation += 1
+        return self.generation
+
+    def dead(self, ranks: list[int] | None = None) -> list[RankState]:
+        return [self.ranks[r] for r in (self.ranks if ranks is None else ranks) if self.ranks[r].state == "dead"]
+
+    def startup(self, ranks: list[int], generation: int) -> tuple[bool, list[RankState]]:
+        """Are ``ranks`` ready in ``generation``; and which failed (dead, or their group did not start)?"""
+        states = [self.ranks[r] for r in ranks]
+        failed = [s for s in states if s.state == "dead" or (s.generation == generation and s.state == "failed")]
+        return all(s.generation == generation and s.state != "starting" for s in states), failed
+
+    # -- what runs where -----------------------------------------------------------------------
+
+    def current_request(self, rank: int) -> int | None:
+        """The request ``rank``'s main thread runs now (the head of its queue)."""
+        queue = self.queues[rank]
+        return queue[0] if queue else None
+
+    def queued(self, rank: int) -> int:
+        """How many requests ``rank``'s main thread has not finished (the running one included)."""
+        return len(self.queues[rank])
+
+    def busy_with_other(self, rank: int, request: int) -> bool:
+        """Is ``rank`` still running something queued before ``request``?"""
+        queue = self.queues[rank]
+        return bool(queue) and queue[0] != request and self.ranks[rank].state != "dead"
+
+    def own_work(self, request: int | None) -> str:
+        """What ``request`` is, when it is meshbook's own work rather than user code ("")."""
+        run = self.runs.get(request) if request is not None else None
+        return run.what if run is not None and run.kind == msg.CALL else ""
+
+    def pending_on(self, ranks: list[int]) -> list[Run]:
+        """The runs still waiting for any of ``ranks``."""
+        return [run for run in self.runs.values() if set(run.pending) & set(ranks)]

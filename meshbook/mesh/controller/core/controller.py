@@ -1,0 +1,779 @@
+"""The controller: the notebook's end of the wire, as a thin facade over three parts.
+
+One :class:`Controller` per started mesh. It composes
+
+* a :class:`~.book.RankBook`: every rank's state, the runs in flight, each rank's queue and
+  what a death fails (pure state, tested without processes);
+* a :class:`~.transport.Transport`: the sockets and the receiver thread;
+* :class:`~.agents.Agents`: the host agents its launcher starts, configures and restarts;
+
+and does what the book decides. The receiver thread dispatches each message by kind through a
+handler table (:mod:`~meshbook.mesh.protocol.messages`; a kind without a handler is counted in
+``unknown_kinds`` and logged): events go to the :class:`~.run.Run` they belong to, and a rank's
+death becomes an error on every run that waited for it, within the agent's SIGCHLD latency.
+
+What to do about runs that end irregularly (the step check) and ranks a death stranded (the
+recovery ladder) is not decided here: :mod:`..recovery` subscribes to these events
+(``on_irregular_end``, ``on_stranded``, ``tick_listeners``) when a mesh is started, so the
+engine imports nothing above it. :class:`~meshbook.mesh.controller.api.mesh.Mesh` is the
+user-facing view; this module is its engine.
+
+Threads and locks (see DESIGN, "The notebook process"): ``_lock`` guards the book (taken by
+callers and the receiver, held briefly, never while sending); the transport's ``send_lock``
+guards the sockets callers send on; ``recovery_lock`` is held by whatever re-creates the process
+groups, and is taken before ``_lock``, never after.
+"""
+
+from __future__ import annotations
+
+import atexit
+import secrets
+import signal
+import threading
+import time
+import weakref
+from collections import Counter
+from typing import Any, Callable
+
+from ...protocol import messages as msg
+from ...protocol import wire
+from ...protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
+from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result
+from ...protocol.limits import DEFAULT_MAX_BYTES
+from ...protocol.text import format_ranks
+from ...protocol.topology import Topology
+from ...protocol.versions import mismatch, versions
+from ...rank.ops import interrupt_request
+from ..insight.clock import CollectiveTimes
+from ..insight.metrics import MetricsHistory
+from ..launch.base import Launcher
+from ..launch.local import discard_standby
+from ..launch.network import HostLink, Network
+from .agents import Agents
+from .book import RankBook, RankState
+from .render import print_late
+from .run import Run, StepReport
+from .transport import Transport, log
+
+#: Why a mesh stopped when the user stopped it (any other reason: it ended on its own).
+USER_STOP = "stopped by the user"
+
+RunHook = Callable[[Run], "StepReport | None"]
+StrandedHook = Callable[[list[int], str, list[str]], None]
+
+
+class Controller:
+    def __init__(self, topology: Topology, launcher: Launcher, backend: str = "auto",
+                 collective_timeout: float = 300.0, name: str = "mesh", key: bytes | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        #: The mesh's name in this notebook (``start(name=...)``, ``%mesh use NAME``).
+        self.name = name
+        self.topology = topology
+        self.launcher = launcher
+        self.collective_timeout = collective_timeout
+        #: The most a result may weigh before it stays on its rank (``start(max_result_bytes=)``).
+        self.max_result_bytes = DEFAULT_MAX_BYTES
+        # A launcher refuses a layout here (per_host=0, too few hosts), before anything is built.
+        plans = launcher.plans_for(topology.world_size)
+        self.book = RankBook({r: p.host for p in plans for r in p.ranks})
+        self.wire = wire.Wire(key or secrets.token_bytes(32))  # a kept mesh's, to attach it
+        self.transport = Transport()
+        self.agents = Agents(launcher, plans, topology, self.wire, self.transport, backend, collective_timeout,
+                             dict(env or {}))
+        if not launcher.remote:
+            for r in self.book.ranks:
+                self.transport.connect_rank(r, 0)
+        self.stopped = False
+        self.stop_reason = ""
+        self._stop_begun = False  # by whichever thread came first; the others wait for it
+        self._stop_done = threading.Event()
+        #: Why this controller may no longer drive the mesh: another kernel attached it.
+        self.fenced = ""
+        #: A kept mesh's lease (:mod:`..launch.kept`): outlives this controller, renewed by every ping.
+        self.lease: Any = None
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        #: Held by whatever re-creates the process groups (recovery, a step check's resync).
+        self.recovery_lock = threading.Lock()
+        #: The last minutes of each rank's memory (for sparklines), kept from the start.
+        self.history = MetricsHistory()
+        #: When every rank entered and left each collective: exact waiting, who arrives last.
+        self.clock = CollectiveTimes()
+        #: Messages of a kind no handler takes, by kind (each is logged too).
+        self.unknown_kinds: Counter[str] = Counter()
+        #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
+        #: replaces this with "does this cell allow stdin").
+        self.stdin_probe: Callable[[], bool] = _terminal_stdin
+        # -- what the layers above subscribe to --
+        #: Called with (rank, metrics) for every heartbeat (receiver thread).
+        self.heartbeat_listeners: list[Callable[[int, dict[str, Any]], None]] = [self.history.record]
+        #: Called with every new Run (the notebook layer attributes its output to a cell).
+        self.run_listeners: list[Callable[[Run], None]] = []
+        #: Called with (rank, cause) when a rank dies.
+        self.death_listeners: list[Callable[[int, str], None]] = []
+        #: Called once the mesh has stopped, on the thread that stopped it (a panel freezes in
+        #: the cell that stops its mesh, not a refresh later, after a batch runner has gone).
+        self.stop_listeners: list[Callable[[], None]] = []
+        #: Called with the runs in flight at every receiver tick (the run watcher).
+        self.tick_listeners: list[Callable[[list[Run]], None]] = []
+        #: A user run ended irregularly (a rank failed or was interrupted): what checks the
+        #: ranks are still in step, before anyone sees the run done (the step check).
+        self.on_irregular_end: RunHook | None = None
+        #: Live ranks that ran beside ranks that died: (ranks, reason, lost hosts' addresses).
+        self.on_stranded: StrandedHook | None = None
+        #: How ``Run.result()`` follows a run (the API's run watcher: hang hints, interrupts).
+        self.follow: Callable[..., Any] | None = None
+        self._handlers: dict[str, Callable[[wire.Message], None]] = {
+            msg.HEARTBEAT: self._on_heartbeat, msg.OUTPUT: self._on_output, msg.DISPLAY: self._on_display,
+            msg.INPUT: self._on_input, msg.DEBUG_END: self._on_debug_end, msg.RESULT: self._on_answer,
+            msg.ERROR: self._on_answer, msg.EXIT: self._on_exit, msg.HELLO: self._on_hello,
+            msg.READY: self._on_ready, msg.INIT_FAILED: self._on_init_failed, msg.AGENT: self._on_agent,
+            msg.HOST_BEAT: self._on_host_beat, msg.FENCED: self._on_fenced,
+            msg.COLLECTIVES: self._on_collectives, msg.RESEND: self._on_resend, msg.LOST: self._on_lost}
+        self.transport.start(self._take, self._from_host, self._tick)
+        _LIVE.add(self)
+
+    # -- what the parts know, read through the facade ----------------------------------------------
+
+    @property
+    def ranks(self) -> dict[int, RankState]:
+        return self.book.ranks
+
+    @property
+    def generation(self) -> int:
+        return self.book.generation
+
+    @property
+    def host_of(self) -> dict[int, int]:
+        return self.agents.host_of
+
+    @property
+    def remote(self) -> bool:
+        """Ranks on other hosts (or a kept mesh's): requests go once per host, through its agent."""
+        return self.agents.remote
+
+    @property
+    def network(self) -> Network | None:
+        return self.transport.network
+
+    @property
+    def rundir(self) -> str:
+        return self.transport.rundir
+
+    @property
+    def chosen(self) -> Any:
+        return self.agents.chosen
+
+    @property
+    def notes(self) -> list[str]:
+        return self.agents.notes
+
+    @property
+    def store_addr(self) -> tuple[str, int] | None:
+        return self.agents.store_addr
+
+    # -- listeners: the notebook layer's hooks -------------------------------------------------
+
+    def add_run_listener(self, listener: Callable[[Run], None]) -> None:
+        _add(self.run_listeners, listener)
+
+    def remove_run_listener(self, listener: Callable[[Run], None]) -> None:
+        _remove(self.run_listeners, listener)
+
+    def add_heartbeat_listener(self, listener: Callable[[int, dict[str, Any]], None]) -> None:
+        _add(self.heartbeat_listeners, listener)
+
+    def remove_heartbeat_listener(self, listener: Callable[[int, dict[str, Any]], None]) -> None:
+        _remove(self.heartbeat_listeners, listener)
+
+    def add_death_listener(self, listener: Callable[[int, str], None]) -> None:
+        _add(self.death_listeners, listener)
+
+    def remove_death_listener(self, listener: Callable[[int, str], None]) -> None:
+        _remove(self.death_listeners, listener)
+
+    def add_stop_listener(self, listener: Callable[[], None]) -> None:
+        _add(self.stop_listeners, listener)
+
+    def remove_stop_listener(self, listener: Callable[[], None]) -> None:
+        _remove(self.stop_listeners, listener)
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def launch(self, timeout: float) -> None:
+        """Start the agents and wait until every rank has torch.distributed ready."""
+        try:
+            self.agents.launch(timeout)
+            self.wait_generation(0, list(self.ranks), timeout, "start")
+        except BaseException:
+            self.stop()
+            raise
+
+    def attach(self, timeout: float) -> None:
+        """Take over a kept mesh whose agents run on (its launcher, made from the mesh file,
+        dials them with the file's keys and a new epoch): ask each agent for its ranks, and wait
+        for the answers."""
+        try:
+            self.agents.attach(timeout)
+            self.agent_op(msg.AgentOp.ATTACH, list(self.ranks))
+            deadline = time.monotonic() + timeout
+            with self._changed:
+                while any(s.state == "starting" for s in self.ranks.values()):
+                    if self.stopped or self.fenced or time.monotonic() > deadline:
+                        raise MeshError(self.fenced or f"attach: no answer from the mesh's agents within "
+                                        f"{timeout:g} s; %mesh list shows the meshes that are still there")
+                    self._changed.wait(0.25)
+        except BaseException:
+            self.stop("could not attach", detach=True)  # the mesh is not ours to stop
+            raise
+
+    def wait_generation(self, generation: int, ranks: list[int], timeout: float, what: str) -> None:
+        """Wait for ``ranks`` to report ready in ``generation``; a clear error otherwise."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                ready, failed = self.book.startup(ranks, generation)
+                if failed or self.stopped:
+                    raise MeshError("\n".join([f"{what} failed:", *(f"  rank {s.rank}: {s.cause}" for s in failed),
+                                               *([f"  {self.stop_reason}"] if self.stopped else [])]))
+                if ready:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waiting = [r for r in ranks if self.ranks[r].generation != generation]
+                    raise MeshError(
+                        f"{what} timed out after {timeout:g} s: rank(s) {waiting} never became ready. "
+                        f"{self.agents.report()}Pass a larger timeout= if the machine is slow.")
+                self._changed.wait(min(left, 0.25))
+                self._check_agents()
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def submit(self, kind: str, body: Any, ranks: list[int], what: str, channel: str = msg.MAIN) -> Run:
+        """Send one request to ``ranks`` (one message per rank) and return its Run."""
+        self.check_usable(ranks)
+        try:
+            raw, buffers = wire.dumps(body)
+        except Exception as exc:
+            raise SendError(f"{what}: cannot send {wire.describe_unpicklable(body, exc)}") from None
+        with self._lock:
+            run = self._new_run(ranks, what, kind)
+            self.book.open(run, queued=channel == msg.MAIN)
+        for listener in self.run_listeners:
+            listener(run)
+        frames = self.wire.pack({msg.KIND: kind, msg.ID: run.id}, raw_body=raw, buffers=buffers)
+        self._send_to_ranks(frames, ranks, channel)
+        return run
+
+    def _new_run(self, ranks: list[int], what: str, kind: str) -> Run:
+        return Run(next(self.book.request_ids), ranks, self.topology, what, self.interrupt_run, self.send_input,
+                   kind, follow=self.follow)
+
+    def call(self, fn: Callable[..., Any], *args: Any, ranks: list[int], what: str = "",
+             channel: str | None = None, stdin: bool = False, **kwargs: Any) -> Run:
+        """Run a rank operation, ``fn(worker, *args, **kwargs)``, on ``ranks`` (one of
+        :mod:`meshbook.mesh.rank.ops`, or an extension's), on the channel the operation
+        declares (``@rank_op(channel=CONTROL)``: the ranks' control threads, answered while
+        they are busy) unless ``channel`` says otherwise; ``stdin`` says the notebook can answer
+        a debugger prompt it opens."""
+        body = {"fn": fn, "args": args, "kwargs": kwargs, "stdin": stdin}
+        chosen: str = channel if channel else getattr(fn, "channel", msg.MAIN)
+        return self.submit(msg.CALL, body, ranks, what or getattr(fn, "__name__", "call"), chosen)
+
+    def agent_op(self, op: str, ranks: list[int], **body: Any) -> Run | None:
+        """Ask the agents owning ``ranks`` to do ``op`` (signal, spawn, pyspy, stop)."""
+        run = None
+        if op == msg.AgentOp.PYSPY:
+            with self._lock:
+                run = self._new_run(ranks, f"native stacks of rank(s) {ranks}", msg.OP)
+                self.book.open(run, queued=False)
+            request = run.id
+        else:
+            request = next(self.book.request_ids)
+        frames = self.wire.pack({msg.KIND: msg.OP, msg.ID: request, msg.RANKS: ranks}, dict(body, op=op))
+        self.transport.send_to_agents(frames, sorted({self.host_of[r] for r in ranks}))
+        return run
+
+    def _send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str) -> None:
+        """On this host, one message per rank; to other hosts, one per host (its agent fans
+        it out)."""
+        def alive(these: list[int]) -> bool:
+            return not self.stopped and any(self.ranks[r].state != "dead" for r in these)
+
+        if self.transport.network is None:
+            self.transport.send_to_ranks(frames, ranks, channel, alive)
+            return
+        by_host: dict[int, list[int]] = {}
+        for r in ranks:
+            if self.ranks[r].state != "dead":
+                by_host.setdefault(self.host_of[r], []).append(r)
+        self.transport.send_to_ranks(frames, by_host, channel, alive)
+
+    def send_input(self, rank: int, text: str) -> None:
+        """A line typed in the notebook, for ``rank``'s debugger (its control thread)."""
+        self._send_to_ranks(self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, text), [rank], msg.CONTROL)
+
+    def kill(self, ranks: list[int], timeout: float = 10.0) -> None:
+        """SIGKILL ``ranks`` and wait until their agent reported them dead."""
+        live = [r for r in ranks if self.ranks[r].state != "dead"]
+        if not live:
+            return
+        self.signal(live, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while any(self.ranks[r].state != "dead" for r in live):
+                if time.monotonic() > deadline or self.stopped:
+                    raise MeshError(f"rank(s) {live} did not die within {timeout:g} s of SIGKILL")
+                self._changed.wait(0.05)
+
+    def new_generation(self) -> int:
+        """A new process-group generation (its ranks meet in a new store)."""
+        with self._lock:
+            return self.book.new_generation()
+
+    def respawn(self, ranks: list[int], generation: int) -> None:
+        """Re-fork dead ``ranks`` under their rank ids; they join ``generation``. The ranks of
+        a host whose agent is gone get a new agent, where its launcher can start one."""
+        if not ranks:
+            return
+        # Sockets first: a request sent once the rank is no longer "dead" goes to the new process.
+        if not self.remote:  # a remote host's agent points its own sockets at the new ranks
+            for r in ranks:
+                self.transport.connect_rank(r, generation)
+        with self._lock:
+            self.book.respawning(ranks)
+        gone = self.agents.hosts_gone(ranks)
+        for host in gone:
+            try:
+                self.agents.relaunch(host, generation)
+            except BaseException as exc:  # nothing will start them: say so, never leave "starting"
+                self._ranks_died([r for r in self.agents.plans[host].ranks if r in ranks],
+                                 {"cause": f"could not start a new agent for them: {exc}"})
+                raise
+        self.agent_op(msg.AgentOp.SPAWN, [r for r in ranks if self.host_of[r] not in gone], generation=generation)
+
+    # -- what runs where (for recovery, stacks and the step check) ---------------------------------
+
+    def current_request(self, rank: int) -> int | None:
+        with self._lock:
+            return self.book.current_request(rank)
+
+    def own_work(self, request: int | None) -> str:
+        with self._lock:
+            return self.book.own_work(request)
+
+    def queued(self, rank: int) -> int:
+        with self._lock:
+            return self.book.queued(rank)
+
+    def busy_with_other(self, rank: int, request: int) -> bool:
+        with self._lock:
+            return self.book.busy_with_other(rank, request)
+
+    # -- interrupts ----------------------------------------------------------------------------
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to ``ranks``, whatever they run (``%mesh interrupt``)."""
+        with self._lock:
+            hit = self.book.pending_on(ranks)
+        for run in hit:
+            run.interrupted, run.interrupted_at = True, time.monotonic()
+        self.signal(ranks, signal.SIGINT)
+
+    def interrupt_run(self, run: Run) -> None:
+        """Interrupt ``run`` and nothing else: ranks running it get ``KeyboardInterrupt``,
+        ranks where it still waits in the queue drop it before it starts. Other runs (a
+        background ``mesh.run``) are not touched."""
+        run.interrupted, run.interrupted_at = True, time.monotonic()
+        ranks = [r for r in run.pending if self.ranks[r].state != "dead"]
+        if ranks and not self.stopped:
+            self.call(interrupt_request, run.id, ranks=ranks, what="interrupt")
+
+    def signal(self, ranks: list[int], sig: int) -> None:
+        live = [r for r in ranks if self.ranks[r].state != "dead"]
+        if live and not self.stopped:
+            self.agent_op(msg.AgentOp.SIGNAL, live, sig=int(sig))
+
+    def check_usable(self, ranks: list[int]) -> None:
+        if self.fenced:
+            raise MeshStoppedError(self.fenced)
+        if self.stopped:
+            raise MeshStoppedError(f"the mesh is stopped ({self.stop_reason}); start a new one "
+                                   f"with meshbook.start(...)")
+        dead = self.book.dead(ranks)
+        if dead:
+            causes = "; ".join(f"rank {s.rank}: {s.cause}" for s in dead)
+            raise MeshError(f"the mesh is degraded ({causes}). Restart the dead rank(s) with "
+                            f"mesh.restart({[s.rank for s in dead]}) (or %mesh restart "
+                            f"{','.join(str(s.rank) for s in dead)}), or select live ranks only")
+
+    # -- receiving (the receiver thread) -------------------------------------------------------------
+
+    def _tick(self) -> None:
+        self._check_agents()
+        with self._lock:
+            runs = list(self.book.runs.values())
+        for listener in self.tick_listeners:
+            listener(runs)
+        if self.transport.network is not None:
+            self.transport.network.tick(self._op, self._host_lost)
+
+    def _take(self, frames: list[Any]) -> None:
+        try:
+            message = self.wire.unpack(frames)
+        except wire.BadMessage:
+            return
+        try:
+            handler = self._handlers.get(message.kind)
+            if handler is None:
+                self.unknown_kinds[message.kind] += 1
+                log(f"no handler for {message.kind!r} messages (from rank {message.header.get(msg.RANK)}, "
+                    f"host {message.header.get(msg.HOST)}; {self.unknown_kinds[message.kind]} so far)")
+                return
+            handler(message)
+        except Exception as exc:  # never let one bad message end the receiver
+            log(f"receiver: {type(exc).__name__}: {exc}")
+
+    def _from_host(self, link: HostLink | None, identity: bytes, frames: list[Any]) -> None:
+        """A message up a remote host's connection (``link`` None: an agent not placed yet,
+        which can only be joining)."""
+        if link is not None:
+            self._take(frames)
+            return
+        try:
+            message = self.wire.unpack(frames)
+        except wire.BadMessage:
+            return
+        network = self.transport.network
+        if message.kind == msg.JOIN and network is not None:
+            network.on_join(identity, message.body(), self._op({"op": msg.AgentOp.WELCOME}))
+        else:
+            self.unknown_kinds[f"{message.kind} (before joining)"] += 1
+
+    def _op(self, body: dict[str, Any]) -> list[Any]:
+        """An operation for a remote agent, signed (pings, asking for messages again)."""
+        return self.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []}, body)
+
+    def _on_heartbeat(self, message: wire.Message) -> None:
+        self.record_metrics(message.header[msg.RANK], message.body())
+
+    def record_metrics(self, rank: int, metrics: dict[str, Any]) -> None:
+        """``rank``'s latest metrics (a heartbeat, or the answer when asked for one)."""
+        state = self.ranks[rank]
+        state.metrics, state.last_seen = metrics, time.monotonic()
+        for listener in self.heartbeat_listeners:
+            listener(rank, metrics)
+
+    def _on_collectives(self, message: wire.Message) -> None:
+        """When a rank entered and left its latest collectives, in its host's clock."""
+        rank = message.header[msg.RANK]
+        network = self.transport.network
+        link = network.links.get(self.host_of[rank]) if network is not None else None
+        self.clock.add(rank, message.body(), link.clock_offset_ns if link is not None else 0)
+
+    def _on_output(self, message: wire.Message) -> None:
+        body = message.body()
+        self._deliver(message.header[msg.ID], Output(message.header[msg.RANK], body["stream"], body["text"]))
+
+    def _on_display(self, message: wire.Message) -> None:
+        self._deliver(message.header[msg.ID], Display(message.header[msg.RANK], message.body()))
+
+    def _on_input(self, message: wire.Message) -> None:
+        self._deliver(message.header[msg.ID], InputRequest(message.header[msg.RANK], message.body()["prompt"]))
+
+    def _on_debug_end(self, message: wire.Message) -> None:
+        self._deliver(message.header[msg.ID], DebugEnd(message.header[msg.RANK]))
+
+    def _deliver(self, request: int | None, event: Event) -> None:
+        with self._lock:
+            route = self.book.route(request)
+        if isinstance(route, Run):
+            route.add_event(event)
+        else:
+            (route or print_late)(event)
+
+    def _on_answer(self, message: wire.Message) -> None:
+        """A rank's (or an agent's) result or error for a request. A result this process cannot
+        unpickle (a CUDA storage in a CPU-only kernel, a class of a module only the rank has)
+        is that rank's error: the run ends, naming what failed and how to fetch it."""
+        header, rank = message.header, message.header[msg.RANK]
+        duration = header.get(msg.DURATION, 0.0)
+        succeeded = message.kind == msg.RESULT
+        try:
+            body = message.body()
+        except Exception as exc:  # noqa: BLE001 - whatever the payload's unpickling raises
+            succeeded = False
+            what = f"a {header[msg.TYPE]}" if msg.TYPE in header else "it"
+            body = RankFailure(rank, "UnreadableResult", (
+                f"the result ({what}) cannot be unpickled in the notebook: "
+                f"{type(exc).__name__}: {exc}. It stays on the rank as `_`: return plain data instead "
+                f"(tensors moved with .cpu(), .tolist(), numbers, dicts of them), or fetch plain "
+                f"tensors with %mesh pull (mesh.pull)"))
+        event = Result(rank, body, duration) if succeeded else Error(rank, body, duration)
+        self._finish(header[msg.ID], rank, event, lost_group=header.get(msg.HAS_GROUP) is False)
+
+    def _finish(self, request: int, rank: int, event: Event, lost_group: bool = False) -> None:
+        with self._lock:
+            answer = self.book.answered(request, rank, event, lost_group)
+        run = answer.run
+        if run is None:
+            return
+        if answer.check_step and self.on_irregular_end is not None and not self.stopped:
+            # Before the run is seen done: whoever renders it waits for this check too.
+            run.step_check = self.on_irregular_end(run)
+        run.add_event(event)
+        with self._lock:
+            self.book.settle(request, rank)
+
+    def _on_exit(self, message: wire.Message) -> None:
+        self._ranks_died([message.header[msg.RANK]], message.body())
+
+    def _on_hello(self, message: wire.Message) -> None:
+        body, rank = message.body(), message.header[msg.RANK]
+        with self._lock:
+            self.book.hello(rank, body["pid"], body["host"])
+        problem = mismatch(versions(), body.get("versions"), "this kernel", f"rank {rank} (on {body['host']})")
+        if problem:  # its agent checked already: a rank forked from another install is a broken host
+            self.signal([rank], signal.SIGKILL)
+            self._ranks_died([rank], {"cause": problem})
+
+    def _on_ready(self, message: wire.Message) -> None:
+        body = message.body()
+        with self._changed:
+            self.book.ready(message.header[msg.RANK], message.header[msg.GENERATION], body["device"], body["pid"],
+                            body.get("threads", ""))
+            self._changed.notify_all()
+
+    def _on_init_failed(self, message: wire.Message) -> None:
+        with self._changed:
+            self.book.init_failed(message.header[msg.RANK], message.header[msg.GENERATION], message.body().headline)
+            self._changed.notify_all()
+
+    def _on_agent(self, message: wire.Message) -> None:
+        body = message.body()
+        with self._changed:
+            problem = mismatch(versions(), body.get("versions"), "this kernel",
+                               f"the host agent on {body.get('hostname', '?')}")
+            if problem:  # an agent of a kept mesh, attached after this kernel's install changed
+                self.fenced = problem
+                self._changed.notify_all()
+                return
+            for r, pid in body["pids"].items():
+                self.ranks[int(r)].pid = pid
+            if body.get("attached"):
+                self.book.adopt(body["generations"], body["dead"], body["hostname"])
+            self._changed.notify_all()
+
+    def _ranks_died(self, ranks: list[int], body: dict[str, Any]) -> None:
+        """``ranks`` died together (a rank's exit, or a lost host): fail what waited on them,
+        free the ranks that ran beside them, and say how to bring them back."""
+        if not ranks:
+            return
+        cause = body["cause"]
+        detail = body.get("crash", "").strip()
+        with self._changed:
+            death = self.book.died(ranks, cause)
+            self._changed.notify_all()
+        for rank in ranks:
+            self.transport.disconnect_rank(rank)
+        for stream, text in body.get("output", {}).items():
+            if text:
+                self._deliver(death.running[ranks[0]], Output(ranks[0], stream, text))
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+        note = (f"{who} died ({cause}). %mesh restart {','.join(map(str, ranks))} (mesh.restart({ranks})) "
+                f"brings {'it' if len(ranks) == 1 else 'them'} back and re-creates the process group; "
+                f"the other ranks keep their variables.")
+        if death.stranded and not self.stopped and self.on_stranded is not None:
+            note += (f" Rank(s) {format_ranks(death.stranded)} ran beside it: meshbook freed them from "
+                     f"anything waiting on it.")
+            reason = f"meshbook aborted what this rank ran: {who} died ({cause})"
+            threading.Thread(target=self.on_stranded, args=(death.stranded, reason, body.get("lost_hosts", [])),
+                             daemon=True).start()
+        for run in death.waiting:
+            run.notes.append(note)
+            for rank in ranks:
+                if rank in run.pending:
+                    failure = RankFailure(rank, "RankDied", f"rank {rank} died: {cause}", died=cause, detail=detail)
+                    self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
+        for listener in self.death_listeners:
+            for rank in ranks:
+                listener(rank, cause)
+
+    def _check_agents(self) -> None:
+        if self.stopped or not self.agents.handles:
+            return
+        for host, agent in self.agents.gone():
+            ranks = [r for r in self.agents.plans[host].ranks if self.ranks[r].state != "dead"]
+            if self.remote:  # the other hosts' ranks live on: the mesh is degraded, not stopped
+                self._ranks_died(ranks, {"cause": agent.exit_reason()})
+                continue
+            reason = f"host agent {host} died ({agent.exit_reason()})"
+            self._ranks_died(ranks, {"cause": reason})
+            self._mark_stopped(reason)
+        if self.remote and not self.stopped:
+            self._end_if_beyond_restart()
+
+    def _end_if_beyond_restart(self) -> None:
+        """Every rank is dead and no host can be started again (a Slurm job that ended, hosts
+        that joined from elsewhere): the mesh has ended. It stops, its cells say how it ended,
+        and a new start needs no --force."""
+        if self.launcher.relaunchable or any(s.state != "dead" for s in self.ranks.values()):
+            return
+        causes = sorted({s.cause for s in self.ranks.values()})
+        reason = causes[0] if len(causes) == 1 else "every rank died: " + "; ".join(causes)
+        self._mark_stopped(reason)
+        threading.Thread(target=self.stop, args=(reason,), daemon=True).start()
+
+    # -- the links of a mesh across hosts ------------------------------------------------------------
+
+    def _on_resend(self, message: wire.Message) -> None:
+        """An agent missed messages we sent on its link (the connection reset): send them again;
+        what is no longer kept (a big push) is lost, and the work it was for fails now."""
+        link = self._link_of(message)
+        if link is not None and self.transport.network is not None:
+            lost = self.transport.network.resend(link, message.body()["from"], self._op)
+            if lost is not None:
+                self._link_lost(link, f"requests to host {link.name}")
+
+    def _on_lost(self, message: wire.Message) -> None:
+        """An agent no longer keeps messages we missed from it: go on without them, and fail the
+        work they answered."""
+        link = self._link_of(message)
+        if link is None:
+            return
+        for frames in link.incoming.give_up(message.body()["upto"]):
+            self._take(frames)
+        self._link_lost(link, f"messages from host {link.name}")
+
+    def _link_of(self, message: wire.Message) -> HostLink | None:
+        network = self.transport.network
+        host = message.header.get(msg.HOST)
+        return network.links.get(host) if network is not None and host is not None else None
+
+    def _link_lost(self, link: HostLink, what: str) -> None:
+        """Fail what runs on ``link``'s ranks: part of it was lost when the connection reset."""
+        with self._lock:
+            runs = self.book.pending_on(link.ranks)
+        for run in runs:
+            for rank in sorted(set(run.pending) & set(link.ranks)):
+                failure = RankFailure(rank, "LinkReset", (
+                    f"{what} were lost when its connection reset, and were no longer kept to be sent "
+                    f"again (a push too big to keep, or too much since): rank {rank}'s part of this run "
+                    f"is unknown. Run it again (its ranks keep their variables)"))
+                self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
+
+    def _on_host_beat(self, message: wire.Message) -> None:
+        link = self._link_of(message)
+        if link is None:
+            return
+        body = message.body()
+        if body.get("stopped"):
+            link.state = "stopped"
+        elif "sent" in body:
+            link.rtt = time.monotonic() - body["sent"]
+            link.outgoing.acknowledged(body.get("ack", 0))
+            if "wall" in body and "agent_wall" in body:
+                link.clocked(body["wall"], body["agent_wall"], time.time_ns())
+            if self.lease is not None:
+                self.lease.renewed()
+
+    def _on_fenced(self, message: wire.Message) -> None:
+        """An agent refused what we sent: another kernel attached this (kept) mesh. Fail what
+        runs, and let go of the mesh without stopping it (it is the other kernel's now)."""
+        if self.fenced:
+            return
+        newer = message.body()["epoch"]
+        mesh_id = getattr(self.lease, "id", "ID")
+        network = self.transport.network
+        self.fenced = (f"this mesh was attached by another kernel (epoch {newer}; this kernel had "
+                       f"epoch {network.epoch if network else 0}), which drives it now. Use "
+                       f"it there, or take it back here with %mesh attach {mesh_id} "
+                       f"(meshbook.attach({mesh_id!r}))")
+        self._mark_stopped(self.fenced)
+        threading.Thread(target=self.stop, args=(self.fenced,), kwargs={"detach": True}, daemon=True).start()
+
+    def _host_lost(self, link: HostLink) -> None:
+        """Nothing heard from ``link``'s agent for the loss timeout: its ranks are gone."""
+        network = self.transport.network
+        cause = (f"host {link.name} lost: ranks {format_ranks(link.ranks)} (nothing heard from its "
+                 f"agent for {network.lost_s if network else 0:g} s)")
+        self._ranks_died([r for r in link.ranks if self.ranks[r].state != "dead"],
+                         {"cause": cause, "lost_hosts": [link.address]})
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def _mark_stopped(self, reason: str) -> None:
+        with self._changed:
+            if not self.stopped:
+                self.stopped, self.stop_reason = True, reason
+                self._changed.notify_all()
+
+    def stop(self, reason: str = USER_STOP, detach: bool = False) -> None:
+        """Kill every rank and agent, fail what still runs, and remove the runtime directory.
+        ``detach``: leave the agents and ranks running (a kept mesh this kernel lets go of)."""
+        with self._lock:
+            already = self._stop_begun
+            self._stop_begun = True
+            self._mark_stopped(reason)
+        if already:  # stopping on another thread (the mesh ended on its own): wait for it
+            if threading.current_thread() is not self.transport.receiver:
+                self._stop_done.wait(60)
+            return
+        try:
+            self._stop(detach)
+        finally:
+            self._stop_done.set()
+        for listener in list(self.stop_listeners):
+            try:
+                listener()
+            except Exception as exc:  # a view's failure must not make stopping fail
+                log(f"a stop listener failed: {type(exc).__name__}: {exc}")
+
+    def _stop(self, detach: bool) -> None:
+        self.transport.stop_receiver()
+        self.agents.stop(detach)  # the receiver is gone: this thread owns the links
+        with self._lock:
+            runs = list(self.book.runs.values())
+        for run in runs:
+            for r in run.pending:
+                failure = RankFailure(r, "MeshStopped", f"the mesh was stopped ({self.stop_reason})",
+                                      died="stopped")
+                run.add_event(Error(r, failure, 0.0))
+        for state in self.ranks.values():
+            if state.state != "dead":
+                state.state, state.cause = "dead", "mesh stopped"
+        self.transport.close()
+        _LIVE.discard(self)
+
+
+def live_controllers() -> list[Controller]:
+    """This process's controllers that are running or were not stopped long ago (weakly
+    held): the test suite checks with it that nothing a test started is left running."""
+    return list(_LIVE)
+
+
+def _terminal_stdin() -> bool:
+    import sys
+
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def _add(listeners: list[Any], listener: Any) -> None:
+    if listener not in listeners:
+        listeners.append(listener)
+
+
+def _remove(listeners: list[Any], listener: Any) -> None:
+    if listener in listeners:
+        listeners.remove(listener)
+
+
+_LIVE: "weakref.WeakSet[Controller]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for controller in list(_LIVE):
+        # A kept mesh outlives the process: its lease runs from the last ping it answered.
+        controller.stop("the Python process is exiting", detach=controller.lease is not None)
+    discard_standby()

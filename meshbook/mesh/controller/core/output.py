@@ -1,0 +1,181 @@
+"""Rank output as people want to read it: one line for what several ranks print alike.
+
+:class:`LineMerger` streams: a line printed by ranks 0-3 is written once as ``[0-3] epoch 1``
+as soon as every rank still running has printed it, or has printed another line in its place
+(ranks print in step: rank 2's third line was not this one, so it will not join it), or after
+a window (``MERGE_WINDOW_S``) long enough for ranks a busy machine schedules a moment apart.
+Only a line that some ranks never print waits that long (``if rank == 0: print(...)``).
+Each rank's lines keep their order; a rank that prints the same text twice contributes to two
+separate lines. Per-rank lines written together are sorted by rank between the merged lines around
+them (``[0] loss 1.2``, ``[1] loss 1.3``, ... whatever order they arrived in).
+
+:class:`OrderedCollector` buffers instead and writes each rank's output in rank order when the
+run ends (ranks with identical output shown once): deterministic, for tests and docs.
+
+Both take events from :class:`~meshbook.mesh.controller.core.run.Run` and write through a
+``write(stream, text)`` callable, so scripts and the notebook share one implementation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from ...protocol.events import Error, Event, Output, Result
+from ...protocol.text import format_ranks, group_by_text
+
+Write = Callable[[str, str], None]
+Key = tuple[str, str, int]  # (stream, line, how many times its ranks printed it before)
+
+#: How long a line waits for the other ranks to print it too.
+MERGE_WINDOW_S = 1.0
+
+
+@dataclass
+class _Line:
+    first_seen: float
+    position: int  # how many lines of its stream its first rank had printed before it
+    ranks: set[int] = field(default_factory=set)
+
+
+class _Splitter:
+    """Cuts each rank's stream into complete lines; the unfinished tail waits."""
+
+    def __init__(self) -> None:
+        self._partial: dict[tuple[int, str], str] = defaultdict(str)
+
+    def lines(self, rank: int, stream: str, text: str) -> list[str]:
+        pending = self._partial[(rank, stream)] + text
+        *complete, self._partial[(rank, stream)] = pending.split("\n")
+        return complete
+
+    def tails(self) -> list[tuple[int, str, str]]:
+        out = [(rank, stream, text) for (rank, stream), text in self._partial.items() if text]
+        self._partial.clear()
+        return out
+
+
+class LineMerger:
+    """Streams output, merging identical lines across ranks."""
+
+    def __init__(self, ranks: Iterable[int], write: Write, window: float = MERGE_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._running = set(ranks)
+        self._write = write
+        self._window = window
+        self._clock = clock
+        self._splitter = _Splitter()
+        self._occurrences: dict[tuple[int, str, str], int] = defaultdict(int)
+        self._printed: dict[tuple[int, str], int] = defaultdict(int)  # lines per (rank, stream)
+        self._lines: dict[Key, _Line] = {}  # insertion order = display order
+
+    def feed_event(self, event: Event) -> None:
+        if isinstance(event, Output):
+            for line in self._splitter.lines(event.rank, event.stream, event.text):
+                self._add(event.rank, event.stream, line)
+        elif isinstance(event, (Result, Error)):
+            self._running.discard(event.rank)
+
+    def _add(self, rank: int, stream: str, line: str) -> None:
+        nth = self._occurrences[(rank, stream, line)]
+        self._occurrences[(rank, stream, line)] += 1
+        position = self._printed[(rank, stream)]
+        self._printed[(rank, stream)] += 1
+        entry = self._lines.setdefault((stream, line, nth), _Line(self._clock(), position))
+        entry.ranks.add(rank)
+
+    def poll(self) -> None:
+        """Write every line that is complete or has waited long enough, each after the lines
+        its ranks printed before it."""
+        now = self._clock()
+        ready: list[Key] = []
+        held: set[int] = set()  # ranks with an earlier line still waiting
+        for key, entry in self._lines.items():
+            if entry.ranks & held or not (self._complete(key[0], entry)
+                                          or now - entry.first_seen >= self._window):
+                held |= entry.ranks
+            else:
+                ready.append(key)
+        self._emit(ready)
+
+    def _complete(self, stream: str, entry: _Line) -> bool:
+        """Every running rank printed this line, or already printed another in its place."""
+        return all(rank in entry.ranks or self._printed[(rank, stream)] > entry.position
+                   for rank in self._running)
+
+    def next_deadline(self) -> float | None:
+        """Seconds until the oldest waiting line must be written (None: nothing waits)."""
+        for entry in self._lines.values():
+            return max(0.0, entry.first_seen + self._window - self._clock())
+        return None
+
+    def flush(self) -> None:
+        """Write everything waiting now (before a display, say), keeping unfinished lines."""
+        self._emit(list(self._lines))
+
+    def close(self) -> None:
+        """The run is over: write everything, unfinished lines included."""
+        for rank, stream, text in self._splitter.tails():
+            self._add(rank, stream, text)
+        self.flush()
+
+    def _emit(self, keys: list[Key]) -> None:
+        chunks: list[tuple[str, str]] = []
+        for key, ranks in _by_rank([(key, self._lines.pop(key).ranks) for key in keys]):
+            stream, line, _ = key
+            text = f"[{format_ranks(ranks)}] {line}\n"
+            if chunks and chunks[-1][0] == stream:
+                chunks[-1] = (stream, chunks[-1][1] + text)
+            else:
+                chunks.append((stream, text))
+        for stream, text in chunks:
+            self._write(stream, text)
+
+
+def _by_rank(lines: list[tuple[Key, set[int]]]) -> list[tuple[Key, set[int]]]:
+    """Lines of a single rank sorted by rank (each rank's own lines keep their order) between
+    the lines several ranks printed, which stay where they are."""
+    out: list[tuple[Key, set[int]]] = []
+    single: list[tuple[Key, set[int]]] = []
+    for item in lines:
+        if len(item[1]) == 1:
+            single.append(item)
+            continue
+        out += sorted(single, key=lambda i: min(i[1]))
+        out.append(item)
+        single = []
+    return out + sorted(single, key=lambda i: min(i[1]))
+
+
+class OrderedCollector:
+    """Buffers output and writes it per rank, in rank order, when the run ends."""
+
+    def __init__(self, ranks: Iterable[int], write: Write) -> None:
+        self._write = write
+        self._text: dict[str, dict[int, str]] = {"stdout": {}, "stderr": {}}
+
+    def feed_event(self, event: Event) -> None:
+        if isinstance(event, Output):
+            texts = self._text.setdefault(event.stream, {})
+            texts[event.rank] = texts.get(event.rank, "") + event.text
+
+    def poll(self) -> None:
+        pass
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for stream, texts in self._text.items():
+            out: list[str] = []
+            for ranks, text in group_by_text(texts):
+                label = f"[{format_ranks(ranks)}] "
+                out.extend(label + line + "\n" for line in text.rstrip("\n").split("\n"))
+            if out:
+                self._write(stream, "".join(out))
+        self._text = {"stdout": {}, "stderr": {}}

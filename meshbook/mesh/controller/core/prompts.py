@@ -1,0 +1,44 @@
+"""The notebook's end of a rank's debugger: prompts answered one rank's session at a time.
+
+A rank's ``breakpoint()`` (:mod:`meshbook.mesh.rank.debugger`) sends an input request per
+line pdb wants; whoever renders the run feeds its events to a :class:`PromptServer`, which
+asks the user and sends the answer to the rank's control thread.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from ...protocol.events import DebugEnd, Event, InputRequest
+
+
+class PromptServer:
+    """Answers ranks' debugger prompts from the notebook, one rank's session at a time.
+
+    Fed every event of a run by whoever renders it; ``ask(prompt)`` reads a line from the
+    user (``input``), ``send(rank, text)`` delivers it to the rank.
+    """
+
+    def __init__(self, ask: Callable[[str], str], send: Callable[[int, str], None]) -> None:
+        self._ask = ask
+        self._send = send
+        self._serving: int | None = None
+        self._waiting: deque[InputRequest] = deque()
+        #: A rank asked for input: the run has been in a debugger session.
+        self.used = False
+
+    def feed(self, event: Event) -> None:
+        if isinstance(event, InputRequest):
+            self._waiting.append(event)
+            self.used = True
+        elif isinstance(event, DebugEnd) and event.rank == self._serving:
+            self._serving = None
+        while self._waiting:
+            request = next((r for r in self._waiting if r.rank == self._serving), None)
+            if request is None and self._serving is not None:
+                return  # the current rank's next prompt has not come yet
+            request = request or self._waiting[0]
+            self._waiting.remove(request)
+            self._serving = request.rank
+            self._send(request.rank, self._ask(request.prompt))

@@ -1,0 +1,77 @@
+"""The one event renderer: a run's events as a reader sees them, in a script or in a cell.
+
+:class:`EventRenderer` takes a run's events in arrival order and writes the ranks' output
+merged across ranks (:class:`~.output.LineMerger`) or buffered in rank order
+(:class:`~.output.OrderedCollector`), shows each ``display()`` after what its rank printed
+before it, and answers debugger prompts (:class:`~.prompts.PromptServer`). ``Run.result()``
+renders with it to this process's streams; the ``%%mesh`` cell renders with it into the cell
+(displays published as rich output), adding the cell's own status view, hang hints and
+interrupts around it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Protocol
+
+from ...protocol.events import Display, Event, InputRequest, Output
+from .output import LineMerger, OrderedCollector
+from .prompts import PromptServer
+
+
+class Rendered(Protocol):
+    """What the renderer needs of a run (:class:`~.run.Run`): its ranks, and where a rank's
+    debugger prompt is answered."""
+
+    ranks: list[int]
+
+    def send_input(self, rank: int, text: str) -> None: ...
+
+
+def write_stream(stream: str, text: str) -> None:
+    """Write ``text`` to this process's ``stream`` ("stdout"/"stderr") at once."""
+    target = sys.stderr if stream == "stderr" else sys.stdout
+    target.write(text)
+    target.flush()
+
+
+def print_display(event: Display) -> None:
+    """A rank's ``display()`` where only text can be shown: its plain-text form."""
+    write_stream("stdout", f"[{event.rank}] {event.data.get('text/plain', '')}\n")
+
+
+def print_late(event: Event) -> None:
+    """Output that arrived after its run was rendered (a rank's background thread)."""
+    if isinstance(event, Output):
+        write_stream(event.stream, "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines()))
+
+
+class EventRenderer:
+    """Renders one run's events through ``write(stream, text)`` and ``show_display(event)``."""
+
+    def __init__(self, run: Rendered, write: Callable[[str, str], None] = write_stream,
+                 show_display: Callable[[Display], None] = print_display, ordered: bool = False,
+                 ask: Callable[[str], str] = input) -> None:
+        self.writer = (OrderedCollector if ordered else LineMerger)(run.ranks, write)
+        self.prompts = PromptServer(ask, run.send_input)
+        self._show_display = show_display
+
+    def feed(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, (Display, InputRequest)):
+                self.writer.flush()  # what the rank printed before comes first
+            if isinstance(event, Display):
+                self._show_display(event)
+            self.writer.feed_event(event)
+            self.prompts.feed(event)
+        self.writer.poll()
+
+    def next_deadline(self) -> float | None:
+        """Seconds until a waiting line must be written (None: nothing waits)."""
+        return self.writer.next_deadline()
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

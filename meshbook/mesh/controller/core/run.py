@@ -1,0 +1,258 @@
+"""A request in flight on some ranks, and the events it produces.
+
+:class:`Run` is the future every mesh call returns. Its events arrive on the controller's
+receiver thread and are kept in order; any thread can wait for them:
+
+* :meth:`Run.result` waits for every rank and returns a :class:`~meshbook.RankValues`, or
+  raises :class:`~meshbook.RemoteError` (the successful ranks' values ride along as
+  ``partial``). While it waits it prints the ranks' output, merged across ranks, so a script
+  sees what the ranks print as they print it.
+* :meth:`Run.events` yields the events of :mod:`meshbook.mesh.protocol.events` (output,
+  displays, results, errors, debugger prompts) as they arrive: renderers read them.
+
+Output a rank writes after its run finished (a background thread it started) is handed to
+``on_late_output``, so it can be attributed to the run that started it, not to whatever runs
+next.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Iterator, Protocol
+
+from ...protocol import messages as msg
+from ...protocol.errors import MeshTimeout, RankFailure, RemoteError
+from ...protocol.events import Display, Error, Event, Output, Result
+from ...protocol.text import format_ranks
+from ...protocol.topology import Topology
+from ...protocol.values import RankValues
+from .render import EventRenderer, print_late, write_stream
+
+#: How long a run's result waits for the step check that follows an irregular end.
+STEP_CHECK_WAIT_S = 30.0
+
+
+class StepReport(Protocol):
+    """The check of the ranks' collective positions after a run ended irregularly (done by
+    :mod:`..recovery.step`; the run only waits for it and shows what it says)."""
+
+    report: str
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    @property
+    def waiting_for(self) -> list[int]: ...
+
+
+#: How ``result()`` follows a run when a mesh's API is there: ``follow(run, renderer, timeout)``
+#: with hang hints and escalating interrupts (:mod:`..api.follow`).
+Follow = Callable[["Run", EventRenderer, "float | None"], RankValues]
+
+
+class Run:
+    """Handle on one request to a set of ranks."""
+
+    def __init__(self, request_id: int, ranks: list[int], topology: Topology, what: str,
+                 interrupt: Callable[["Run"], None], send_input: Callable[[int, str], None],
+                 kind: str = msg.EXEC, follow: Follow | None = None) -> None:
+        self.id = request_id
+        self.ranks = list(ranks)
+        self.what = what
+        self.kind = kind  # EXEC, APPLY, CALL (a rank operation) or OP (the agents'), see messages.py
+        #: Set once an interrupt was sent for this run; with ``irregular`` (some rank failed or
+        #: lost its process group), the ranks' collective positions are checked when it ends.
+        self.interrupted = False
+        self.irregular = False
+        #: meshbook aborted some rank's collective in this run: the groups must be re-created.
+        self.forced_resync = False
+        #: The check of every rank's collective positions after this run (see ``step.py``).
+        self.step_check: StepReport | None = None
+        #: What meshbook did about this run on its own (e.g. freeing ranks a dead rank stranded).
+        self.notes: list[str] = []
+        self.submitted_at = time.monotonic()
+        #: When its first rank finished it, and when it was interrupted (the run watcher's
+        #: clocks, see ``watch.py``), when the watcher last looked, and whether it looks now.
+        self.first_done_at: float | None = None
+        self.interrupted_at: float | None = None
+        self.checked_at = 0.0
+        self.checking = False
+        self._topology = topology
+        self._interrupt = interrupt
+        self._follow = follow
+        self.send_input = send_input  # answers a rank's debugger prompt (InputRequest)
+        self._cond = threading.Condition()
+        self._events: list[Event] = []
+        self._values: dict[int, Any] = {}
+        self._failures: dict[int, RankFailure] = {}
+        self._durations: dict[int, float] = {}
+        self._pending = set(ranks)
+        self._echoed = 0  # events already printed by result()
+        #: Called with each Output/Display event that arrives after the run finished (also
+        #: after this object is gone: the controller keeps the callable for a while).
+        self.on_late_output: Callable[[Event], None] = print_late
+
+    # -- fed by the controller's receiver thread ---------------------------------------------
+
+    def add_event(self, event: Event) -> None:
+        """An event for this run (the controller's receiver thread)."""
+        with self._cond:
+            late = not self._pending and isinstance(event, (Output, Display))
+            if isinstance(event, (Result, Error)):
+                if event.rank not in self._pending:
+                    return  # a second answer (e.g. death after the result): keep the first
+                self._pending.discard(event.rank)
+                self._durations[event.rank] = event.duration
+                if self.first_done_at is None:
+                    self.first_done_at = time.monotonic()
+                if isinstance(event, Result):
+                    self._values[event.rank] = event.value
+                else:
+                    self._failures[event.rank] = event.failure
+            self._events.append(event)
+            # Waking the waiting thread costs a GIL hand-off per event, and the results of a
+            # many-rank run arrive back to back: wake for what a waiter acts on (output,
+            # errors, the first result, which starts straggler clocks, and the last one);
+            # the results in between are picked up with the next event.
+            if not isinstance(event, Result) or not self._pending or \
+                    len(self._values) + len(self._failures) == 1:
+                self._cond.notify_all()
+        if late:
+            self.on_late_output(event)
+
+    # -- the public face ---------------------------------------------------------------------
+
+    def done(self) -> bool:
+        return not self._pending
+
+    @property
+    def pending(self) -> list[int]:
+        """Ranks that have not answered yet."""
+        return sorted(self._pending)
+
+    @property
+    def durations(self) -> dict[int, float]:
+        """Seconds each finished rank spent on the request."""
+        return dict(self._durations)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout)
+
+    def events(self) -> Iterator[Event]:
+        """Every event in arrival order, blocking until the run is done."""
+        index = 0
+        while True:
+            batch, index = self.events_since(index, None)
+            if not batch and self.done():
+                return
+            yield from batch
+
+    def events_since(self, index: int, timeout: float | None) -> tuple[list[Event], int]:
+        """Events from position ``index`` on (waiting up to ``timeout`` for one), and the next
+        position. For renderers that must wake up on their own schedule too. A result other
+        than the first and the last does not end the wait on its own (see ``_add``)."""
+        with self._cond:
+            if len(self._events) <= index and self._pending:
+                self._cond.wait(timeout)
+            return self._events[index:], len(self._events)
+
+    def failed_ranks(self) -> set[int]:
+        """Ranks whose part of the run failed (so far)."""
+        return set(self._failures)
+
+    def values(self) -> RankValues:
+        """Results of the ranks that have succeeded so far."""
+        return RankValues(self._values, self._topology)
+
+    def result(self, timeout: float | None = None, echo: bool = True) -> RankValues:
+        """Wait for every rank; per-rank values, or :class:`RemoteError`.
+
+        ``echo`` prints the ranks' output (merged across ranks) while waiting, and follows the
+        run as a ``%%mesh`` cell does: ranks still busy long after the others finished, or
+        waiting in a collective the others have not joined, are explained; a first Ctrl-C
+        interrupts the ranks and keeps waiting for their errors, a second frees ranks that did
+        not stop (``mesh.recover()``). Without ``echo``, Ctrl-C interrupts the ranks and
+        returns at once (``KeyboardInterrupt``).
+        """
+        if echo and self._follow is not None:
+            return self._follow(self, EventRenderer(self), timeout)
+        try:
+            values = self._wait_and_echo(timeout, echo)
+        except KeyboardInterrupt:
+            self.interrupt()  # Ctrl-C here must stop the remote work too, not only our wait
+            raise
+        except RemoteError:
+            self._report_step_check(echo)
+            raise
+        self._report_step_check(echo)
+        return values
+
+    def step_report(self, timeout: float | None = STEP_CHECK_WAIT_S) -> str:
+        """What the check after this run did: empty when the ranks were in step (or no check
+        was needed); a note when it still waits for busy ranks after ``timeout``."""
+        check = self.step_check
+        if check is None:
+            return ""
+        if not check.wait(timeout):
+            busy = check.waiting_for
+            doing = (f"it waits for rank(s) {format_ranks(busy)} to finish what they run" if busy
+                     else "it is re-creating the process groups")
+            return f"meshbook checks that every rank is at the same collective before anything else runs; {doing}."
+        self.step_check = None  # said once
+        return check.report
+
+    def _report_step_check(self, echo: bool) -> None:
+        if echo and self.step_check is not None:
+            report = self.step_report()
+            if report:
+                write_stream("stderr", report + "\n")
+
+    def _wait_and_echo(self, timeout: float | None, echo: bool) -> RankValues:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        renderer = EventRenderer(self) if echo else None
+        seen = self._echoed
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = renderer.next_deadline() if renderer else None
+            events, seen = self.events_since(seen, min(filter(None, (left, wait)), default=left))
+            if renderer:
+                renderer.feed(events)
+                self._echoed = seen
+            if self.done() and seen == len(self._events):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                if renderer:
+                    renderer.close()
+                raise MeshTimeout(
+                    f"{self.what} still running on rank(s) {format_ranks(self.pending)} after "
+                    f"{timeout:g} s; it keeps running: wait again, or interrupt it with "
+                    f"run.interrupt()")
+        if renderer:
+            renderer.close()
+        return self._outcome()
+
+    def _outcome(self) -> RankValues:
+        values = self.values()
+        if self._failures:
+            raise RemoteError(dict(self._failures), partial=values, hint="\n".join(self.notes))
+        return values
+
+    def exception(self) -> RemoteError | None:
+        """The :class:`RemoteError` of a finished run, or ``None``."""
+        try:
+            self._outcome()
+        except RemoteError as exc:
+            return exc
+        return None
+
+    def interrupt(self) -> None:
+        """Interrupt this request on the ranks still running it (ranks where it has not started
+        drop it); other requests are not touched."""
+        if self._pending:
+            self._interrupt(self)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else f"running on {format_ranks(self.pending)}"
+        return f"<Run {self.id} {self.what}: {state}>"
+

@@ -1,0 +1,231 @@
+"""The controller's sockets and its receiver thread: how requests leave and answers come in.
+
+One per mesh, in a private (0700) runtime directory: a PUSH per rank and channel that sends
+requests straight to the rank (see :func:`~meshbook.mesh.protocol.wire.rank_address`), a ROUTER
+for what it asks of the agent on this host (signals, re-forks), and a PULL on which the ranks
+and that agent send everything back. Agents on other hosts are reached over the links of a
+:class:`~..launch.network.Network`, once per host. The receiver thread reads the PULL socket
+and the links and hands each message on (``on_message``, ``on_host``); every
+``TICK_S`` it calls ``on_tick`` (agents' liveness, pings, the run watcher).
+
+A ZeroMQ socket belongs to one thread at a time: the receiver owns the PULL socket and the
+links; the rank sockets and the ROUTER are used under ``send_lock`` by whichever thread sends.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ...protocol import wire
+from ...protocol.errors import MeshError
+from ...protocol.proc import owned_prefix, remove_stale, runtime_base
+from ...protocol.remote import encode_route
+from ..launch.network import HostLink, Network
+
+#: How often the receiver looks at the agents, pings remote ones and lets the run watcher look.
+TICK_S = 0.25
+#: What processes of this machine name after themselves (``owned_prefix``) and a killed one
+#: leaves behind: runtime directories, and the ssh sessions' logs.
+STALE_KINDS = ("mb", "meshbook-ssh")
+#: ZeroMQ I/O threads of a controller: each encrypts (CurveZMQ) the links it serves, so pushes to
+#: several hosts are encrypted side by side, not one after the other on one core.
+NETWORK_IO_THREADS = 4  # a login node has cores to spare; a 2-core laptop just time-shares them
+
+Handler = Callable[[list[Any]], None]
+HostHandler = Callable[["HostLink | None", bytes, list[Any]], None]
+
+
+class Transport:
+    """Sockets, sends and the receiver thread of one controller."""
+
+    def __init__(self) -> None:
+        remove_stale(runtime_base(), STALE_KINDS)  # what killed kernels left on this host
+        self.rundir = tempfile.mkdtemp(prefix=owned_prefix("mb"), dir=runtime_base())  # mode 0700
+        self.ctx = zmq.Context(io_threads=NETWORK_IO_THREADS)
+        try:
+            self._bind()
+        except BaseException:  # leave nothing: an unclosed context blocks whoever collects it
+            self.ctx.destroy(linger=0)
+            shutil.rmtree(self.rundir, ignore_errors=True)
+            raise
+        self.send_lock = threading.Lock()
+        self.network: Network | None = None
+        self._down: dict[int, dict[str, zmq.Socket]] = {}
+        self._receiver: threading.Thread | None = None
+        self._running = True
+
+    def _bind(self) -> None:
+        self.cmd = self.ctx.socket(zmq.ROUTER)
+        self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.cmd.setsockopt(zmq.SNDHWM, 0)
+        self.cmd.bind(f"ipc://{self.rundir}/cmd")
+        self.events = self.ctx.socket(zmq.PULL)
+        self.events.setsockopt(zmq.RCVHWM, 0)
+        self.events.bind(f"ipc://{self.rundir}/ev")
+        self._wake_send = self.ctx.socket(zmq.PAIR)
+        self._wake_recv = self.ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(f"inproc://wake-{id(self)}")
+        self._wake_send.connect(f"inproc://wake-{id(self)}")
+
+    @property
+    def cmd_address(self) -> str:
+        return f"ipc://{self.rundir}/cmd"
+
+    @property
+    def events_address(self) -> str:
+        return f"ipc://{self.rundir}/ev"
+
+    # -- the receiver thread -------------------------------------------------------------------
+
+    def start(self, on_message: Handler, on_host: HostHandler, on_tick: Callable[[], None]) -> None:
+        self._receiver = threading.Thread(target=self._receive, args=(on_message, on_host, on_tick),
+                                          name="meshbook-receiver", daemon=True)
+        self._receiver.start()
+
+    @property
+    def receiver(self) -> threading.Thread | None:
+        return self._receiver
+
+    def use_network(self, network: Network) -> None:
+        """Poll ``network``'s links from now on (the receiver owns their sockets)."""
+        self.network = network
+        network.wake = self.wake
+
+    def wake(self) -> None:
+        """Make the receiver poll new sockets now (it looks again every ``TICK_S`` anyway)."""
+        with self.send_lock:
+            if self._running:
+                self._wake_send.send(b"poll")
+
+    def _receive(self, on_message: Handler, on_host: HostHandler, on_tick: Callable[[], None]) -> None:
+        poller, version = self._poller(), -1
+        next_tick = 0.0
+        while self._running:
+            network = self.network
+            if network is not None and network.version != version:
+                poller, version = self._poller(), network.version
+                network.close_retired()
+            ready = dict(poller.poll(int(TICK_S * 1000)))
+            if self._wake_recv in ready and self._wake_recv.recv() == b"stop":
+                break
+            if self.events in ready:
+                while True:
+                    try:
+                        frames = wire.recv(self.events, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    on_message(frames)
+            try:
+                if network is not None:
+                    for sock in network.sockets():
+                        if sock in ready:
+                            network.drain(sock, on_host)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + TICK_S
+                    on_tick()
+            except Exception as exc:  # the receiver must outlive any one failure
+                log(f"receiver: {type(exc).__name__}: {exc}")
+
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        for sock in (self.events, self._wake_recv, *(self.network.sockets() if self.network else ())):
+            poller.register(sock, zmq.POLLIN)
+        return poller
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def connect_rank(self, rank: int, generation: int) -> None:
+        """Point ``rank``'s sockets at its process forked in ``generation``. ZeroMQ queues what
+        is sent before the rank has bound its sockets, so a request never waits for, or races
+        with, the rank's start-up."""
+        with self.send_lock:
+            self._disconnect(rank)
+            self._down[rank] = wire.connect_rank(self.ctx, self.rundir, rank, generation)
+
+    def disconnect_rank(self, rank: int) -> None:
+        """Drop a rank's sockets with whatever they still held for it (the runs that waited on
+        it have failed), so nothing retries connecting to a dead process."""
+        with self.send_lock:
+            self._disconnect(rank)
+
+    def _disconnect(self, rank: int) -> None:
+        for sock in self._down.pop(rank, {}).values():
+            sock.close(linger=0)
+
+    def send_to_ranks(self, frames: list[Any], by_host: dict[int, list[int]] | list[int], channel: str,
+                      alive: Callable[[list[int]], bool]) -> None:
+        """One message per rank straight to its socket (on this host: relaying through the agent
+        would cost a process hop and a copy per request, and buy nothing), or one per host, which
+        its agent fans out (``by_host``). Returns once big buffers left, so the caller may change
+        its tensors; ranks that died meanwhile (``alive`` says) never take them."""
+        if isinstance(by_host, dict):
+            network = self.network
+            assert network is not None
+            with self.send_lock:
+                sent = [(ranks, network.send(host, encode_route(channel, ranks), frames))
+                        for host, ranks in by_host.items()]
+        else:
+            with self.send_lock:
+                # A rank that died since the caller checked has no sockets: its death failed the run.
+                live = [r for r in by_host if r in self._down]
+                trackers = wire.fan_out([self._down[r][channel] for r in live], frames)
+            sent = [([rank], tracker) for rank, tracker in zip(live, trackers)]
+        for ranks, tracker in sent:
+            while tracker is not None and not tracker.done and self._running and alive(ranks):
+                try:
+                    tracker.wait(0.1)
+                except zmq.NotDone:
+                    pass
+
+    def send_to_agents(self, frames: list[Any], hosts: list[int]) -> None:
+        """An operation for the agents of ``hosts``: over their links, or to this host's agent."""
+        with self.send_lock:
+            for host in hosts:
+                if self.network is not None:
+                    self.network.send(host, b"", frames)  # small: an operation for the agent
+                    continue
+                for attempt in range(200):
+                    try:
+                        wire.send(self.cmd, frames, prefix=[f"agent:{host}".encode(), b""], wait=True)
+                        break
+                    except zmq.ZMQError as exc:
+                        # EHOSTUNREACH: the agent's connection is not up yet (start-up only).
+                        if exc.errno != zmq.EHOSTUNREACH or attempt == 199:
+                            raise MeshError(f"cannot reach the host agent {host}: {exc}") from None
+                        time.sleep(0.01)
+
+    # -- ending --------------------------------------------------------------------------------
+
+    def stop_receiver(self) -> None:
+        """End the receiver thread (from any other thread); its sockets are this thread's then."""
+        with self.send_lock:
+            if not self._running:
+                return
+            self._running = False
+            self._wake_send.send(b"stop")
+        if self._receiver is not None and threading.current_thread() is not self._receiver:
+            self._receiver.join(5)
+
+    def close(self) -> None:
+        """Close every socket and the context, and remove the runtime directory."""
+        if self.network is not None:
+            self.network.close()
+        rank_socks = [sock for socks in self._down.values() for sock in socks.values()]
+        for sock in (self.cmd, self.events, self._wake_send, self._wake_recv, *rank_socks):
+            sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+def log(text: str) -> None:
+    import sys
+
+    print(f"meshbook: {text}", file=sys.__stderr__)

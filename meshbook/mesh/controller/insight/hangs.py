@@ -1,0 +1,95 @@
+"""Hang diagnosis: which ranks wait in which collective, and who they wait for.
+
+From one :class:`~meshbook.mesh.protocol.reports.RankSnapshot` per rank, :func:`diagnose` groups the
+ranks waiting in the same collective (same process group, sequence number and operation),
+works out from the mesh's dimensions which ranks belong to that collective's group, and says in
+plain words what each missing member is doing instead::
+
+    ranks 0,2,3 wait in all_reduce #7 ([8] float) at cell line 5 (dist.all_reduce(t));
+    rank 1 never reached it: it is at cell line 3 (time.sleep(30))
+
+The same snapshots, merged into a call tree, follow the verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...protocol.reports import Collective, RankSnapshot
+from ...protocol.text import group_by_text, ranks_text
+from ...protocol.topology import Topology
+from .stacks import Stacks
+
+
+@dataclass
+class Diagnosis:
+    verdict: list[str]
+    stacks: Stacks
+
+    @property
+    def snapshots(self) -> dict[int, RankSnapshot]:
+        return self.stacks.snapshots
+
+    def render(self) -> str:
+        return "\n".join(self.verdict) + "\n\nStacks:\n" + self.stacks.render()
+
+    def __repr__(self) -> str:
+        return self.render()
+
+
+def diagnose(snapshots: dict[int, RankSnapshot], topology: Topology) -> Diagnosis:
+    waiting = {r: s.pending[-1] for r, s in snapshots.items() if s.pending}
+    groups: dict[tuple[str, int, str], list[int]] = {}
+    for rank, collective in sorted(waiting.items()):
+        groups.setdefault((collective.group, collective.seq, collective.op), []).append(rank)
+    verdict = [_explain(ranks, waiting, snapshots, topology) for ranks in groups.values()]
+    if not verdict:
+        busy = [r for r, s in snapshots.items() if s.busy]
+        if busy:
+            places = group_by_text({r: snapshots[r].where() for r in busy})
+            verdict.append("no rank waits in a collective; busy: " + "; ".join(
+                f"{ranks_text(r)} at {where}" for r, where in places))
+        else:
+            verdict.append("every rank is idle")
+    return Diagnosis(verdict, Stacks(snapshots))
+
+
+def _explain(ranks: list[int], waiting: dict[int, Collective],
+             snapshots: dict[int, RankSnapshot], topology: Topology) -> str:
+    collective = waiting[ranks[0]]
+    places = {snapshots[r].where() for r in ranks}
+    at = f" at {places.pop()}" if len(places) == 1 else ""
+    line = f"{ranks_text(ranks)} wait in {collective.describe()}{at}"
+    members = group_members(collective, ranks[0], topology)
+    if members is None:
+        return line + " (a group meshbook does not know the members of)"
+    absent = {r: _absence(r, waiting, snapshots) for r in members if r not in ranks}
+    if not absent:
+        return line + "; every member of its group is there: it should complete"
+    return line + "; " + "; ".join(f"{ranks_text(r)} {why}" for r, why in group_by_text(absent))
+
+
+def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, RankSnapshot]) -> str:
+    snap = snapshots.get(rank)
+    if snap is None:
+        return "did not answer"
+    if snap.dead:
+        return f"is dead ({snap.dead})"
+    if rank in waiting:
+        return f"waits in {waiting[rank].describe()} instead"
+    if snap.busy:
+        return f"never reached it: at {snap.where()}"
+    if snap.last.startswith("stopped"):
+        return f"{snap.last} before joining it (idle)"
+    return "finished the cell without joining it (idle)"
+
+
+def group_members(collective: Collective, rank: int, topology: Topology) -> list[int] | None:
+    """Ranks of ``collective``'s process group, seen from ``rank`` (None if unknown)."""
+    if collective.group == "default_pg":
+        return list(range(topology.world_size))
+    if collective.dim in topology.names:
+        coords = topology.coords(rank)
+        return topology.where(**{d: i for d, i in coords.items() if d != collective.dim})
+    return None
+

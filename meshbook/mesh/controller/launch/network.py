@@ -1,0 +1,395 @@
+"""The controller's side of a mesh across hosts: one Curve connection per remote host agent.
+
+Requests for the ranks of a remote host travel once per host, with a route naming the
+channel and ranks; the agent fans them out (:mod:`meshbook.mesh.agent.link`). What the ranks
+send comes back up the same connection, signed by the ranks, and goes through the
+controller's one handler table like local traffic.
+
+A ZeroMQ socket belongs to one thread at a time, and a connection both sends and receives, so
+every link socket is owned by the controller's receiver thread: other threads hand what they
+send to an in-process *outbox* that the receiver drains (one hop inside the process, a few
+microseconds, and big buffers still by reference).
+
+Liveness: the receiver pings every remote agent each second (:data:`~meshbook.mesh.protocol.config.HOST_PING_S`)
+and times the answer; a host not heard from for 5 s is *suspect*, for 15 s *lost*
+(configurable): its ranks are dead and the runs that waited on them fail with
+"host NAME lost: ranks ...". The agent, hearing nothing for as long, stops its ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from ...protocol import config, net, wire
+from ...protocol import messages as msg
+from ...protocol.bodies import Bootstrap
+from ...protocol.errors import MeshError
+from ...protocol.ordering import Incoming, Outgoing
+from ...protocol.remote import decode_seq, encode_epoch, encode_seq
+from ...protocol.text import format_ranks
+from ...protocol.versions import mismatch, versions
+
+_HOST = struct.Struct("<I")
+
+
+@dataclass
+class HostLink:
+    """A remote host agent as the controller sees it."""
+
+    host: int
+    name: str  # what the user called it (the ssh host, or the joined host's name)
+    address: str  # the address the agent advertised: its interface that routes to us
+    ranks: list[int]
+    port: int = 0  # the port we dialled (0: it joined our ROUTER)
+    sock: zmq.Socket | None = None  # a DEALER we dialled (None: it joined our ROUTER)
+    identity: bytes = b""  # its routing id on the join ROUTER
+    agent_pid: int | None = None
+    hostname: str = ""
+    store_port: int = 0
+    gpus: int = 0  # the GPUs its ranks see (the agent counted them)
+    last_heard: float = field(default_factory=time.monotonic)
+    last_ping: float = 0.0
+    rtt: float | None = None
+    state: str = "ok"  # ok | suspect | lost | stopped (it confirmed a stop)
+    #: How far the host's wall clock runs ahead of ours (its ranks' collective times are
+    #: stamped with it), from the quickest of the recent pings.
+    clock_offset_ns: int = 0
+    _best_ping_ns: int = 0
+    #: What this side sent and the agent has not acknowledged; what it sent, in order.
+    outgoing: Outgoing = field(default_factory=Outgoing)
+    incoming: Incoming = field(default_factory=Incoming)
+
+    def clocked(self, sent_ns: int, agent_ns: int, back_ns: int) -> None:
+        """A ping's answer: the agent read its clock ``agent_ns`` between our ``sent_ns`` and
+        ``back_ns``. The quicker the round trip, the better the estimate; older bests fade."""
+        trip = back_ns - sent_ns
+        if self._best_ping_ns == 0 or trip <= self._best_ping_ns:
+            self._best_ping_ns = max(1, trip)
+            self.clock_offset_ns = agent_ns - (sent_ns + back_ns) // 2
+        else:
+            self._best_ping_ns += self._best_ping_ns // 16  # a better estimate may come along
+
+    def describe(self) -> str:
+        return f"host {self.name} ({self.address}): ranks {format_ranks(self.ranks)}"
+
+    def row(self) -> dict[str, Any]:
+        """This host as a row of ``%mesh status``."""
+        heard = time.monotonic() - self.last_heard
+        return {"host": self.name, "address": self.address, "agent pid": self.agent_pid or "-",
+                "ranks": format_ranks(self.ranks),
+                "round trip": f"{self.rtt * 1000:.1f} ms" if self.rtt is not None else "-",
+                "last heartbeat": f"{heard:.1f} s ago", "state": self.state}
+
+
+@dataclass(frozen=True)
+class Joined:
+    """An agent that joined, before the controller gave it a place in the mesh."""
+
+    identity: bytes
+    address: str
+    hostname: str
+    pid: int
+    store_port: int
+    gpus: int
+    versions: dict[str, str]
+
+
+def refuse_other_versions(theirs: dict[str, str] | None, who: str) -> None:
+    """A ``MeshError`` naming both sides and what to install when ``who`` runs other versions
+    than this kernel (see :mod:`~meshbook.mesh.protocol.versions`)."""
+    problem = mismatch(versions(), theirs, "this kernel", who)
+    if problem:
+        raise MeshError(problem)
+
+
+class Network:
+    """Curve keys, the allowlist, the links, and the outbox through which any thread sends."""
+
+    def __init__(self, ctx: zmq.Context, key: bytes, suspect_s: float = config.HOST_SUSPECT_S,
+                 lost_s: float = config.HOST_LOST_S, keys: tuple[net.Keys, net.Keys] | None = None,
+                 epoch: int = 0, env: dict[str, str] | None = None) -> None:
+        self.ctx = ctx
+        self.key = key
+        #: The variables the user named for the ranks (the hosts' own environment is kept).
+        self.env = dict(env or {})
+        self.suspect_s, self.lost_s = suspect_s, lost_s
+        #: The mesh's server key (agents listen with it) and the controller's own key, the only
+        #: one a listening agent admits: new, or a kept mesh's (attach) from its mesh file.
+        self.server, self.me = keys or (net.Keys.new(), net.Keys.new())
+        #: Sent with every message to an agent: a kept mesh's agents refuse older epochs.
+        self.epoch = epoch
+        self.links: dict[int, HostLink] = {}
+        self.router: zmq.Socket | None = None  # where joining agents dial in
+        self.joined: list[Joined] = []
+        self.joined_changed = threading.Condition()
+        self.allowlist = net.Allowlist(set())
+        self._join_key: bytes | None = None
+        self._retired: list[zmq.Socket] = []
+        self._zap: net.ZapHandler | None = None
+        self._outbox_in = ctx.socket(zmq.PULL)
+        self._outbox_in.bind(f"inproc://outbox-{id(self)}")
+        self._outbox = ctx.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.SNDHWM, 0)
+        self._outbox.connect(f"inproc://outbox-{id(self)}")
+        #: Bumped when a socket is added, so the receiver polls it too; ``wake`` tells it now.
+        self.version = 0
+        self.wake: Callable[[], None] = lambda: None
+
+    # -- making links ----------------------------------------------------------------------------
+
+    def bootstrap(self, tunnel: bool = False, **more: Any) -> Bootstrap:
+        """What a listening agent is told on its ssh session's stdin (never on a command line),
+        with ``more`` (a hint of our address, a kept mesh's lease and file)."""
+        return Bootstrap(self.key.hex(), self.server.public.decode(), self.server.secret.decode(),
+                         self.me.public.decode(), self.lost_s, tunnel, dict(self.env), **more)
+
+    def dial(self, host: int, name: str, ranks: list[int], info: dict[str, Any], address: str,
+             port: int) -> HostLink:
+        """Connect to a listening agent (Curve client with the controller's key), once what it
+        said of itself (``info``: its LISTENING line, or a mesh file's record) shows it runs
+        what we run."""
+        refuse_other_versions(info.get("versions"), f"the host agent on {name}")
+        sock = self.ctx.socket(zmq.DEALER)
+        for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000),
+                              (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000),
+                              (zmq.IDENTITY, os.urandom(8))):  # kept across reconnections
+            sock.setsockopt(option, value)
+        net.curve_client(sock, self.me, self.server.public)
+        sock.connect(net.tcp_address(address, port))
+        link = HostLink(host, name, info["addr"], ranks, port=port, sock=sock, agent_pid=info.get("pid"),
+                        hostname=info.get("hostname", ""), store_port=int(info.get("store_port", 0)),
+                        gpus=int(info.get("gpus", 0)))
+        self._add(link)
+        return link
+
+    def open_join(self, address: str, hosts: int, timeout: float) -> Bootstrap:
+        """Listen for ``hosts`` joining agents; returns the token's content."""
+        join = net.Keys.new()
+        self._join_key = join.public
+        self.allowlist.allow(join.public)
+        self._zap = self.allowlist.serve(self.ctx)
+        router = self.ctx.socket(zmq.ROUTER)
+        # HANDOVER: a joined agent's connection with its own key takes over its routing id.
+        for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000), (zmq.ROUTER_MANDATORY, 1),
+                              (zmq.ROUTER_HANDOVER, 1)):
+            router.setsockopt(option, value)
+        net.curve_server(router, self.server)
+        port = net.bind_in_range(router, address)
+        self.router = router
+        self.version += 1
+        self.wake()
+        return Bootstrap(self.key.hex(), self.server.public.decode(), lost_s=self.lost_s, env=dict(self.env),
+                         controller=[address, port], join=join.to_json(), timeout=timeout)
+
+    def on_join(self, identity: bytes, body: dict[str, Any], welcome: list[Any]) -> None:
+        """A joining agent (receiver thread). First it comes with the join key, and brings a key
+        of its own: that key is admitted from now on, and the agent is told so (``welcome``)
+        and comes back with it, on a new connection that takes over its routing id. Only then
+        has it joined: the join key is revoked once the hosts have joined, and a link that
+        resets later reconnects with the agent's own key."""
+        if not body.get("switched"):
+            key = body.get("key")
+            if key:
+                self.allowlist.allow(key.encode())
+            if self.router is not None:
+                self.router.send_multipart([identity, encode_epoch(self.epoch), encode_seq(0), b"", *welcome],
+                                           copy=False)
+            return
+        with self.joined_changed:
+            if any(j.identity == identity for j in self.joined):
+                return
+            self.joined.append(Joined(identity, body["addr"], body["hostname"], int(body["pid"]),
+                                      int(body.get("store_port", 0)), int(body.get("gpus", 0)),
+                                      body.get("versions") or {}))
+            self.joined_changed.notify_all()
+
+    def spend_token(self) -> None:
+        """The hosts have joined: a copy of the token opens nothing from now on."""
+        if self._join_key is not None:
+            self.allowlist.revoke(self._join_key)
+
+    def adopt(self, host: int, joined: Joined, ranks: list[int]) -> HostLink:
+        link = HostLink(host, joined.hostname, joined.address, ranks, identity=joined.identity,
+                        agent_pid=joined.pid, hostname=joined.hostname, store_port=joined.store_port,
+                        gpus=joined.gpus)
+        self._add(link)
+        return link
+
+    def _add(self, link: HostLink) -> None:
+        old = self.links.get(link.host)
+        if old is not None and old.sock is not None:
+            self._retired.append(old.sock)  # the receiver owns it: it closes it
+        self.links[link.host] = link
+        self.version += 1
+        self.wake()
+
+    def close_retired(self) -> None:
+        """Close the sockets of replaced links (receiver thread, when it re-polls)."""
+        while self._retired:
+            self._retired.pop().close(linger=0)
+
+    # -- sending (any thread, under the controller's send lock) ----------------------------------
+
+    def send(self, host: int, route: bytes, frames: list[Any]) -> zmq.MessageTracker | None:
+        """Queue a message for ``host``'s agent: the receiver thread sends it. With big
+        buffers, returns a tracker, done once they left for the network (wait for it outside
+        the send lock: the receiver may need that lock before it gets to them)."""
+        parts = [_HOST.pack(host), route, *frames]
+        if wire.is_big(frames):
+            return self._outbox.send_multipart(parts, copy=False, track=True)
+        self._outbox.send_multipart(parts)
+        return None
+
+    # -- the receiver thread's side ------------------------------------------------------------
+
+    def sockets(self) -> list[zmq.Socket]:
+        """Everything the receiver polls for the network."""
+        links = [link.sock for link in self.links.values() if link.sock is not None]
+        return [self._outbox_in, *links, *([self.router] if self.router is not None else [])]
+
+    def drain(self, sock: zmq.Socket, handle: Callable[[HostLink | None, bytes, list[Any]], None]) -> None:
+        """Handle what ``sock`` has ready: forward the outbox, or pass received messages on
+        with the link they came up (None: an agent that is joining, known by its routing id)."""
+        # Once per drain, not per message: 1,024 ranks on 128 hosts answer 8 to a link.
+        dialled = next((candidate for candidate in self.links.values() if candidate.sock is sock), None)
+        while True:
+            try:  # cheaper than asking sock.poll(0) before each message (a Poller each time)
+                frames = wire.recv(sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if sock is self._outbox_in:
+                self._forward(frames)
+            elif sock is self.router:
+                identity = frames[0].bytes
+                link = next((candidate for candidate in self.links.values() if candidate.identity == identity), None)
+                self._in_order(link, identity, frames[1:], handle)
+            else:
+                self._in_order(dialled, b"", frames, handle)
+
+    def _in_order(self, link: HostLink | None, identity: bytes, frames: list[Any],
+                  handle: Callable[[HostLink | None, bytes, list[Any]], None]) -> None:
+        """Pass a link's messages on in the order the agent sent them; hold what comes after a
+        gap until it is sent again (see ``tick``)."""
+        seq = decode_seq(frames[0].bytes if isinstance(frames[0], zmq.Frame) else frames[0])
+        if link is None or seq == 0:  # an agent not placed yet (joining), or outside the order
+            handle(self._heard(link), identity, frames[1:])
+            return
+        for message in link.incoming.take(seq, frames[1:], time.monotonic()):
+            handle(self._heard(link), identity, message)
+
+    def _heard(self, link: HostLink | None) -> HostLink | None:
+        if link is not None:
+            link.last_heard = time.monotonic()
+            link.state = "ok" if link.state == "suspect" else link.state
+        return link
+
+    def _forward(self, parts: list[Any]) -> None:
+        head = parts[0]
+        (host,) = _HOST.unpack(head.bytes if isinstance(head, zmq.Frame) else head)
+        link = self.links.get(host)
+        if link is None or link.state == "lost":
+            return  # the host is gone: what waited for it has failed
+        # Kept as a copy: whoever sent a big buffer waits until ZeroMQ lets go of it (to change
+        # its tensor), which it would not until the agent acknowledged it.
+        kept = [bytes(f.buffer) if isinstance(f, zmq.Frame) and len(f) >= wire.ZERO_COPY_MIN else f
+                for f in parts[1:]]
+        self._send(link, link.outgoing.number(kept), parts[1:])
+
+    def _send(self, link: HostLink, seq: int, parts: list[Any]) -> None:
+        """``parts`` (route and message) to ``link``'s agent, as message ``seq`` of the link."""
+        frames = [encode_epoch(self.epoch), encode_seq(seq), *parts]
+        try:
+            if link.sock is not None:
+                link.sock.send_multipart(frames, copy=False)
+            elif self.router is not None:
+                self.router.send_multipart([link.identity, *frames], copy=False)
+        except zmq.ZMQError:
+            pass  # EHOSTUNREACH: a joined agent reconnecting; its liveness check decides
+
+    def tick(self, op: Callable[[dict[str, Any]], list[Any]], lost: Callable[[HostLink], None]) -> None:
+        """Ping every link that is due, mark the silent ones, and ask again for what a link is
+        missing (receiver thread). ``op`` signs an operation for an agent."""
+        now = time.monotonic()
+        for link in list(self.links.values()):
+            if link.state in ("lost", "stopped"):
+                continue
+            silent = now - link.last_heard
+            if silent >= self.lost_s:
+                link.state = "lost"
+                lost(link)
+                continue
+            if silent >= self.suspect_s:
+                link.state = "suspect"
+            missing = link.incoming.ask(now)
+            if missing is not None:
+                self.operate(link, op({"op": msg.AgentOp.RESEND, "from": missing}), ordered=False)
+            if now - link.last_ping >= config.HOST_PING_S:
+                link.last_ping = now
+                self.operate(link, op({"op": msg.AgentOp.PING, "sent": now, "wall": time.time_ns(),
+                                       "ack": link.incoming.acknowledged}))
+
+    def operate(self, link: HostLink, frames: list[Any], ordered: bool = True) -> None:
+        """An operation for ``link``'s agent itself, from the receiver thread (``ordered=False``:
+        outside the link's numbering, for what must pass a gap: asking for messages again)."""
+        if ordered:
+            self._forward([_HOST.pack(link.host), b"", *frames])
+        else:
+            self._send(link, 0, [b"", *frames])
+
+    def resend(self, link: HostLink, since: int, op: Callable[[dict[str, Any]], list[Any]]) -> int | None:
+        """The agent missed what this side sent from ``since`` on: send it again (receiver
+        thread). What is no longer kept is lost: the agent is told to skip it, and the newest
+        lost number is returned (the caller fails the work that waited on that host)."""
+        again = link.outgoing.since(since)
+        lost = None
+        if again is None:
+            lost = link.outgoing.let_go
+            self.operate(link, op({"op": msg.AgentOp.LOST, "upto": lost}), ordered=False)
+            again = link.outgoing.since(lost + 1) or []
+        for seq, parts in again:
+            self._send(link, seq, parts)
+        return lost
+
+    def stop_agents(self, signer: wire.Wire, timeout: float) -> None:
+        """Tell every remote agent to stop its ranks and exit, and wait for each to confirm
+        (called once the receiver thread is gone, so this thread owns the sockets)."""
+        waiting = {link.host: link for link in self.links.values() if link.state in ("ok", "suspect")}
+        for link in waiting.values():
+            self.operate(link, signer.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []}, {"op": msg.AgentOp.STOP}))
+        poller = zmq.Poller()
+        for sock in self.sockets()[1:]:
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for sock in dict(poller.poll(int(left * 1000))):
+                self.drain(sock, lambda link, _, frames: self._confirmed(signer, link, frames, waiting))
+
+    @staticmethod
+    def _confirmed(signer: wire.Wire, link: HostLink | None, frames: list[Any],
+                   waiting: dict[int, HostLink]) -> None:
+        if link is None:
+            return
+        try:
+            message = signer.unpack(frames)
+        except wire.BadMessage:
+            return
+        if message.kind == msg.HOST_BEAT and message.body().get("stopped"):
+            link.state = "stopped"
+            waiting.pop(link.host, None)
+
+    def close(self) -> None:
+        socks = [self._outbox, self._outbox_in, *(link.sock for link in self.links.values() if link.sock is not None)]
+        if self.router is not None:
+            socks.append(self.router)
+        self.close_retired()
+        for sock in socks:
+            sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()

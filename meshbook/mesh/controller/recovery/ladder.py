@@ -1,0 +1,205 @@
+"""Getting a stuck or broken mesh usable again, losing as few namespaces as possible.
+
+A rank blocked in a gloo collective ignores SIGINT until the collective's timeout. What does
+end it is its connection to a peer closing. :func:`recover` uses that, in escalating steps,
+and stops at the first that frees every rank:
+
+1. every free rank re-creates its process group (``destroy_process_group`` closes its
+   connections): ranks waiting for a free rank fail at once and follow. No namespace is lost;
+2. ranks still stuck after :data:`ABORT_AFTER_S` (they wait only on other stuck ranks, e.g.
+   mismatched collectives) get their inter-rank sockets shut down from their control thread,
+   which fails their collective in the same way. No namespace is lost;
+3. ranks still stuck after that (C code that holds on regardless) are killed and re-forked
+   under the same rank id: only these lose their variables.
+
+Ranks asked to restart (``mesh.restart([1])``) and ranks that died are re-forked first. Then
+every rank joins a new process group (a new generation in a new store), rebuilds
+``device_mesh``, and the :class:`Recovery` report says exactly who kept and who lost what.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
+
+from ...protocol.errors import MeshError
+from ...protocol.text import format_ranks, ranks_text
+from ...rank.ops import abort_collectives, prepare_abort, reinit
+
+if TYPE_CHECKING:
+    from ..core.controller import Controller
+    from ..core.run import Run
+
+#: How long free ranks get to release stuck ones before their sockets are shut down.
+ABORT_AFTER_S = 0.2
+#: How long shut-down sockets get to end a collective before the rank is re-forked.
+KILL_AFTER_S = 2.0
+#: How long ranks get to join re-created groups after a step check before being re-forked.
+RESYNC_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Recovery:
+    """What :func:`recover` did: who was re-forked (variables lost), who kept everything."""
+
+    restarted: list[int]
+    aborted: list[int]
+    kept: list[int]
+    generation: int
+    seconds: float
+
+    def render(self) -> str:
+        lines = []
+        if self.restarted:
+            lines.append(f"{ranks_text(self.restarted)} restarted: {_their(self.restarted)} variables are lost.")
+        if self.aborted:
+            lines.append(f"{ranks_text(self.aborted)} had {_their(self.aborted)} collective aborted "
+                         f"(no process restarted).")
+        if self.kept:
+            lines.append(f"{ranks_text(self.kept)} kept {_their(self.kept)} variables.")
+        lines.append(f"The process group was re-created on all ranks (generation {self.generation}) "
+                     f"in {self.seconds:.1f} s; objects built on the old one (DDP/FSDP modules, "
+                     f"DTensors, subgroups) must be re-created from the new `device_mesh`.")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.render()
+
+
+class Cancellable(Protocol):
+    """A check holding ranks (a step check): a recovery lets them go first."""
+
+    def cancel(self) -> None: ...
+
+
+#: The step checks in progress, per controller.
+_checks: "weakref.WeakKeyDictionary[Controller, list[Cancellable]]" = weakref.WeakKeyDictionary()
+_checks_lock = threading.Lock()
+
+
+def track(controller: "Controller", check: Cancellable, done: Callable[[Cancellable], bool]) -> None:
+    """``check`` holds ranks of ``controller`` until it is done, or a recovery cancels it."""
+    with _checks_lock:
+        _checks[controller] = [c for c in _checks.get(controller, []) if not done(c)] + [check]
+
+
+def cancel_checks(controller: "Controller") -> None:
+    """Release ranks held by step checks (recovery re-creates every group anyway)."""
+    with _checks_lock:
+        checks = _checks.pop(controller, [])
+    for check in checks:
+        check.cancel()
+
+
+def recover(controller: "Controller", restart: list[int], timeout: float) -> Recovery:
+    """Free every rank and re-create the process group on all of them (see module doc)."""
+    cancel_checks(controller)  # ranks held for a check would never reach the re-creation
+    with controller.recovery_lock:
+        return _recover(controller, restart, timeout)
+
+
+def _recover(controller: "Controller", restart: list[int], timeout: float) -> Recovery:
+    started = time.monotonic()
+    controller.kill(restart)
+    restarted = [r for r, s in controller.ranks.items() if s.state == "dead"]
+    generation = controller.new_generation()
+    survivors = [r for r in controller.ranks if r not in restarted]
+    # Whatever these ranks were running is aborted by what follows, collective or not.
+    interrupted = [r for r in survivors if controller.current_request(r) is not None]
+    # Re-forked first: a host re-formed elsewhere brings the store with it (across hosts).
+    controller.respawn(restarted, generation)
+    joined = controller.call(reinit, generation, controller.store_addr, ranks=survivors,
+                             what="re-create the process group") if survivors else None
+
+    def stuck() -> list[int]:
+        return [r for r in survivors if controller.busy_with_other(r, joined.id)] if joined else []
+
+    aborted: list[int] = []
+    while stuck():
+        waited = time.monotonic() - started
+        if not aborted and waited >= ABORT_AFTER_S:
+            aborted = stuck()
+            abort(controller, aborted)
+        elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
+            hopeless = stuck()
+            controller.kill(hopeless)
+            controller.respawn(hopeless, generation)
+            restarted += hopeless
+            break
+        if waited > timeout:
+            raise MeshError(f"recovery timed out: rank(s) {format_ranks(stuck())} stay busy")
+        time.sleep(0.02)
+    controller.wait_generation(generation, list(controller.ranks), timeout, "recovery")
+    aborted = [r for r in interrupted if r not in restarted]
+    kept = [r for r in controller.ranks if r not in restarted]
+    return Recovery(sorted(restarted), aborted, kept, generation, time.monotonic() - started)
+
+
+def resync(controller: "Controller", held: "Run", ahead: list[int],
+           release: Callable[[int], None]) -> Recovery:
+    """Put ranks waiting in a step check (``held``) into a new process-group generation.
+
+    The ranks ``ahead`` issued collectives no peer will pair: those hold their old group's
+    connections, so they are shut down first (every rank is idle in the check, so only old
+    connections exist). A rank that still cannot join in time is re-forked.
+    """
+    with controller.recovery_lock:
+        started = time.monotonic()
+        ranks = held.pending
+        abort(controller, ahead)
+        generation = controller.new_generation()
+        release(generation)
+        restarted: list[int] = []
+        try:
+            controller.wait_generation(generation, ranks, RESYNC_TIMEOUT_S, "re-creating the process groups")
+        except MeshError:
+            restarted = [r for r in ranks if controller.ranks[r].generation != generation]
+            controller.kill(restarted)
+            controller.respawn(restarted, generation)
+            controller.wait_generation(generation, ranks, RESYNC_TIMEOUT_S, "re-creating the process groups")
+        held.wait(5)  # each rank's list of objects bound to the old groups
+        kept = [r for r in ranks if r not in restarted]
+        return Recovery(restarted, sorted(set(ahead) - set(restarted)), kept, generation,
+                        time.monotonic() - started)
+
+
+def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int, str] = "",
+          lost_hosts: Sequence[str] = ()) -> None:
+    """Shut down the inter-rank connections of ``ranks``, while they still run the request
+    they run now: a collective blocked on them fails at once (with ``reason`` as its error).
+    Connections to ``lost_hosts`` (addresses of hosts found lost) go too."""
+    ranks = [r for r in ranks if controller.ranks[r].state != "dead"]
+    if not ranks:
+        return
+    reasons = {r: reason if isinstance(reason, str) else reason[r] for r in ranks}
+    stuck_in = {r: controller.current_request(r) for r in ranks}
+    live = [r for r, s in controller.ranks.items() if s.state != "dead"]
+    asked = controller.call(prepare_abort, stuck_in, {r: t for r, t in reasons.items() if t},
+                            ranks=live, what="listening ports")
+    asked.wait(5)
+    ports = sorted({p for value in asked.values().values() for p in value})
+    controller.call(abort_collectives, stuck_in, ports, list(lost_hosts), ranks=ranks,
+                    what="abort collectives").wait(5)
+
+
+def free_stranded(controller: "Controller", ranks: list[int], reason: str, lost_hosts: list[str]) -> None:
+    """Ranks that were running beside a rank that died: the group is broken, so abort their
+    collectives now instead of letting them wait for the collective timeout."""
+    if not controller.recovery_lock.acquire(blocking=False):
+        return  # a recovery (restart, the second interrupt) frees them and re-creates the group
+    try:
+        abort(controller, [r for r in ranks if controller.ranks[r].state == "busy"], reason, lost_hosts)
+    except MeshError as exc:
+        if not controller.stopped:
+            print(f"meshbook: could not free rank(s) {format_ranks(ranks)}: {exc}", file=sys.__stderr__)
+    finally:
+        controller.recovery_lock.release()
+
+
+
+def _their(ranks: list[int]) -> str:
+    return "their" if len(ranks) > 1 else "its"

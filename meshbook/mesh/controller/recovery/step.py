@@ -1,0 +1,189 @@
+"""Keeping ranks in step: after anything that stopped ranks at different points, check each
+rank's position in every process group before the next collective can run, and re-create the
+groups when the positions differ.
+
+Why: a collective pairs the *n*-th call of every member. A rank interrupted between issuing an
+async ``all_reduce`` and waiting on it has issued one more than a rank interrupted before
+issuing it; the next cell's collective would then be paired with the stale one and return a
+wrong number, or hang. torch counts the collectives each group has issued on each rank
+(``ProcessGroup._get_sequence_number_for_group``), so the positions are known exactly.
+
+The check is a barrier in the ranks' request order, so nothing queued after it can run first:
+
+1. the controller sends every live rank two requests, ``positions`` and ``hold``
+   (:mod:`meshbook.mesh.rank.ops`); each
+   rank reports its position in each group and then waits;
+2. the controller compares (:func:`compare`): in step, it releases the ranks with no verdict;
+   out of step (or a group destroyed), it releases them with a new process-group generation,
+   which each rank joins inside ``hold`` (the recovery ladder frees any rank whose old,
+   unpaired collective keeps it from leaving), and the cell says what happened.
+
+What was built on the old groups (DDP/FSDP modules, DTensors, DeviceMeshes) cannot follow: the
+report names those variables (``bound_objects``, on the ranks) so the user knows what to re-create.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from ...protocol.errors import MeshError
+from ...protocol.reports import Positions
+from ...protocol.text import format_ranks, group_by_text, ranks_text
+from ...rank.ops import hold, positions, release
+from .ladder import Recovery, resync, track
+
+if TYPE_CHECKING:
+    from ..core.controller import Controller
+    from ..core.run import Run
+
+
+@dataclass(frozen=True)
+class Skew:
+    """One process group whose members have issued different numbers of collectives."""
+
+    label: str
+    issued: dict[int, int]  # rank -> collectives issued
+
+    @property
+    def ahead(self) -> list[int]:
+        """Ranks that issued collectives their peers never will: those are aborted."""
+        low = min(self.issued.values())
+        return sorted(r for r, n in self.issued.items() if n > low)
+
+    def describe(self) -> str:
+        by_count: dict[int, list[int]] = {}
+        for rank, n in sorted(self.issued.items()):
+            by_count.setdefault(n, []).append(rank)
+        parts = [f"{ranks_text(ranks)} {'have' if len(ranks) > 1 else 'has'} issued {n}"
+                 for n, ranks in sorted(by_count.items(), reverse=True)]
+        return f"in {self.label}, " + ", ".join(parts)
+
+
+def compare(reports: Mapping[int, Positions]) -> tuple[list[Skew], list[int]]:
+    """Groups whose members disagree on how many collectives they issued, and the ranks
+    whose default group is gone (destroyed by user code)."""
+    gone = sorted(r for r, p in reports.items() if not p.initialized)
+    seen: dict[str, dict[int, int]] = {}
+    labels: dict[str, str] = {}
+    for rank, report in reports.items():
+        for name, group in report.groups.items():
+            seen.setdefault(name, {})[rank] = group.issued
+            labels[name] = group.label
+    skews = [Skew(labels[name], issued) for name, issued in sorted(seen.items())
+             if len(set(issued.values())) > 1]
+    return skews, gone
+
+
+
+def check_after(controller: "Controller", run: "Run") -> "StepCheck | None":
+    """Check that every rank is at the same collective in each group after ``run`` stopped
+    irregularly (the controller's ``on_irregular_end``)."""
+    if controller.stopped or any(s.state == "dead" for s in controller.ranks.values()):
+        return None  # a dead rank's restart re-creates every group anyway
+    check = StepCheck(controller, "the interrupt" if run.interrupted else "the failed cell", run.forced_resync)
+    try:
+        check.start()
+    except MeshError:
+        return None  # stopped, or a rank died, meanwhile: nothing to check (see above)
+    track(controller, check, lambda c: c.done.is_set())  # type: ignore[attr-defined]
+    return check
+
+
+class StepCheck:
+    """One check of every live rank's positions, coordinated on its own thread."""
+
+    def __init__(self, controller: "Controller", cause: str, force: bool = False) -> None:
+        self.controller = controller
+        self.cause = cause
+        self.force = force  # re-create the groups even if the counts agree (connections were cut)
+        self.report = ""
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._owner = ""  # who gives the verdict: "check" or "cancel", whoever comes first
+        self._released = False
+        self.ranks = [r for r, s in controller.ranks.items() if s.state != "dead"]
+
+    def start(self) -> None:
+        ctl = self.controller
+        self.asked = ctl.call(positions, ranks=self.ranks, what="collective positions")
+        self.held = ctl.call(hold, ranks=self.ranks, what="step check (every rank's collective count)")
+        threading.Thread(target=self._run, name="meshbook-step-check", daemon=True).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+    @property
+    def waiting_for(self) -> list[int]:
+        """Ranks that have not reached the check yet (busy with earlier requests)."""
+        return self.asked.pending
+
+    def _run(self) -> None:
+        try:
+            self.report = self._check()
+        except Exception as exc:  # the ranks must never stay held
+            self.report = f"meshbook could not check the ranks' collective positions: {exc}"
+            self._release(None)
+        finally:
+            self.done.set()
+
+    def cancel(self) -> None:
+        """Let the held ranks go unchecked (recovery is about to re-create every group),
+        unless the check already decided."""
+        if self._own("cancel"):
+            self._release(None)
+
+    def _own(self, who: str) -> bool:
+        with self._lock:
+            self._owner = self._owner or who
+            return self._owner == who
+
+    def _check(self) -> str:
+        ctl = self.controller
+        while not self.asked.wait(0.25):
+            if ctl.stopped or self._owner == "cancel":
+                return ""
+        skews, gone = compare(dict(self.asked.values().items()))
+        if not self._own("check"):
+            return ""
+        if self.asked.exception() is not None or (not skews and not gone and not self.force):
+            self._release(None)  # in step (or a rank died: its restart re-creates the groups)
+            return ""
+
+        recovery = resync(ctl, self.held, [r for s in skews for r in s.ahead], self._release)
+        return render_resync(self.cause, skews, gone, recovery, dict(self.held.values().items()))
+
+    def _release(self, verdict: int | None) -> None:
+        with self._lock:  # once: a second verdict would wait in a rank's queue for its next check
+            if self._released:
+                return
+            self._released = True
+        ctl = self.controller
+        ranks = [r for r in self.held.pending if ctl.ranks[r].state != "dead"]
+        try:
+            if ranks:
+                ctl.call(release, self.held.id, verdict, ranks=ranks, what="step verdict")
+        except MeshError:
+            pass  # stopped meanwhile: nobody is left to hold
+
+
+def render_resync(cause: str, skews: list[Skew], gone: list[int], recovery: Recovery,
+                  bound: Mapping[int, list[str]]) -> str:
+    """What the cell says after the groups were re-created to put the ranks back in step."""
+    lines = []
+    if not skews and not gone:
+        lines.append(f"meshbook aborted a collective after {cause}, so it re-created the process groups.")
+    if skews:
+        lines.append(f"The ranks were out of step after {cause}: " +
+                     "; ".join(s.describe() for s in skews) + " collectives. The next collective "
+                     "would have paired different calls, so meshbook re-created the process groups. "
+                     "Your own state may differ between ranks too (a loop counter, a data iterator): "
+                     "set it alike on every rank before you go on.")
+    if gone:
+        lines.append(f"{ranks_text(gone)} destroyed the default process group; meshbook re-created it.")
+    lines.append(recovery.render())
+    objects = group_by_text({r: ", ".join(names) for r, names in bound.items() if names})
+    for ranks, names in objects:
+        lines.append(f"[{format_ranks(ranks)}] bound to the old groups, re-create: {names}")
+    return "\n".join(lines)

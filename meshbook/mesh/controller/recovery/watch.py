@@ -1,0 +1,101 @@
+"""Runs that end unevenly: a rank left waiting in a collective that can never complete is freed.
+
+A collective pairs the n-th call of every member of its group. When a member has finished the
+run (done, failed, or stopped by an interrupt) and runs nothing else, a collective that another
+rank of the run waits in, with that member in its group, can only complete by pairing with
+whatever the member runs next (a wrong result), or fail at the collective timeout minutes
+later: ``if rank != 1: raise ValueError()`` then ``dist.all_reduce(x)`` left rank 1 waiting 300 s
+(torchrun ends such a job in seconds). So meshbook aborts it (the recovery ladder's step 2,
+:func:`~meshbook.mesh.controller.recovery.ladder.abort`): the rank keeps its variables, its error says
+why, and the step check that follows the run re-creates the process groups.
+
+The controller's receiver calls :func:`watch` at every tick; it sends nothing. A run whose
+ranks have finished unevenly for ``CHECK_AFTER_S`` is checked on a thread of its own every
+``RECHECK_S``: a snapshot of the ranks still in it (their flight recorders, so collectives issued
+from C++, like DDP's, count too) and, where a collective cannot complete, the abort. The first
+check after an interrupt waits ``FREE_AFTER_S``: a rank stopping at that very moment must not be
+taken for one that will never come.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ...protocol import messages as msg
+from ...protocol.errors import MeshError
+from ...protocol.reports import Collective
+from ...protocol.text import ranks_text
+from ...rank.ops import snapshot
+from ..insight.hangs import group_members
+from .ladder import abort
+
+if TYPE_CHECKING:
+    from ..core.controller import Controller
+    from ..core.run import Run
+
+#: How long a run's ranks may end apart before the ones still in it are looked at.
+CHECK_AFTER_S = 0.3
+#: How long after an interrupt before that (ranks stop at their next bytecode).
+FREE_AFTER_S = 1.0
+#: How often a run still ending unevenly is looked at again.
+RECHECK_S = 0.5
+#: How long a snapshot may take.
+SNAPSHOT_WAIT_S = 2.0
+
+
+def watch(controller: "Controller", runs: list["Run"]) -> None:
+    """Start a check of each user run that is ending unevenly and is due one (receiver thread)."""
+    now = time.monotonic()
+    for run in runs:
+        if run.kind not in msg.USER_KINDS or run.checking or run.done() or run.first_done_at is None:
+            continue
+        due = run.first_done_at + CHECK_AFTER_S
+        if run.interrupted_at is not None:
+            due = max(due, run.interrupted_at + FREE_AFTER_S)
+        if now >= max(due, run.checked_at + RECHECK_S):
+            run.checking = True
+            threading.Thread(target=_check, args=(controller, run), name="meshbook-run-watch", daemon=True).start()
+
+
+def _check(controller: "Controller", run: "Run") -> None:
+    try:
+        free_unpairable(controller, run)
+    except MeshError:
+        pass  # a rank died or the mesh stopped meanwhile: that path frees (or ends) them
+    finally:
+        run.checked_at, run.checking = time.monotonic(), False
+
+
+def free_unpairable(controller: "Controller", run: "Run") -> None:
+    """Abort the collectives of ``run``'s waiting ranks that a member who finished the run,
+    and runs nothing else, will never join."""
+    live = [r for r in run.pending if controller.ranks[r].state != "dead"]
+    if not live or controller.stopped:
+        return
+    asked = controller.call(snapshot, ranks=live, what="stacks")
+    asked.wait(SNAPSHOT_WAIT_S)
+    reasons = {}
+    for rank, snap in asked.values().items():
+        if snap.request != run.id or not snap.pending:
+            continue
+        collective = snap.pending[-1]
+        members = group_members(collective, rank, controller.topology) or []
+        gone = [m for m in members if m in run.ranks and m not in run.pending and not controller.queued(m)]
+        if gone:
+            reasons[rank] = _reason(run, collective, gone)
+    if reasons and not run.done():
+        run.forced_resync = True  # before the abort: the run may end (and its check start) at once
+        abort(controller, list(reasons), reasons)
+
+
+def _reason(run: "Run", collective: Collective, gone: list[int]) -> str:
+    """Why a rank's collective was aborted, for its error."""
+    if run.interrupted:
+        return (f"interrupted: meshbook aborted its {collective.describe()}, which {ranks_text(gone)} "
+                f"stopped before joining and would never join")
+    failed = run.failed_ranks()
+    how = "failed" if set(gone) <= failed else "finished"
+    return (f"meshbook aborted its {collective.describe()}: {ranks_text(gone)} {how} the cell without "
+            f"joining it, so it could never complete (at best it would wait out the collective timeout)")
