@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from kernels import Kernel, wait_gone
+from jupyter_kernels import Kernel, wait_gone
 
 import meshbook
 

@@ -163,7 +163,7 @@ def test_nothing_is_left_behind_when_the_kernel_is_sigkilled(ssh_hosts: sshd.Ssh
     pipes it held close), its agents with them, and what it left on disk goes at the next
     start on this machine; a SIGKILLed agent's directory goes at the next start on its host."""
     import psutil
-    from kernels import Kernel, wait_gone
+    from jupyter_kernels import Kernel, wait_gone
 
     config = str(ssh_hosts.ssh_config)
     kernel = Kernel()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-from kernels import Kernel, wait_gone
+from jupyter_kernels import Kernel, wait_gone
 from rigs import slurm
 
 import meshbook

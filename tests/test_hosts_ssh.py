@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from kernels import Kernel
+from jupyter_kernels import Kernel
 from rigs import need, netns, sshd
 
 import meshbook

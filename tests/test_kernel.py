@@ -10,7 +10,7 @@ import time
 from typing import Iterator
 
 import pytest
-from kernels import Kernel, kernel_with_mesh, wait_gone
+from jupyter_kernels import Kernel, kernel_with_mesh, wait_gone
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
-from kernels import Kernel
+from jupyter_kernels import Kernel
 
 POLICY = '''class Policy(meshbook.Actor):
     def __init__(self, hidden):

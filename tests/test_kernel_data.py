@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kernels import Kernel, Reply, kernel_with_mesh
+from jupyter_kernels import Kernel, Reply, kernel_with_mesh
 
 
 @pytest.fixture(scope="module")

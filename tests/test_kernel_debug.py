@@ -6,7 +6,7 @@ import time
 from typing import Iterator
 
 import pytest
-from kernels import Kernel, kernel_with_mesh
+from jupyter_kernels import Kernel, kernel_with_mesh
 
 SKIP_ALL_REDUCE = ("%%mesh\nimport time\nt = torch.ones(8)\nif rank == 1:\n    time.sleep(60)\n"
                    "else:\n    dist.all_reduce(t)\nt.sum().item()")

@@ -15,7 +15,7 @@ import stat
 import psutil
 import pytest
 import torch
-from kernels import Kernel, wait_gone
+from jupyter_kernels import Kernel, wait_gone
 
 import meshbook
 from meshbook.mesh.controller.launch.kept import mesh_dir, parse_duration

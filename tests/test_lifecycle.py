@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 import zmq
-from kernels import wait_gone
+from jupyter_kernels import wait_gone
 
 import meshbook
 from meshbook import MeshError, MeshStoppedError, RemoteError

@@ -6,7 +6,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from kernels import Kernel
+from jupyter_kernels import Kernel
 
 import meshbook
 from meshbook.mesh.protocol.limits import REPR_CHARS, KeptOnRank

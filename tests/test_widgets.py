@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernels import Kernel, Reply, kernel_with_mesh
+from jupyter_kernels import Kernel, Reply, kernel_with_mesh
 from workloads import slow_rank_loop
 
 from meshbook.widgets import html
