@@ -25,6 +25,7 @@ __all__ = [
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
     "RemoteRef", "Namespaces", "VarInfo", "MissingNameError", "TooLargeError", "ShapeError",
+    "Layout", "PlanReport", "Row",
 ]
 
 
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
         HostPlan,
         LaunchContext,
         Launcher,
+        Layout,
         Mesh,
         MeshError,
         MeshStoppedError,
@@ -59,11 +61,13 @@ if TYPE_CHECKING:
         Namespaces,
         NoEndpointError,
         Output,
+        PlanReport,
         RankFailure,
         RankValues,
         RemoteError,
         RemoteRef,
         Result,
+        Row,
         Run,
         SelectionError,
         SendError,

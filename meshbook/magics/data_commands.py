@@ -11,18 +11,17 @@ A mixin of :class:`~meshbook.magics.mesh_magic.MeshMagics`; each command is a th
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..mesh import DEFAULT_MAX_BYTES, RankValues, format_bytes, format_ranks, parse_where
+from ..mesh import parse_size as size_in_bytes
 from .base import command, require_mesh
 
 _RANKS_HELP = "ranks: 0,2 or 0-3 (default: all)"
 _WHERE_HELP = "select ranks by mesh coordinates: dp=0 or dp=0,tp=0-1"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 
 
 class DataCommands:
@@ -76,13 +75,12 @@ class DataCommands:
         return values
 
 
-def parse_size(text: str) -> int:
-    """``"8G"`` -> ``8 * 2**30``; plain numbers are bytes; K, M, G, T are powers of 1024."""
-    match = _SIZE.match(text)
-    if not match:
-        raise UsageError(f"--max-bytes {text!r}: write a size like 2147483648, 512M or 8G")
-    number, unit = match.groups()
-    return int(float(number) * 1024 ** "bkmgt".index((unit or "b").lower()))
+def parse_size(text: str, what: str = "--max-bytes") -> int:
+    """``"8G"`` -> ``8 * 2**30``, or a UsageError saying how to write a size."""
+    try:
+        return size_in_bytes(text, what)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _where(text: str | None) -> dict[str, list[int]] | None:

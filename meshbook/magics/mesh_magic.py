@@ -34,12 +34,13 @@ from ..mesh import (
 from .base import command, describe, require_mesh, running_mesh
 from .data_commands import DataCommands, parse_size
 from .debug_commands import DebugCommands
+from .plan_commands import PlanCommands
 from .render import RenderOptions, show_run
 from .widget_commands import WidgetCommands
 
 
 @magics_class
-class MeshMagics(DebugCommands, WidgetCommands, DataCommands, Magics):
+class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magics):
     """``%mesh`` / ``%%mesh``; the current mesh is :func:`meshbook.current`."""
 
     def __init__(self, shell: Any) -> None:

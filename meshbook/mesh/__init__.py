@@ -47,7 +47,9 @@ _WHERE = {
     "slow_by_duration": "controller.insight.stragglers",
     "DEFAULT_MAX_BYTES": "protocol.limits",
     "parse_dims": "protocol.topology", "parse_where": "protocol.topology",
-    **dict.fromkeys(["format_ranks", "group_by_text", "format_bytes", "status_table"], "protocol.text"),
+    **dict.fromkeys(["format_ranks", "group_by_text", "format_bytes", "status_table", "parse_size"], "protocol.text"),
+    **dict.fromkeys(["Layout", "ModelFacts", "CHECKPOINTING"], "protocol.layout"),
+    **dict.fromkeys(["PlanReport", "parse_batch"], "controller.api.plan"), "Row": "protocol.plan",
 }
 
 __all__ = [
@@ -63,7 +65,8 @@ __all__ = [
     "add_start_listener", "remove_start_listener", "EventRenderer", "write_stream", "print_late",
     "follow", "FollowOptions", "View", "add_start_arguments", "launcher_from_args", "launchers",
     "MemoryRow", "StragglerReport", "DURATION_FACTOR", "slow_by_duration", "DEFAULT_MAX_BYTES",
-    "parse_dims", "parse_where", "format_ranks", "group_by_text", "format_bytes", "status_table",
+    "parse_dims", "parse_where", "format_ranks", "group_by_text", "format_bytes", "status_table", "parse_size",
+    "Layout", "ModelFacts", "PlanReport", "Row", "parse_batch", "CHECKPOINTING",
 ]
 
 
@@ -97,6 +100,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
         start,
         use,
     )
+    from .controller.api.plan import PlanReport, parse_batch
     from .controller.core.render import EventRenderer, print_late, write_stream
     from .controller.core.run import Run
     from .controller.insight.memory import MemoryRow
@@ -122,8 +126,10 @@ if TYPE_CHECKING:  # what type checkers and editors see
         TooLargeError,
     )
     from .protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result
+    from .protocol.layout import CHECKPOINTING, Layout, ModelFacts
     from .protocol.limits import DEFAULT_MAX_BYTES
     from .protocol.namespaces import Namespaces, VarInfo
-    from .protocol.text import format_bytes, format_ranks, group_by_text, status_table
+    from .protocol.plan import Row
+    from .protocol.text import format_bytes, format_ranks, group_by_text, parse_size, status_table
     from .protocol.topology import Topology, parse_dims, parse_where
     from .protocol.values import RankValues

@@ -11,9 +11,11 @@ and percentages look the same everywhere::
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 
 
 def status_table(rows: list[dict[str, Any]]) -> str:
@@ -75,3 +77,12 @@ def group_by_text(texts: dict[int, str]) -> list[tuple[list[int], str]]:
     for rank in sorted(texts):
         groups.setdefault(texts[rank], []).append(rank)
     return [(ranks, text) for text, ranks in groups.items()]
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """``"8G"`` -> ``8 * 2**30``; plain numbers are bytes; K, M, G, T are powers of 1024."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"{what} {text!r}: write a size like 2147483648, 512M or 8G")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** "bkmgt".index((unit or "b").lower()))

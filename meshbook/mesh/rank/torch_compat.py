@@ -114,3 +114,72 @@ def abort_process_groups() -> bool:
         return False
     abort()
     return True
+
+
+# -- what planning and applying a parallel layout use (rank/parallel.py, planner/; each tested in
+# tests/test_planner.py, which traces every family through them) --------------------------------
+
+
+def checkpoint_wrapper(module: Any) -> Any:
+    """``module`` with activation checkpointing (recompute in backward, non-reentrant)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module, preserve_rng_state=False)
+
+
+def replicate(module: Any, mesh: Any) -> Any:
+    """Data parallelism with a full copy per rank, FSDP2-style (DTensor parameters, so it
+    composes with tensor parallelism and starts from the meta device like ``fully_shard``)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as apply
+
+    return apply(module, mesh=mesh)
+
+
+def init_fake_group(rank: int, world_size: int) -> None:
+    """A process group that communicates nothing (``backend="fake"``): one process plays
+    ``rank`` of ``world_size`` to trace what that rank allocates and sends."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def fake_tensors() -> Any:
+    """A mode in which tensors have shapes and no storage (real modules and DeviceMeshes,
+    built outside it, may be used inside it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def memory_tracker(model: Any, optimizer: Any, fsdp: bool) -> Any:
+    """torch's own tracker of live tensor bytes by kind (parameters, gradients, optimizer
+    state, activations, temporaries), FSDP-aware where ``fsdp``."""
+    if fsdp:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(model, optimizer)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    return tracker
+
+
+def local_flop_counter() -> Any:
+    """torch's FLOP counter, counting what this rank computes: an op on DTensors (tensor
+    parallel weights) is counted on their local shards, where torch's counts the global op."""
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def local(value: Any) -> Any:
+        return getattr(value, "_local_tensor", value)
+
+    class LocalFlops(FlopCounterMode):
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            super()._count_flops(func_packet, tree_map(local, out), tree_map(local, args), tree_map(local, kwargs))
+            return out
+
+    return LocalFlops(display=False)

@@ -54,6 +54,7 @@ from .actors import ActorMesh, actor_meshes, spawn
 from .data import DataOps
 from .debug import DebugOps
 from .follow import FollowOptions, follow
+from .plan import PlanOps
 
 #: How long a memory report waits for ranks that have sent no heartbeat yet.
 MEASURE_TIMEOUT_S = 2.0
@@ -272,7 +273,7 @@ def new_name(name: str | None) -> str:
     return name
 
 
-class Mesh(DebugOps, DataOps):
+class Mesh(DebugOps, DataOps, PlanOps):
     """A set of ranks of a running mesh; run code on them and collect per-rank results."""
 
     def __init__(self, controller: Controller, ranks: list[int]) -> None:

@@ -1,0 +1,344 @@
+"""``mesh.plan`` and ``mesh.parallelize``: one interface for DP, FSDP, HSDP, TP and PP.
+
+``plan`` answers "which layout fits, and which is fastest" before anything is allocated: it
+measures the ranks once (process overhead, FLOP/s, bandwidth, memory; see
+:func:`meshbook.mesh.rank.parallel.probe`), enumerates every layout of the mesh and drops the
+impossible ones with their reasons (:mod:`meshbook.mesh.protocol.layout`), traces the rest in
+throwaway planner processes (:mod:`meshbook.mesh.planner`) and turns traces into predictions
+(:mod:`meshbook.mesh.protocol.plan`). ``parallelize`` then builds the chosen layout on every
+rank with the very code the planner traced.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...protocol.errors import MeshError
+from ...protocol.layout import CHECKPOINTING, Layout, ModelFacts, Rejected, candidates
+from ...protocol.plan import BUDGET_SHARE, KINDS, Probe, Row, Trace, mark_dominated, predict, read_frame, write_frame
+from ...protocol.text import format_bytes, parse_size, status_table
+from ...protocol.values import RankValues
+from ...rank import ops
+from .view import MeshView
+
+#: Seconds a plan may take before it is given up (planner processes are stopped).
+PLAN_TIMEOUT_S = 600.0
+#: Seconds the ranks have to measure themselves, or to build a layout.
+RANK_TIMEOUT_S = 300.0
+#: Planner processes at once: tracing is CPU-bound, one per core (at most this many).
+MAX_PLANNERS = 4
+#: The report's column for each part of a peak (bytes) and of a step (milliseconds).
+SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "activations": "activ",
+         "temporaries": "temps", "overhead": "process", "compute": "compute", "communication": "comm",
+         "bubble": "bubble", "recompute": "recomp"}
+
+
+def parse_batch(text: str | Sequence[int]) -> tuple[int, ...]:
+    """``"8x2048"`` or ``(8, 2048)`` -> ``(8, 2048)``: the global batch, then its other dims."""
+    try:
+        shape = tuple(int(x) for x in (text.lower().split("x") if isinstance(text, str) else text))
+    except (TypeError, ValueError):
+        shape = ()
+    if not shape or any(n <= 0 for n in shape):
+        raise MeshError(f"batch {text!r}: give the global batch shape, e.g. batch=(8, 2048) or --batch 8x2048")
+    return shape
+
+
+# -- the report ---------------------------------------------------------------------------
+
+
+@dataclass
+class PlanReport:
+    """Every candidate layout, predicted: ``report.best`` is the fastest that fits."""
+
+    rows: list[Row]
+    rejected: list[Rejected]
+    facts: ModelFacts
+    probe: Probe
+    budget: int
+    batch: tuple[int, ...]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    budget_given: bool = False
+
+    @property
+    def best(self) -> Row:
+        fitting = [r for r in self.rows if r.status in ("OK", "UNTRACEABLE")]
+        if not fitting:
+            raise MeshError(self.nothing_fits())
+        return fitting[0]
+
+    def nothing_fits(self) -> str:
+        sized = [r for r in self.rows if r.status == "OOM"]
+        if not sized:
+            return "no layout could be traced: " + "; ".join(sorted({r.reason for r in self.rows}))[:500]
+        small = min(sized, key=lambda r: r.peak)
+        big = max(KINDS, key=lambda k: small.memory[k])
+        return (f"no plan fits in {format_bytes(self.budget)} per rank: the smallest ({small.layout.describe()}) "
+                f"needs {format_bytes(small.peak)} on rank {small.worst_rank}, {big} "
+                f"{format_bytes(small.memory[big])}; try checkpointing, more ranks or a smaller batch")
+
+    def assumptions(self) -> list[str]:
+        p = self.probe
+        return [f"{self.facts.cls}: {self.facts.params:,} parameters, batch {'x'.join(map(str, self.batch))}",
+                f"budget {format_bytes(self.budget)} per rank "
+                f"({'given' if self.budget_given else f'{BUDGET_SHARE:.0%} of what each rank has'})",
+                f"process overhead {format_bytes(p.overhead)} per rank (measured on the ranks after one tiny step)",
+                f"compute {p.flops_per_s / 1e9:.1f} GFLOP/s per rank, all-reduce bus bandwidth "
+                f"{p.bandwidth / 1e9:.2f} GB/s, {p.latency * 1e6:.0f} us per collective "
+                f"(measured on the ranks, {p.device})",
+                f"{len(self.rows)} layouts traced in {self.seconds:.1f} s, {len(self.rejected)} dropped before tracing",
+                *self.notes]
+
+    def table(self) -> list[dict[str, Any]]:
+        out = []
+        for i, row in enumerate(self.rows, 1):
+            cells: dict[str, Any] = {"#": i, "layout": row.layout.family, "degrees": row.layout.start_dims(),
+                                     "ac": row.layout.checkpointing,
+                                     "mb": row.layout.microbatches if row.layout.pp > 1 else "-",
+                                     "peak": format_bytes(row.peak),
+                                     "budget": f"{row.peak / self.budget:.0%}" if self.budget else "-"}
+            cells.update({SHORT[k]: format_bytes(row.memory[k]) for k in KINDS})
+            cells["step ms"] = f"{row.step_s * 1e3:.1f}"
+            cells.update({SHORT[k]: f"{v * 1e3:.1f}" for k, v in row.time.items()})
+            cells["status"] = f"{row.status} {row.reason}" if row.status == "DOMINATED" else (
+                f"{row.status} ({row.reason})" if row.reason else row.status)
+            out.append(cells)
+        return out
+
+    def __repr__(self) -> str:
+        lines = ["Plan: " + a for a in self.assumptions()[:1]] + ["  " + a for a in self.assumptions()[1:]]
+        lines += ["", status_table(self.table())]
+        if self.rejected:
+            lines += ["", "Dropped before tracing:"]
+            lines += [f"  {r.layout.family} {r.layout.start_dims()}: {r.reason}" for r in self.rejected]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        rows = self.table()
+        head = "".join(f"<th>{html.escape(str(h))}</th>" for h in rows[0]) if rows else ""
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>" for r in rows)
+        notes = "".join(f"<li>{html.escape(a)}</li>" for a in self.assumptions())
+        dropped = "".join(f"<li>{html.escape(f'{r.layout.family} {r.layout.start_dims()}: {r.reason}')}</li>"
+                          for r in self.rejected)
+        return (f"<div><b>Plan</b><ul>{notes}</ul><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody>"
+                f"</table>" + (f"<details><summary>Dropped before tracing ({len(self.rejected)})</summary>"
+                               f"<ul>{dropped}</ul></details>" if self.rejected else "") + "</div>")
+
+
+# -- the planner processes ------------------------------------------------------------------
+
+
+class Planners:
+    """Throwaway planner processes, fed jobs over their stdin; all stopped on leaving."""
+
+    def __init__(self, n: int) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.logs = [tempfile.TemporaryFile() for _ in range(n)]
+        self.procs = [subprocess.Popen([sys.executable, "-m", "meshbook.mesh.planner"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=log, env=env) for log in self.logs]
+
+    def __enter__(self) -> "Planners":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for stream in [p.stdin for p in self.procs] + [p.stdout for p in self.procs] + self.logs:
+            if stream is not None:
+                stream.close()
+
+    def ask(self, i: int, kind: str, *args: Any) -> Any:
+        proc = self.procs[i]
+        try:
+            write_frame(proc.stdin, (kind, args))  # type: ignore[arg-type]
+            answer = read_frame(proc.stdout)  # type: ignore[arg-type]
+        except (BrokenPipeError, OSError):
+            answer = None
+        if answer is None:
+            raise MeshError(f"a planner process died ({self._death(i)}); the mesh and the kernel are untouched")
+        status, value = answer
+        if status == "error":
+            raise MeshError(value)
+        return value
+
+    def _death(self, i: int) -> str:
+        proc = self.procs[i]
+        try:
+            code = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.logs[i].seek(0)
+        tail = self.logs[i].read().decode(errors="replace").strip().splitlines()[-3:]
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+        return how + (": " + " | ".join(tail) if tail else "")
+
+    def map(self, kind: str, jobs: list[tuple[Any, ...]], deadline: float) -> list[Any]:
+        """Each job on the next free process, answers in the jobs' order."""
+        todo: queue.Queue[int] = queue.Queue()
+        for i in range(len(jobs)):
+            todo.put(i)
+        answers: list[Any] = [None] * len(jobs)
+        failures: list[BaseException] = []
+
+        def drive(p: int) -> None:
+            while not failures:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    answers[i] = self.ask(p, kind, *jobs[i])
+                except BaseException as exc:  # reported below, in the caller's thread
+                    failures.append(exc)
+
+        threads = [threading.Thread(target=drive, args=(p,), daemon=True) for p in range(len(self.procs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise MeshError(f"planning took longer than {PLAN_TIMEOUT_S:.0f} s; narrow it with only=...")
+        if failures:
+            raise failures[0]
+        return answers
+
+
+def probe(mesh: MeshView, build: Callable[[], Any]) -> Probe:
+    """The ranks' measurements with ``build``'s imports loaded: the worst rank's of each."""
+    controller = mesh.controller
+    host_of = controller.host_of
+    counts = {r: sum(1 for h in host_of.values() if h == host_of.get(r)) or 1 for r in mesh.ranks}
+    run = controller.call(ops.plan_probe, counts, build, ranks=mesh.ranks, what="plan: measuring the ranks")
+    values = dict(run.result(RANK_TIMEOUT_S, echo=False).items())
+    found = Probe(overhead=max(v["overhead"] for v in values.values()),
+                  flops_per_s=min(v["flops_per_s"] for v in values.values()),
+                  bandwidth=min(v["bandwidth"] for v in values.values()),
+                  latency=max(v["latency"] for v in values.values()),
+                  budget=int(min(v["memory"] for v in values.values()) * BUDGET_SHARE),
+                  device=next(iter(values.values()))["device"])
+    return found
+
+
+def _budget(budget: str | int) -> int:
+    try:
+        return int(budget) if isinstance(budget, int) else parse_size(budget, "budget")
+    except ValueError as exc:
+        raise MeshError(str(exc)) from None
+
+
+def _order(row: Row) -> tuple[int, float, int]:
+    rank = {"OK": 0, "UNTRACEABLE": 1, "OOM": 2, "INVALID": 3}.get(row.status, 4)
+    return rank, row.step_s if rank < 2 else float(row.peak), row.peak
+
+
+# -- mesh.plan and mesh.parallelize ----------------------------------------------------------
+
+
+class PlanOps:
+    """What :class:`~meshbook.Mesh` can do to lay a model out: plan, then parallelize."""
+
+    def plan(self: MeshView, build: Callable[[], Any], batch: str | Sequence[int], *, optimizer: Any = "adamw",
+             budget: str | int | None = None, only: Callable[[Layout], bool] | None = None,
+             checkpointing: Sequence[str] = CHECKPOINTING, planners: int | None = None) -> PlanReport:
+        """Predict per-rank peak memory and step time of every way to lay ``build()`` out on
+        this mesh (DP, FSDP, HSDP, TP, PP; checkpointing, micro-batches, resharding), without
+        allocating anything: a :class:`PlanReport`, fastest fitting layout first.
+
+        ``build`` makes the model (it runs on the meta device); ``batch`` is the global batch
+        shape, ``(8, 2048)`` or ``"8x2048"``; ``budget`` bytes per rank (``"70G"``; default:
+        90% of what each rank has); ``only`` keeps the layouts it returns True for; ``optimizer``
+        is ``"adamw"``, ``"adam"``, ``"sgd"`` or a function ``params -> Optimizer``. Nothing fits:
+        a :class:`MeshError` saying what the smallest needs (its ``report`` has every row).
+        """
+        if not callable(build):
+            raise MeshError(f"plan() needs a function that builds the model, got a {type(build).__name__}")
+        shape = parse_batch(batch)
+        if sorted(self.ranks) != sorted(self.controller.ranks):
+            raise MeshError("plan the whole mesh (a layout spans every rank), not a selection of it")
+        unknown = set(checkpointing) - set(CHECKPOINTING)
+        if unknown:
+            raise MeshError(f"checkpointing {sorted(unknown)}: choose from {', '.join(CHECKPOINTING)}")
+        started = time.monotonic()
+        deadline = started + PLAN_TIMEOUT_S
+        limit = None if budget is None else _budget(budget)
+        per_host = min(sum(1 for h in self.controller.host_of.values() if h == host) for host in
+                       set(self.controller.host_of.values()))
+        with Planners(max(1, min(planners or MAX_PLANNERS, os.cpu_count() or 1))) as pool:
+            facts = pool.ask(0, "inspect", build)  # first, where a failing build harms nothing
+            measured = probe(self, build)  # the other planners import torch meanwhile
+            found = candidates(len(self.ranks), facts, shape[0], per_host)
+            layouts = [lay for lay in found.valid if lay.checkpointing in checkpointing and (only is None or only(lay))]
+            if not layouts:
+                reasons = "; ".join(sorted({r.reason for r in found.rejected}))[:600]
+                raise MeshError(f"no layout of {len(self.ranks)} ranks is possible for this model: "
+                                f"{reasons or 'only= left none'}")
+            jobs = [(build, lay, facts, shape, optimizer) for lay in layouts]
+            traces: list[Trace] = pool.map("trace", jobs, deadline)
+        limit = measured.budget if limit is None else limit
+        rows = sorted((predict(t, measured, limit) for t in traces), key=_order)
+        mark_dominated(rows)
+        notes = []
+        if measured.device == "cpu" and len(self.ranks) > 1:
+            notes.append("times on CPU ranks that share cores rank layouts only roughly")
+        if not facts.blocks:
+            notes.append(f"{facts.cls} has no repeated blocks: data parallelism of the whole model only")
+        report = PlanReport(rows, found.rejected, facts, measured, limit, shape, time.monotonic() - started, notes,
+                            budget_given=budget is not None)
+        if not any(r.status in ("OK", "UNTRACEABLE") for r in rows):
+            error = MeshError(report.nothing_fits())
+            error.report = report  # type: ignore[attr-defined]
+            raise error
+        return report
+
+    def parallelize(self: MeshView, build: Callable[[], Any], layout: Row | Layout, *,
+                    names: tuple[str, str, str] = ("model", "optimizer", "step"), optimizer: Any = "adamw",
+                    lr: float = 1e-3, seed: int = 0, init: Callable[[Any], None] | None = None,
+                    loss_fn: Callable[[Any, Any], Any] | None = None) -> RankValues:
+        """Build ``layout`` (a plan's row, e.g. ``report.best``, or a :class:`Layout`) on every
+        rank with torch's own APIs, exactly as the planner traced it, and bind ``model``,
+        ``optimizer`` and ``step`` in each rank's namespace (``names`` renames them).
+
+        ``step(inputs, targets=None)`` runs forward, loss, backward and the optimizer step
+        (the pipeline schedule when pp > 1) and returns the loss where it is computed; its
+        first three calls print each rank's measured peak memory and time beside the
+        prediction. Parameters start from ``init(model)`` (default: each module's
+        ``reset_parameters``) after ``torch.manual_seed(seed)`` on every rank.
+        """
+        row = layout if isinstance(layout, Row) else None
+        chosen = row.layout if row is not None else layout
+        if not isinstance(chosen, Layout):
+            raise MeshError(f"parallelize() needs a plan row (report.best) or a Layout, got a {type(layout).__name__}")
+        if not callable(build):
+            raise MeshError(f"parallelize() needs a function that builds the model, got a {type(build).__name__}")
+        if len(names) != 3 or not all(isinstance(n, str) and n.isidentifier() for n in names):
+            raise MeshError(f"names={names!r}: give three variable names, for the model, the optimizer and the step")
+        if sorted(self.ranks) != sorted(self.controller.ranks):
+            raise MeshError("parallelize on the whole mesh (a layout spans every rank), not a selection of it")
+        if chosen.world != len(self.ranks):
+            raise MeshError(f"this layout is for {chosen.world} ranks and the mesh has {len(self.ranks)}: "
+                            f"plan again on this mesh, or %mesh start -n {chosen.world}")
+        dims = dict(self.topology.dims)
+        if list(dims) != ["world"] and dims != chosen.dims:
+            shape = ",".join(f"{k}={v}" for k, v in dims.items())
+            raise MeshError(f"the mesh is laid out as {shape} and the plan as {chosen.start_dims()}: "
+                            f"%mesh start --dims {chosen.start_dims()} (or start without --dims and any plan fits)")
+        predicted = row.stage_peaks if row is not None else {}
+        step_s = row.step_s if row is not None else 0.0
+        options = {"optimizer": optimizer, "lr": lr, "seed": seed, "init": init, "loss_fn": loss_fn}
+        run = self.controller.call(ops.parallelize, build, chosen, predicted, step_s, tuple(names), options,
+                                   ranks=self.ranks, what=f"parallelize({chosen.describe()})")
+        return run.result(RANK_TIMEOUT_S)

@@ -1,0 +1,1 @@
+"""The planner's processes: each traces layouts for ``mesh.plan`` and exits (see :mod:`.trace`)."""

@@ -1,0 +1,30 @@
+"""A planner process: read jobs from stdin, answer each on stdout, until stdin closes.
+
+Frames are a 4-byte length and a cloudpickle (the model's factory travels by value from the
+notebook); stdout carries frames only, so torch's warnings go to stderr, which the
+controller keeps to quote if the process dies.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..protocol.plan import read_frame, write_frame
+
+
+def main() -> None:
+    jobs, answers = sys.stdin.buffer, os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout = sys.stderr  # a print anywhere must not corrupt the frames
+    from . import trace
+
+    while (job := read_frame(jobs)) is not None:
+        kind, args = job
+        try:
+            write_frame(answers, ("ok", getattr(trace, kind)(*args)))
+        except Exception as exc:  # the controller turns it into a MeshError in the cell
+            write_frame(answers, ("error", f"{type(exc).__name__}: {exc}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Trace one layout in a throwaway process: what each traced rank allocates, computes and sends.
+
+A process has one default process group and tracing changes global state (a fake group,
+fake tensors, patched storages), so the planner never traces in the kernel or on a rank: the
+controller starts planner processes (``python -m meshbook.mesh.planner``) and sends them jobs.
+Each trace joins a fake process group as the rank it plays (a pipeline stage's first rank),
+runs :func:`meshbook.mesh.rank.parallel.build` exactly as ``mesh.parallelize`` will, allocates
+under fake tensors, and steps: twice under torch's memory tracker (the second step has the
+optimizer state the first created), once under the FLOP counter and a collective counter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..protocol.errors import MeshError
+from ..protocol.layout import Layout, ModelFacts
+from ..protocol.plan import StageTrace, Trace
+from ..rank import parallel, torch_compat
+
+#: torch's collective ops -> the report's name, and which argument holds the bytes that cross
+#: the network (output of a gather, input of a reduce-scatter, the tensor of an all-reduce).
+COLLECTIVES = {
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0), "allreduce_": ("all_reduce", 0),
+    "all_reduce": ("all_reduce", 0), "send": ("p2p", 0), "recv_": ("p2p", 0),
+}
+#: The tracker's kinds (both trackers' names) -> the report's.
+KIND_OF = {"Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
+           "Buffer": "parameters", "Gradient": "gradients", "Sharded Grad": "gradients",
+           "Unsharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer",
+           "Activation": "activations", "Temp": "temporaries", "All Gather": "temporaries",
+           "Reduce Scatter": "temporaries", "Inputs": "activations"}
+
+
+class CommCounter(TorchDispatchMode):
+    """Bytes each kind of collective moves, as torch dispatches them (eager and functional)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: Counter[str] = Counter()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace in ("c10d", "_c10d_functional"):
+            kind = COLLECTIVES.get(func.__name__.split(".")[0])
+            if kind is not None:
+                tensors = _tensors(args[kind[1]]) if len(args) > kind[1] else []
+                self.bytes[kind[0]] += sum(t.numel() * t.element_size() for t in tensors)
+                self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def inspect(factory: Callable[[], nn.Module]) -> ModelFacts:
+    return parallel.inspect(parallel.make(factory))
+
+
+def trace(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFacts, batch: tuple[int, ...],
+          optimizer: Any) -> Trace:
+    """Trace every pipeline stage of ``layout`` (one without pipelining)."""
+    started = time.perf_counter()
+    stages = []
+    try:
+        inputs = None
+        for stage in range(layout.pp):
+            rank = stage * (layout.world // layout.pp)
+            traced, inputs = trace_stage(factory, layout, facts, batch, optimizer, rank, inputs)
+            stages.append(traced)
+    except torch._subclasses.fake_tensor.DynamicOutputShapeException as exc:
+        return Trace(layout, (), time.perf_counter() - started, untraceable=f"{exc.func}")
+    except torch._subclasses.fake_tensor.UnsupportedOperatorException as exc:
+        return Trace(layout, (), time.perf_counter() - started, untraceable=f"{exc.func}")
+    except MeshError:
+        raise
+    except Exception as exc:
+        return Trace(layout, (), time.perf_counter() - started, error=f"{type(exc).__name__}: {exc}"[:300])
+    return Trace(layout, tuple(stages), time.perf_counter() - started)
+
+
+def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFacts, batch: tuple[int, ...],
+                optimizer: Any, rank: int, inputs: Any) -> tuple[StageTrace, Any]:
+    """Trace the stage ``rank`` plays. ``inputs``: the shape and dtype of the previous stage's
+    output (None for the first); returns this stage's, for the next."""
+    torch_compat.init_fake_group(rank, layout.world)
+    mesh = parallel.layout_mesh(layout, "cpu")
+    mode = torch_compat.fake_tensors()
+
+    def materialize(model: nn.Module) -> None:
+        with mode:
+            parallel.allocate(model, "cpu", 0, None)
+
+    built = parallel.build(factory, layout, mesh, rank, optimizer=optimizer, materialize=materialize)
+    stage = built.stage
+    last = stage == layout.pp - 1
+    with mode:
+        x, y = parallel.example_batch(facts, batch, layout)
+        if layout.pp > 1:
+            micro = x.shape[0] // layout.microbatches
+            x = x[:micro] if stage == 0 else torch.empty(inputs[0], dtype=inputs[1], requires_grad=True)
+            y = y[:micro] if y is not None else None
+        tracker = torch_compat.memory_tracker(built.model, built.optimizer, fsdp=layout.dp_shard > 1)
+        state = 0
+        with tracker:
+            for _ in range(2):
+                out = one_step(built, x, y, last)
+                tracker.reset_mod_stats()  # per-module stats only: the peak stays
+            state = _state_bytes(tracker)
+        peak = _by_kind(tracker.get_tracker_snapshot("peak"))
+        flops, comm = torch_compat.local_flop_counter(), CommCounter()
+        with flops, comm:
+            out = one_step(built, x, y, last)
+    traced = StageTrace(stage=stage, rank=rank, peak=peak,
+                        microbatch_activations=peak.get("activations", 0) if layout.pp > 1 else 0,
+                        state=state, flops=float(flops.get_total_flops()), comm=dict(comm.bytes),
+                        collectives=comm.calls)
+    if layout.pp > 1:
+        traced = _pipelined(traced, out, layout, last)
+    return traced, None if out is None else (tuple(out.shape), out.dtype)
+
+
+def one_step(built: parallel.Built, x: Any, y: Any, last: bool) -> Any:
+    """A stage's forward and backward and the optimizer step (without pipelining: a full
+    training step, as :meth:`Built.step` takes it)."""
+    out = built.model(x)
+    if last:
+        (built.loss_fn or parallel.default_loss)(out, y).backward()
+    else:
+        out.backward(torch.ones_like(out))
+    built.optimizer.step()
+    built.optimizer.zero_grad(set_to_none=True)
+    return out.detach() if isinstance(out, torch.Tensor) else None  # a model's output object: last stage
+
+
+def _pipelined(traced: StageTrace, out: torch.Tensor, layout: Layout, last: bool) -> StageTrace:
+    """A micro-batch's trace scaled to the step: every micro-batch computes, and a stage
+    sends its output forward and receives its gradient back for each (but the last stage)."""
+    comm, calls = dict(traced.comm), traced.collectives * layout.microbatches
+    if not last:
+        comm["p2p"] = comm.get("p2p", 0) + 2 * out.numel() * out.element_size() * layout.microbatches
+        calls += 2 * layout.microbatches
+    return StageTrace(traced.stage, traced.rank, traced.peak, traced.microbatch_activations, traced.state,
+                      traced.flops * layout.microbatches, comm, calls)
+
+
+def _by_kind(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    out: Counter[str] = Counter()
+    for per_device in snapshot.values():
+        for kind, n in per_device.items():
+            name = KIND_OF.get(getattr(kind, "value", str(kind)))
+            if name is not None:
+                out[name] += n
+    return dict(out)
+
+
+def _state_bytes(tracker: Any) -> int:
+    current = _by_kind(tracker.get_tracker_snapshot("current"))
+    return current.get("parameters", 0) + current.get("gradients", 0) + current.get("optimizer", 0)

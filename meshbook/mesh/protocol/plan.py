@@ -1,0 +1,186 @@
+"""What planning measures and predicts, and the pure arithmetic from one to the other.
+
+A planner process traces a layout and returns a :class:`Trace` (bytes by kind at this rank's
+peak, FLOPs, bytes sent by collective); the ranks return a :class:`Probe` (process overhead,
+compute rate, bandwidth, memory budget). :func:`predict` turns the two into a :class:`Row` of
+the report: per-rank peak by kind, step time by part, and a status with its reason. Everything
+here is data and arithmetic, so the report is unit-tested without a process.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import cloudpickle
+
+from .layout import Layout, bubble, in_flight
+from .text import format_bytes
+
+#: The kinds of memory a row splits its peak into, in the order the report shows them.
+KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "overhead")
+#: The share of a CUDA device's reserved memory the caching allocator loses to fragmentation.
+CUDA_FRAGMENTATION = 0.05
+#: The share of a checkpointed step's FLOPs spent recomputing forwards (forward : backward is
+#: 1 : 2, so all blocks recomputed add 1 to 3, and every other block 0.5 to 3).
+RECOMPUTED = {"none": 0.0, "block": 1 / 4, "selective": 1 / 7}
+#: How much of a rank's free memory a plan may fill by default.
+BUDGET_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class StageTrace:
+    """One pipeline stage (the only one without pipelining), traced on its first rank."""
+
+    stage: int
+    rank: int
+    #: Bytes by kind at the traced peak (KINDS but overhead), and the peak's total.
+    peak: dict[str, int]
+    #: With pipelining: one micro-batch's activations, multiplied by those in flight.
+    microbatch_activations: int = 0
+    #: Parameters + gradients + optimizer state (what every micro-batch shares).
+    state: int = 0
+    flops: float = 0.0
+    #: Bytes by collective: all_gather, reduce_scatter, all_reduce, p2p.
+    comm: dict[str, int] = field(default_factory=dict)
+    #: How many collectives (and point-to-point messages) one step issues.
+    collectives: int = 0
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A layout's trace, or why it has none (``untraceable``: the op that stopped it, and an
+    analytic estimate of model state stands in)."""
+
+    layout: Layout
+    stages: tuple[StageTrace, ...]
+    seconds: float
+    untraceable: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the ranks measured of themselves: bytes each process holds besides the model
+    (torch, its threads, the communicator), FLOP/s, bus bandwidth, the time of the smallest
+    collective, and the memory budget."""
+
+    overhead: int
+    flops_per_s: float
+    bandwidth: float
+    budget: int
+    latency: float = 0.0
+    device: str = "cpu"
+    calibrated: bool = True
+
+
+@dataclass
+class Row:
+    """One candidate in the report."""
+
+    layout: Layout
+    memory: dict[str, int]
+    worst_rank: int
+    time: dict[str, float]
+    status: str
+    reason: str = ""
+    traced_s: float = 0.0
+    #: Each pipeline stage's predicted peak (stage 0 alone without pipelining).
+    stage_peaks: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return sum(self.memory.values())
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.time.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.status == "OK"
+
+
+def stage_peak(stage: StageTrace, layout: Layout) -> dict[str, int]:
+    """A stage's peak by kind; with pipelining, the traced micro-batch's activations times the
+    micro-batches the schedule keeps in flight at this stage."""
+    peak = {k: stage.peak.get(k, 0) for k in KINDS if k != "overhead"}
+    if layout.pp > 1:
+        peak["activations"] = stage.microbatch_activations * in_flight(layout, stage.stage)
+    return peak
+
+
+def predict(trace: Trace, probe: Probe, budget: int | None = None) -> Row:
+    """The report's row for ``trace`` on ranks measured by ``probe``."""
+    layout = trace.layout
+    budget = probe.budget if budget is None else budget
+    worst, memory, stage_peaks = 0, {k: 0 for k in KINDS}, {}
+    for stage in trace.stages:
+        peak = stage_peak(stage, layout)
+        peak["overhead"] = probe.overhead + (int(sum(peak.values()) * CUDA_FRAGMENTATION)
+                                             if probe.device == "cuda" else 0)
+        stage_peaks[stage.stage] = sum(peak.values())
+        if sum(peak.values()) > sum(memory.values()):
+            worst, memory = stage.rank, peak
+    row = Row(layout, memory, worst, step_time(trace, probe), "OK", traced_s=trace.seconds,
+              stage_peaks=stage_peaks)
+    if trace.error:
+        row.status, row.reason = "INVALID", trace.error
+    elif row.peak > budget:
+        big = max((k for k in KINDS), key=lambda k: memory[k])
+        row.status = "OOM"
+        row.reason = (f"+{format_bytes(row.peak - budget)} on rank {worst}: "
+                      f"{big} {format_bytes(memory[big])}")
+    elif trace.untraceable:
+        row.status, row.reason = "UNTRACEABLE", f"{trace.untraceable}: analytic estimate"
+    return row
+
+
+def step_time(trace: Trace, probe: Probe) -> dict[str, float]:
+    """Seconds per step by part: compute (FLOPs / rate), exposed communication (tensor
+    parallel and all-reduce traffic; FSDP's all-gathers and reduce-scatters overlap compute
+    and only their excess shows), the pipeline bubble, and recompute (the forwards run again
+    for checkpointed blocks, already in the traced FLOPs: :data:`RECOMPUTED`)."""
+    layout = trace.layout
+    if not trace.stages:
+        return {"compute": 0.0, "communication": 0.0, "bubble": 0.0, "recompute": 0.0}
+    slowest = max(trace.stages, key=lambda s: s.flops)
+    compute = slowest.flops / probe.flops_per_s if probe.flops_per_s else 0.0
+    comm = slowest.comm
+    overlapped = (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0)) / probe.bandwidth
+    exposed = ((comm.get("all_reduce", 0) + comm.get("p2p", 0)) / probe.bandwidth + max(0.0, overlapped - compute)
+               + slowest.collectives * probe.latency)
+    recompute = compute * RECOMPUTED[layout.checkpointing]
+    busy = compute + exposed
+    return {"compute": compute - recompute, "communication": exposed,
+            "bubble": busy * bubble(layout) / (1 - bubble(layout)) if layout.pp > 1 else 0.0,
+            "recompute": recompute}
+
+
+def mark_dominated(rows: list[Row]) -> None:
+    """A fitting row that another fitting row beats in both peak and step time is DOMINATED."""
+    fitting = [r for r in rows if r.fits]
+    for row in fitting:
+        for other in fitting:
+            if other is not row and other.status == "OK" and other.peak <= row.peak and other.step_s < row.step_s:
+                row.status = "DOMINATED"
+                row.reason = f"by #{rows.index(other) + 1} ({row.step_s / max(other.step_s, 1e-12):.1f}x slower)"
+                break
+
+
+def write_frame(stream: BinaryIO, value: Any) -> None:
+    """A planner job or answer: 4 bytes of length, then a cloudpickle (a notebook-defined
+    model factory travels by value)."""
+    data = cloudpickle.dumps(value)
+    stream.write(struct.pack("!I", len(data)) + data)
+    stream.flush()
+
+
+def read_frame(stream: BinaryIO) -> Any:
+    """The next frame from ``stream``, or None at its end."""
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (size,) = struct.unpack("!I", head)
+    return cloudpickle.loads(stream.read(size))

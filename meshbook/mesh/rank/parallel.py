@@ -1,0 +1,500 @@
+"""A parallel layout applied with torch's own APIs, on a rank or in a planner process.
+
+``mesh.parallelize`` runs :func:`build` on every rank with the mesh's real process group;
+``mesh.plan`` runs the same :func:`build` in throwaway planner processes on a fake process
+group under fake tensors, and measures what it allocates and sends. One code path for both is
+what makes a prediction trustworthy: the planner traces exactly the modules, wrappers and
+optimizer the ranks will hold.
+
+The order is torchtitan's: the model is built with its parameters on the meta device (buffers
+real, they are small and often computed), cut to this rank's pipeline stage, tensor-parallel
+linears are sharded (``parallelize_module``), blocks are checkpointed, then sharded or
+replicated block by block and at the root (``fully_shard`` / ``replicate``), and only then are
+parameters allocated (``to_empty``) and initialised, each rank its own part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..protocol.errors import MeshError
+from ..protocol.layout import Layout, ModelFacts, split_points, stage_of
+from . import torch_compat
+
+#: Linear layers sharded by output (their input is replicated) and by input (their output is
+#: summed across the tp ranks): the names Llama, Mistral, GPT-NeoX and most MLPs use.
+COLWISE = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "w1", "w3", "c_fc",
+                     "query", "key", "value", "wq", "wk", "wv", "up", "fc_in", "dense_h_to_4h"})
+ROWWISE = frozenset({"o_proj", "down_proj", "fc2", "w2", "out_proj", "c_proj", "wo", "down", "fc_out",
+                     "dense_4h_to_h", "dense"})
+#: Attributes (on a block's modules, or the model's ``config``) that count attention heads.
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads", "n_kv_heads")
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+# -- reading a model ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build a module with parameters on the meta device and buffers real (a causal mask or
+    rotary table is computed in ``__init__`` and small; ``to_empty`` would lose it)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def make(factory: Callable[[], nn.Module]) -> nn.Module:
+    """``factory()`` with its parameters on the meta device, or a :class:`MeshError` saying why not."""
+    try:
+        with parameters_on_meta():
+            model = factory()
+    except Exception as exc:
+        raise MeshError(f"build() failed on the meta device: {type(exc).__name__}: {exc} "
+                        "(build must construct the model without reading parameter values)") from exc
+    if not isinstance(model, nn.Module):
+        raise MeshError(f"build() must return an nn.Module, not a {type(model).__name__}")
+    return model
+
+
+def block_class(model: nn.Module) -> tuple[str | None, int]:
+    """The class of the model's repeated blocks (the most common class among the children of
+    one container, at least two) and how many there are."""
+    best: tuple[str | None, int] = (None, 0)
+    for module in model.modules():
+        counts = Counter(type(c).__name__ for c in module.children() if any(True for _ in c.parameters()))
+        for name, n in counts.items():
+            if n >= 2 and n > best[1] and name not in ("Linear", "Embedding"):
+                best = (name, n)
+    return best
+
+
+def blocks_of(model: nn.Module, cls: str | None) -> list[tuple[nn.Module, str, nn.Module]]:
+    """``(parent, name, block)`` of every block of class ``cls``, outermost ones only (a block
+    wrapped for checkpointing counts as its wrapper)."""
+    if cls is None:
+        return []
+    found = []
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if type(getattr(child, "_checkpoint_wrapped_module", child)).__name__ == cls:
+                found.append((parent, name, child))
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def tp_linears(block: nn.Module) -> dict[str, str]:
+    """The block's linears tensor parallelism shards: ``{path: "colwise" | "rowwise"}``."""
+    plan = {}
+    for path, module in block.named_modules():
+        if isinstance(module, nn.Linear):
+            last = path.rsplit(".", 1)[-1]
+            if last in COLWISE:
+                plan[path] = "colwise"
+            elif last in ROWWISE:
+                plan[path] = "rowwise"
+    return plan
+
+
+def inspect(model: nn.Module) -> ModelFacts:
+    """What :func:`meshbook.mesh.protocol.layout.candidates` needs to know of ``model``."""
+    params = list(model.parameters())
+    cls, n_blocks = block_class(model)
+    blocks = blocks_of(model, cls)
+    tp_reason, divides = _tp_facts(model, blocks)
+    first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))), None)
+    return ModelFacts(
+        cls=type(model).__name__,
+        params=sum(p.numel() for p in params),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        blocks=cls, n_blocks=len(blocks),
+        stages=len(model) if isinstance(model, nn.Sequential) else 0, pp_reason=_pp_reason(model),
+        tp_reason=tp_reason, tp_divides=divides,
+        vocab=first.num_embeddings if isinstance(first, nn.Embedding) else None,
+        in_features=first.in_features if isinstance(first, nn.Linear) else None)
+
+
+def _pp_reason(model: nn.Module) -> str:
+    if not isinstance(model, nn.Sequential):
+        return f"a model that is a sequence of stages (nn.Sequential); {type(model).__name__} is not"
+    owner: dict[int, int] = {}
+    for i, piece in enumerate(model):
+        for p in piece.parameters():
+            if owner.setdefault(id(p), i) != i:
+                return f"no weights shared between pieces ({i} shares one with {owner[id(p)]}: tied weights)"
+    return ""
+
+
+def _tp_facts(model: nn.Module, blocks: list[tuple[nn.Module, str, nn.Module]]) -> tuple[str, tuple]:
+    if not blocks:
+        return "repeated blocks (a ModuleList of one class); none found", ()
+    plan = tp_linears(blocks[0][2])
+    kinds = set(plan.values())
+    if kinds != {"colwise", "rowwise"}:
+        names = ", ".join(sorted(ROWWISE | COLWISE)[:6])
+        return (f"linears named as in Llama or GPT ({names}, ...) in each {blocks[0][2].__class__.__name__}; "
+                f"found {sorted(plan) or 'none'}"), ()
+    block = blocks[0][2]
+    sizes: dict[str, int] = {}
+    for path, kind in plan.items():
+        linear = block.get_submodule(path)
+        assert isinstance(linear, nn.Linear)
+        sizes[f"{path} {'outputs' if kind == 'colwise' else 'inputs'}"] = (
+            linear.out_features if kind == "colwise" else linear.in_features)
+    sources = [m for m in block.modules()] + [getattr(model, "config", None)]
+    for attr in HEAD_ATTRS:
+        for source in sources:
+            value = getattr(source, attr, None)
+            if isinstance(value, int) and value > 0:
+                sizes[attr.replace("_", " ")] = value
+                break
+    return "", tuple(sizes.items())
+
+
+# -- applying a layout ----------------------------------------------------------------------
+
+
+@dataclass
+class Built:
+    """What :func:`build` made on this rank: its part of the model, its optimizer, and
+    :meth:`step` (forward, loss, backward, optimizer step; the pipeline schedule when pp > 1)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    layout: Layout
+    stage: int = 0
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    schedule: Any = None
+    steps: int = field(default=0)
+
+    def step(self, inputs: Any, targets: Any = None) -> torch.Tensor | None:
+        """One training step on this rank's batch. The loss comes back on the ranks that
+        compute it (every rank, or the last pipeline stage); ``None`` elsewhere."""
+        loss_fn = self.loss_fn or default_loss
+        loss: torch.Tensor | None
+        if self.schedule is None:
+            loss = loss_fn(self.model(inputs), targets)
+            loss.backward()
+        else:
+            loss = self._pipeline_step(inputs, targets)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return None if loss is None else loss.detach()
+
+    def _pipeline_step(self, inputs: Any, targets: Any) -> torch.Tensor | None:
+        last = self.stage == self.layout.pp - 1
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if last else {}
+        args = (inputs,) if self.stage == 0 else ()
+        self.schedule.step(*args, **kwargs)
+        return torch.stack(losses).mean() if last and losses else None
+
+
+def default_loss(out: Any, targets: Any) -> torch.Tensor:
+    """A model's own loss (``out.loss``), cross-entropy against integer targets, mean squared
+    error against float targets, or (no targets) the mean square of the output."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    logits = getattr(out, "logits", out)
+    if targets is None:
+        return logits.float().pow(2).mean()
+    if not targets.is_floating_point():
+        return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    return nn.functional.mse_loss(logits.float(), targets.float())
+
+
+def layout_mesh(layout: Layout, device_type: str) -> Any:
+    """The DeviceMesh of ``layout``'s named dimensions over the whole world."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = layout.dims
+    return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+
+def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, rank: int, *,
+          device: Any = "cpu", optimizer: Any = "adamw", lr: float = 1e-3, seed: int = 0,
+          init: Callable[[nn.Module], None] | None = None,
+          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+          materialize: Callable[[nn.Module], None] | None = None) -> Built:
+    """Build this rank's part of ``factory()`` laid out as ``layout`` on ``device_mesh``.
+
+    ``materialize`` replaces allocation and initialisation (the planner allocates under fake
+    tensors); every rank seeds with ``seed`` first, so replicated parameters start equal.
+    """
+    model = make(factory)
+    cls, _ = block_class(model)
+    stage = stage_of(layout, rank)
+    if layout.pp > 1:
+        model = stage_module(model, layout, stage)
+    if layout.tp > 1:
+        apply_tp(model, cls, device_mesh["tp"])
+    if layout.checkpointing != "none":
+        apply_checkpointing(model, cls, every=1 if layout.checkpointing == "block" else 2)
+    apply_dp(model, cls, layout, device_mesh)
+    if materialize is not None:
+        materialize(model)
+    else:
+        allocate(model, device, seed, init)
+    opt = make_optimizer(optimizer, model, lr)
+    built = Built(model, opt, layout, stage=stage, loss_fn=loss_fn)
+    if layout.pp > 1:
+        built.schedule = make_schedule(model, layout, stage, device_mesh["pp"].get_group(), device,
+                                       loss_fn or default_loss)
+    return built
+
+
+def stage_module(model: Any, layout: Layout, stage: int) -> nn.Module:
+    """Stage ``stage`` of a sequential model: its slice of the children, split as evenly as
+    the pieces go."""
+    start, stop = split_points(len(model), layout.pp)[stage]
+    return nn.Sequential(*list(model.children())[start:stop])
+
+
+def apply_tp(model: nn.Module, cls: str | None, tp_mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for _, _, block in blocks_of(model, cls):
+        plan = {path: styles[kind]() for path, kind in tp_linears(block).items()}
+        parallelize_module(block, tp_mesh, plan)
+
+
+def apply_checkpointing(model: nn.Module, cls: str | None, every: int) -> None:
+    for i, (parent, name, block) in enumerate(blocks_of(model, cls)):
+        if i % every == 0:
+            parent.register_module(name, torch_compat.checkpoint_wrapper(block))
+
+
+def apply_dp(model: nn.Module, cls: str | None, layout: Layout, device_mesh: Any) -> None:
+    """Shard (``fully_shard``; HSDP over two dims) or replicate each block, then the root."""
+    if layout.dp == 1:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    if layout.dp_shard > 1:
+        names = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
+        dp_mesh = device_mesh[names]
+
+        def wrap(module: nn.Module, last: bool) -> None:
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=layout.reshard and not last)
+    else:
+        dp_mesh = device_mesh["dp_replicate"]
+
+        def wrap(module: nn.Module, last: bool) -> None:
+            torch_compat.replicate(module, dp_mesh)
+
+    blocks = [block for _, _, block in blocks_of(model, cls)]
+    for i, block in enumerate(blocks):
+        wrap(block, last=i == len(blocks) - 1)
+    wrap(model, last=True)
+
+
+def allocate(model: nn.Module, device: Any, seed: int, init: Callable[[nn.Module], None] | None) -> None:
+    """Storage for the parameters on ``device``, buffers kept, then ``init(model)`` with the
+    same seed on every rank (default: :func:`initialise`)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    model.to_empty(device=device)
+    with torch.no_grad(), warnings.catch_warnings():
+        # DTensor's random ops on a CPU mesh: each rank draws its shard from the seeded stream
+        # (what we want); torch warns of it once per rank, in every user's cell.
+        warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+        torch.manual_seed(seed)
+        (init or initialise)(model)
+
+
+def initialise(model: nn.Module) -> None:
+    """A model's own initialisation: Hugging Face's ``_init_weights`` for each module, else
+    each module's ``reset_parameters``. A parameter neither reaches would hold whatever memory
+    held: a :class:`MeshError` names its module instead."""
+    own = getattr(model, "_init_weights", None)
+    if callable(own):
+        model.apply(own)
+        return
+    missed = set()
+    for module in model.modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        reset = getattr(getattr(module, "_checkpoint_wrapped_module", module), "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            missed.add(type(module).__name__)
+    if missed:
+        raise MeshError(f"{', '.join(sorted(missed))} {'has' if len(missed) == 1 else 'have'} parameters and no "
+                        "reset_parameters(): give parallelize(..., init=fn), fn(model) setting every parameter")
+
+
+def make_optimizer(optimizer: Any, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    if callable(optimizer) and not isinstance(optimizer, str):
+        return optimizer(model.parameters())
+    cls = OPTIMIZERS.get(str(optimizer).lower())
+    if cls is None:
+        raise MeshError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)} "
+                        "or a function params -> torch.optim.Optimizer")
+    return cls(model.parameters(), lr=lr)
+
+
+def make_schedule(stage_mod: nn.Module, layout: Layout, stage: int, group: Any, device: Any,
+                  loss_fn: Callable[[Any, Any], torch.Tensor]) -> Any:
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import schedules
+
+    from ..protocol.layout import SCHEDULES
+
+    pipe_stage = pipelining.PipelineStage(stage_mod, stage, layout.pp, torch.device(device), group=group)
+    cls = getattr(schedules, SCHEDULES[layout.schedule])
+    return cls(pipe_stage, n_microbatches=layout.microbatches, loss_fn=loss_fn)
+
+
+def example_batch(facts: ModelFacts, shape: tuple[int, ...], layout: Layout, device: Any = "cpu",
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A batch of ``shape`` (the global batch first) cut to one data-parallel rank: token ids
+    and next tokens where the model starts with an embedding, else floats with no targets."""
+    local = (shape[0] // layout.dp, *shape[1:])
+    if facts.vocab is not None:
+        tokens = torch.randint(0, facts.vocab, (local[0], *local[1:]), device=device, generator=generator)
+        return tokens, tokens.clone()
+    if facts.in_features is None:
+        raise MeshError("cannot make a batch for this model: give batch=a function (local batch size) -> "
+                        "(inputs, targets)")
+    return torch.randn((*local, facts.in_features), device=device, generator=generator), None
+
+
+# -- measuring on a rank -------------------------------------------------------------------
+
+
+def reset_peak(device: Any) -> None:
+    """Start a new peak: CUDA's allocator statistics, or the kernel's peak RSS of this process
+    (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_bytes(device: Any) -> int:
+    """The peak since :func:`reset_peak`: bytes CUDA's allocator reserved, or this process's
+    peak RSS."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def probe(device: Any, ranks_here: int, factory: Callable[[], nn.Module]) -> dict[str, Any]:
+    """What planning needs to know of this rank, measured: the bytes the process holds after
+    building the model on the meta device (what it imports: transformers alone is ~60 MiB),
+    one tiny training step and one all-reduce (torch, autograd's threads, the communicator:
+    what no tracker sees); its FLOP/s on a matmul, the all-reduce bus bandwidth and the time
+    of the smallest all-reduce; and its share of the memory there is."""
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    make(factory)  # dropped at once: what stays is what its imports hold
+    gc.collect()
+    device = torch.device(device)
+    tiny = nn.Linear(64, 64, device=device)
+    opt = torch.optim.AdamW(tiny.parameters())
+    tiny(torch.randn(8, 64, device=device)).sum().backward()
+    opt.step()
+    a, b = torch.randn(256, 256, device=device), torch.randn(256, 1024, device=device)
+    a @ b
+    started, n = time.perf_counter(), 0
+    while time.perf_counter() - started < 0.05:
+        a @ b
+        n += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    flops = 2 * 256 * 256 * 1024 * n / (time.perf_counter() - started)
+    world = dist.get_world_size()
+    payload = torch.ones(1 << 18, device=device)  # 1 MiB
+    dist.all_reduce(payload)
+    started = time.perf_counter()
+    for _ in range(4):
+        dist.all_reduce(payload)
+    seconds = (time.perf_counter() - started) / 4
+    bandwidth = 2 * (world - 1) / world * payload.numel() * 4 / seconds if world > 1 else float("inf")
+    small = torch.ones(1, device=device)
+    started = time.perf_counter()
+    for _ in range(8):
+        dist.all_reduce(small)
+    latency = (time.perf_counter() - started) / 8 if world > 1 else 0.0
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return {"overhead": 0, "flops_per_s": flops, "bandwidth": bandwidth, "latency": latency,
+                "memory": int(free), "device": "cuda"}
+    import psutil
+
+    return {"overhead": psutil.Process().memory_info().rss, "flops_per_s": flops, "bandwidth": bandwidth,
+            "latency": latency, "memory": memory_limit() // ranks_here, "device": "cpu"}
+
+
+def memory_limit() -> int:
+    """The bytes this host lets its processes use: the cgroup's limit where one is set, else
+    the machine's memory."""
+    import psutil
+
+    with contextlib.suppress(OSError, ValueError), open("/sys/fs/cgroup/memory.max") as f:
+        return min(int(f.read().strip()), psutil.virtual_memory().total)
+    return int(psutil.virtual_memory().total)
+
+
+class Reporting:
+    """``step`` as bound on a rank: :meth:`Built.step`, and for the first steps a line with the
+    measured peak and time beside the plan's prediction."""
+
+    def __init__(self, built: Built, predicted: int, predicted_s: float, device: Any, steps: int = 3) -> None:
+        self.built, self.predicted, self.predicted_s = built, predicted, predicted_s
+        self.device, self.left, self.rank = device, steps, torch.distributed.get_rank()
+
+    def __call__(self, inputs: Any, targets: Any = None) -> torch.Tensor | None:
+        import time
+
+        started = time.perf_counter()
+        loss = self.built.step(inputs, targets)
+        if self.left > 0:
+            self.left -= 1
+            seconds = time.perf_counter() - started
+            peak = peak_bytes(self.device)
+            print(f"rank {self.rank} step {self.built.steps}: peak {_mib(peak)} (predicted {_mib(self.predicted)}, "
+                  f"{(peak - self.predicted) / self.predicted:+.1%}), {seconds * 1e3:.0f} ms "
+                  f"(predicted {self.predicted_s * 1e3:.0f} ms)")
+        return loss
+
+    def __repr__(self) -> str:
+        return f"<step: {self.built.layout.describe()}, stage {self.built.stage}>"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"

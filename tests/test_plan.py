@@ -1,0 +1,178 @@
+"""``mesh.plan`` and ``mesh.parallelize`` on real ranks: a plan measured on the mesh, applied
+with torch's own APIs, trained, and its prediction printed beside what the ranks measured.
+
+Bad input of every kind the planner meets (a build that fails, a model the batch does not
+fit, a budget nothing fits, a planner process that dies, a plan for another mesh) is a clear
+MeshError in the cell, and the mesh goes on working.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from functools import partial
+
+import psutil
+import pytest
+
+import meshbook
+from bench import models
+from meshbook import Layout, MeshError
+
+BUILD = partial(models.gpt, vocab=256, dim=64, layers=4, heads=4)
+BATCH = (8, 16)
+TRAIN = """
+import torch
+from meshbook.mesh.rank import parallel
+g = torch.Generator().manual_seed(1)
+x = torch.randint(0, 256, BATCH, generator=g)
+losses = [step(x, x) for _ in range(6)]
+losses = [None if l is None else round(l.item(), 4) for l in losses]
+ratio = parallel.peak_bytes(device) / step.predicted
+"""
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[meshbook.Mesh]:
+    mesh = meshbook.start(4)
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def report(mesh: meshbook.Mesh) -> meshbook.PlanReport:
+    keep = {"DDP", "FSDP", "FSDP+TP", "FSDP+PP-1F1B"}
+    return mesh.plan(BUILD, BATCH, checkpointing=("none",),
+                     only=lambda lay: lay.family in keep and lay.reshard and lay.microbatches <= 2)
+
+
+def planners_left() -> list[str]:
+    return [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+            if "meshbook.mesh.planner" in " ".join(p.cmdline())]
+
+
+def row(report: meshbook.PlanReport, family: str) -> meshbook.Row:
+    return next(r for r in report.rows if r.layout.family == family)
+
+
+def train(mesh: meshbook.Mesh, batch: tuple[int, int]) -> dict[int, list[float | None]]:
+    mesh.run(f"BATCH = {batch}").result()
+    mesh.run(TRAIN).result()
+    return dict(mesh.pull("losses"))
+
+
+def test_the_report_measures_the_ranks_and_traces_every_layout_asked(report: meshbook.PlanReport) -> None:
+    assert {r.layout.family for r in report.rows} == {"DDP", "FSDP", "FSDP+TP", "FSDP+PP-1F1B"}
+    assert all(r.status in ("OK", "DOMINATED") for r in report.rows), report
+    assert report.probe.overhead > 50 << 20 and report.probe.flops_per_s > 0 and report.probe.bandwidth > 0
+    assert report.best is report.rows[0]
+    fsdp, ddp = row(report, "FSDP"), row(report, "DDP")
+    assert fsdp.memory["optimizer"] < ddp.memory["optimizer"] / 3  # sharded four ways
+    text = repr(report)
+    assert "process overhead" in text and "FSDP+TP" in text and "dp_shard=2,tp=2" in text
+    assert "<table>" in report._repr_html_()
+    assert planners_left() == []
+
+
+def test_fsdp_applied_trains_and_its_peak_is_as_predicted(mesh: meshbook.Mesh, report: meshbook.PlanReport,
+                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    done = mesh.parallelize(BUILD, row(report, "FSDP"))
+    assert set(done.values()) == {"model, optimizer, step: its part of FSDP (dp_shard=4; ac=none)"}
+    losses = train(mesh, (2, 16))
+    assert all(v[-1] < v[0] for v in losses.values()), losses  # one batch, learnt
+    placements = mesh.run("str(model[1].attn.q_proj.weight.placements)").result(echo=False)
+    assert set(placements.values()) == {"(Shard(dim=0),)"}
+    ratios = mesh.pull("ratio")
+    assert all(0.8 < r < 1.25 for r in ratios.values()), ratios  # measured peak RSS / predicted
+    assert "(predicted" in capfd.readouterr().out
+
+
+def test_tensor_parallel_shards_the_blocks_across_tp(mesh: meshbook.Mesh, report: meshbook.PlanReport) -> None:
+    mesh.parallelize(BUILD, row(report, "FSDP+TP"))
+    losses = train(mesh, (4, 16))
+    assert all(v[-1] < v[0] for v in losses.values()), losses
+    placements = mesh.run("str(model[1].mlp.up_proj.weight.placements)").result(echo=False)
+    assert set(placements.values()) == {"(_StridedShard(dim=0, sf=2), Shard(dim=0))"}  # dp_shard over tp
+
+
+def test_pipeline_stages_train_and_the_loss_comes_back_on_the_last(mesh: meshbook.Mesh,
+                                                                  report: meshbook.PlanReport) -> None:
+    pp = row(report, "FSDP+PP-1F1B")
+    done = mesh.parallelize(BUILD, pp)
+    assert done[0].startswith("model, optimizer, step: stage 0 of 2") and done[3].startswith(
+        "model, optimizer, step: stage 1 of 2")
+    losses = train(mesh, (4, 16))
+    assert losses[0] == losses[1] == [None] * 6
+    assert all(losses[r][-1] < losses[r][0] for r in (2, 3)), losses  # type: ignore[operator]
+    assert set(pp.stage_peaks) == {0, 1}
+
+
+def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:
+    def broken():  # type: ignore[no-untyped-def]
+        raise ValueError("no config")
+
+    with pytest.raises(MeshError, match="build\\(\\) failed on the meta device: ValueError: no config"):
+        mesh.plan(broken, BATCH)
+    with pytest.raises(MeshError, match="must return an nn.Module, not a int"):
+        mesh.plan(lambda: 3, BATCH)
+    with pytest.raises(MeshError, match="batch '8xq': give the global batch shape"):
+        mesh.plan(BUILD, "8xq")
+    with pytest.raises(MeshError, match="no layout could be traced: .*"):
+        mesh.plan(BUILD, (8,), only=lambda lay: lay.family == "FSDP", checkpointing=("none",))
+    with pytest.raises(MeshError, match="budget 'lots'"):
+        mesh.plan(BUILD, BATCH, budget="lots")
+    assert mesh.run("1 + 1").result(echo=False) == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert planners_left() == []
+
+
+def test_a_budget_nothing_fits_says_what_the_smallest_needs(mesh: meshbook.Mesh) -> None:
+    with pytest.raises(MeshError, match=r"no plan fits in 1.0 MiB per rank: the smallest \(.*\) needs .* on rank "
+                                        r"\d, .*; try checkpointing, more ranks or a smaller batch") as caught:
+        mesh.plan(BUILD, BATCH, budget="1M", only=lambda lay: lay.family == "FSDP", checkpointing=("none",))
+    assert all(r.status == "OOM" for r in caught.value.report.rows)  # type: ignore[attr-defined]
+
+
+def test_a_planner_process_that_dies_is_reported_and_nothing_is_left(mesh: meshbook.Mesh) -> None:
+    def dies():  # type: ignore[no-untyped-def]
+        os._exit(3)
+
+    with pytest.raises(MeshError, match=r"a planner process died \(exit 3\); the mesh and the kernel are untouched"):
+        mesh.plan(dies, BATCH)
+    assert planners_left() == []
+    assert mesh.run("rank").result(echo=False) == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
+def test_a_plan_for_another_mesh_is_refused_with_what_would_match(mesh: meshbook.Mesh) -> None:
+    with pytest.raises(MeshError, match="this layout is for 8 ranks and the mesh has 4: .* %mesh start -n 8"):
+        mesh.parallelize(BUILD, Layout(dp_shard=8))
+    with pytest.raises(MeshError, match="give three variable names"):
+        mesh.parallelize(BUILD, Layout(dp_shard=4), names=("model", "opt"))  # type: ignore[arg-type]
+    named = meshbook.start(dims={"dp": 2}, name="named")
+    try:
+        with pytest.raises(MeshError, match="the mesh is laid out as dp=2 and the plan as dp_shard=2: "
+                                            "%mesh start --dims dp_shard=2"):
+            named.parallelize(BUILD, Layout(dp_shard=2))
+    finally:
+        named.stop()
+
+
+def test_a_hugging_face_llama_is_planned_and_trained_with_tp(mesh: meshbook.Mesh) -> None:
+    pytest.importorskip("transformers")
+
+    def llama():  # type: ignore[no-untyped-def]  # defined here, so it travels by value (as from a notebook)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64))
+
+    report = mesh.plan(llama, BATCH, only=lambda lay: lay.tp > 1 or lay.family == "FSDP",
+                       checkpointing=("none", "block"))
+    reasons = {r.reason for r in report.rejected}
+    assert "num key value heads 2 not divisible by tp 4" in reasons
+    assert any(r.startswith("pp needs a model that is a sequence of stages") for r in reasons)
+    tp = next(r for r in report.rows if r.layout.family == "FSDP+TP" and r.layout.checkpointing == "block")
+    assert tp.status in ("OK", "DOMINATED"), report
+    mesh.parallelize(llama, tp)
+    losses = train(mesh, (4, 16))
+    assert all(v[-1] < v[0] for v in losses.values()), losses

@@ -1,0 +1,130 @@
+"""Planning's pure parts, without processes: which layouts exist, why the others are dropped,
+and how a trace and the ranks' measurements become a row of the report.
+
+Every rule here decides what a user is told ("tp 4 > 2 ranks per host", "OOM (+1 GiB on rank
+3: activations ...)"), so each is checked on its own; :mod:`hypothesis` checks the
+enumeration for any world size.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshbook.mesh.protocol.layout import (
+    Layout,
+    ModelFacts,
+    bubble,
+    candidates,
+    factorisations,
+    in_flight,
+    split_points,
+    stage_of,
+    why_invalid,
+)
+from meshbook.mesh.protocol.plan import Probe, StageTrace, Trace, mark_dominated, predict
+
+GPT = ModelFacts(cls="Sequential", params=10, param_bytes=40, blocks="Block", n_blocks=4, stages=7,
+                 tp_reason="", tp_divides=(("num heads", 4), ("mlp.up_proj outputs", 512)), vocab=512)
+MLP_NO_BLOCKS = ModelFacts(cls="Net", params=10, param_bytes=40, pp_reason="a model that is a sequence of stages")
+PROBE = Probe(overhead=100, flops_per_s=1e9, bandwidth=1e9, budget=10_000)
+
+
+@given(st.integers(min_value=1, max_value=64))
+def test_factorisations_are_every_ordered_split_of_the_world_once(world: int) -> None:
+    found = list(factorisations(world))
+    assert len(found) == len(set(found))
+    assert all(math.prod(f) == world for f in found)
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    brute = {(a, b, c, world // (a * b * c)) for a in divisors for b in divisors for c in divisors
+             if world % (a * b * c) == 0}
+    assert set(found) == brute
+
+
+def test_tp_is_dropped_with_the_reason_a_user_can_act_on() -> None:
+    assert why_invalid(Layout(tp=4), GPT, 8, per_host=2) == (
+        "tp 4 > 2 ranks per host (tensor parallelism stays within a host)")
+    three = ModelFacts(**{**GPT.__dict__, "tp_divides": (("num heads", 6),)})
+    assert why_invalid(Layout(tp=4), three, 8, per_host=8) == "num heads 6 not divisible by tp 4"
+    assert why_invalid(Layout(tp=2), MLP_NO_BLOCKS, 8, per_host=8).startswith("tp needs repeated blocks")
+
+
+def test_pp_batch_and_checkpointing_are_checked_before_tracing() -> None:
+    assert why_invalid(Layout(pp=2), MLP_NO_BLOCKS, 8, 8).startswith("pp needs a model that is a sequence")
+    assert why_invalid(Layout(pp=8), GPT, 8, 8) == "pp 8 > 7 pieces to split into stages"
+    assert why_invalid(Layout(dp_shard=3), GPT, 8, 8) == "batch 8 not divisible by dp 3"
+    assert why_invalid(Layout(pp=2, microbatches=8), GPT, 4, 8) == (
+        "batch per data-parallel rank 4 not divisible by 8 micro-batches")
+    assert why_invalid(Layout(checkpointing="block"), MLP_NO_BLOCKS, 8, 8).startswith("activation checkpointing")
+    assert why_invalid(Layout(dp_shard=2, tp=2), GPT, 8, 8) == ""
+
+
+def test_candidates_vary_only_what_applies() -> None:
+    found = candidates(4, GPT, 8, per_host=4)
+    assert all(lay.world == 4 for lay in found.valid)
+    assert not [lay for lay in found.valid if lay.pp == 1 and lay.microbatches != 1]
+    assert not [lay for lay in found.valid if lay.dp_shard == 1 and not lay.reshard]
+    assert {lay.checkpointing for lay in found.valid} == {"none", "block", "selective"}
+    assert {lay.schedule for lay in found.valid if lay.pp > 1} == {"1f1b", "gpipe"}
+    none = candidates(4, MLP_NO_BLOCKS, 8, per_host=4)
+    assert {(lay.tp, lay.pp, lay.checkpointing) for lay in none.valid} == {(1, 1, "none")}
+    assert {r.reason.split(" ")[0] for r in none.rejected} == {"tp", "pp"}
+
+
+def test_pipeline_arithmetic() -> None:
+    assert split_points(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    one_f = Layout(pp=4, microbatches=8, schedule="1f1b")
+    gpipe = Layout(pp=4, microbatches=8, schedule="gpipe")
+    assert [in_flight(one_f, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(gpipe, s) for s in range(4)] == [8, 8, 8, 8]
+    assert bubble(one_f) == 3 / 11 and bubble(Layout()) == 0
+    assert [stage_of(Layout(pp=2, dp_shard=2), r) for r in range(4)] == [0, 0, 1, 1]
+    assert Layout(pp=2, dp_shard=2, tp=2).dims == {"pp": 2, "dp_shard": 2, "tp": 2}
+    assert Layout().dims == {"dp_shard": 1} and Layout().family == "1 rank"
+    assert Layout(dp_replicate=2, dp_shard=2, tp=2).family == "HSDP+TP"
+
+
+def stage(rank: int, activations: int, flops: float = 1e9, **comm: int) -> StageTrace:
+    peak = {"parameters": 1000, "gradients": 1000, "optimizer": 2000, "activations": activations, "temporaries": 0}
+    return StageTrace(stage=rank, rank=rank, peak=peak, microbatch_activations=activations, state=4000,
+                      flops=flops, comm=comm)
+
+
+def test_a_row_adds_the_process_overhead_and_says_what_does_not_fit() -> None:
+    row = predict(Trace(Layout(), (stage(0, 1000),), 0.1), PROBE)
+    assert row.peak == 5100 and row.status == "OK" and row.memory["overhead"] == 100
+    oom = predict(Trace(Layout(), (stage(0, 9000),), 0.1), PROBE)
+    assert oom.status == "OOM" and oom.reason == "+3.0 KiB on rank 0: activations 8.8 KiB"
+
+
+def test_pipelined_stages_hold_their_micro_batches_in_flight() -> None:
+    layout = Layout(pp=2, microbatches=4, schedule="1f1b")
+    row = predict(Trace(layout, (stage(0, 500), stage(1, 500)), 0.1), PROBE)
+    assert row.stage_peaks == {0: 4000 + 2 * 500 + 100, 1: 4000 + 500 + 100}
+    assert row.worst_rank == 0
+    gpipe = predict(Trace(Layout(pp=2, microbatches=4, schedule="gpipe"), (stage(0, 500), stage(1, 500)), 0.1), PROBE)
+    assert gpipe.stage_peaks == {0: 6100, 1: 6100}
+
+
+def test_step_time_prices_flops_exposed_traffic_and_the_bubble() -> None:
+    fsdp = predict(Trace(Layout(dp_shard=2), (stage(0, 0, 1e9, all_gather=10**8, reduce_scatter=10**8),), 0.1),
+                   PROBE)
+    assert fsdp.time["compute"] == 1.0 and fsdp.time["communication"] == 0.0  # hidden behind compute
+    ddp = predict(Trace(Layout(dp_replicate=2), (stage(0, 0, 1e9, all_reduce=10**9),), 0.1), PROBE)
+    assert ddp.time["communication"] == 1.0
+    pp = predict(Trace(Layout(pp=2, microbatches=2), (stage(0, 0, 1e9), stage(1, 0, 1e9)), 0.1), PROBE)
+    assert abs(pp.time["bubble"] - 1.0 * (1 / 3) / (2 / 3)) < 1e-9
+    ac = predict(Trace(Layout(checkpointing="block"), (stage(0, 0, 4e9),), 0.1), PROBE)
+    assert ac.time["recompute"] == 1.0 and ac.time["compute"] == 3.0
+
+
+def test_a_row_beaten_in_memory_and_time_is_dominated() -> None:
+    fast_small = predict(Trace(Layout(dp_shard=2), (stage(0, 100, 1e9),), 0.1), PROBE)
+    slow_big = predict(Trace(Layout(dp_replicate=2), (stage(0, 900, 2e9),), 0.1), PROBE)
+    slow_small = predict(Trace(Layout(pp=2, microbatches=2), (stage(0, 0, 3e9),), 0.1), PROBE)
+    rows = [fast_small, slow_big, slow_small]
+    mark_dominated(rows)
+    assert [r.status for r in rows] == ["OK", "DOMINATED", "OK"]
+    assert slow_big.reason == "by #1 (2.0x slower)"
