@@ -185,3 +185,25 @@ def test_the_notebook_and_the_agent_hold_no_cuda_context(nccl1: meshbook.Mesh) -
                           capture_output=True, text=True).stdout.split()
     if str(rank_pid) in apps:  # nvidia-smi sees this pid namespace's processes
         assert str(os.getpid()) not in apps and str(agent) not in apps
+
+
+def test_a_plan_on_a_gpu_rank_predicts_cuda_memory(nccl1: meshbook.Mesh) -> None:
+    """``mesh.plan`` measures the rank's free CUDA memory, and ``parallelize`` builds on the GPU
+    and compares the allocator's peak with the prediction (4 blocks of width 1024: ~50M
+    parameters, ~0.8 GiB with AdamW's state, far above the allocator's 2 MiB granules)."""
+    from functools import partial
+
+    from bench import models
+
+    build = partial(models.gpt, vocab=4096, dim=1024, layers=4, heads=8)
+    report = nccl1.plan(build, (4, 128), checkpointing=("none",))
+    assert report.probe.device == "cuda" and report.best.layout.family == "1 rank"
+    nccl1.parallelize(build, report.best)
+    nccl1.run("x = torch.randint(0, 4096, (4, 128), device=device)\n"
+              "losses = [step(x, x).item() for _ in range(4)]\n"
+              "ratio = torch.cuda.max_memory_reserved(device) / step.predicted").result()
+    (losses,) = nccl1.pull("losses").values()
+    assert losses[-1] < losses[0]
+    (ratio,) = nccl1.pull("ratio").values()
+    assert 0.8 < ratio < 1.3, ratio
+    nccl1.run("del model, optimizer, step; torch.cuda.empty_cache()").result()
