@@ -128,3 +128,14 @@ def test_a_row_beaten_in_memory_and_time_is_dominated() -> None:
     mark_dominated(rows)
     assert [r.status for r in rows] == ["OK", "DOMINATED", "OK"]
     assert slow_big.reason == "by #1 (2.0x slower)"
+
+
+def test_an_untraceable_model_gets_an_estimate_labelled_so() -> None:
+    estimate = StageTrace(stage=0, rank=0, peak={"parameters": 100, "gradients": 100, "optimizer": 200})
+    row = predict(Trace(Layout(), (estimate,), 0.1, untraceable="aten.nonzero.default"), PROBE)
+    assert (row.status, row.reason) == ("UNTRACEABLE", "aten.nonzero.default: analytic estimate, "
+                                                       "activations not counted")
+    assert row.peak == 500
+    too_big = predict(Trace(Layout(), (estimate,), 0.1, untraceable="aten.nonzero.default"),
+                      Probe(overhead=100, flops_per_s=1e9, bandwidth=1e9, budget=300))
+    assert too_big.status == "OOM"  # even the model state alone does not fit

@@ -98,8 +98,11 @@ def test_a_data_dependent_op_is_untraceable_and_named(planner: Planners, facts: 
     found = planner.ask(0, "trace", partial(models.gpt, layers=2), Layout(), facts, (2, 8), "adamw")
     assert found.stages  # the same model traces
     bad = planner.ask(0, "inspect", NonzeroNet)
-    result = planner.ask(0, "trace", NonzeroNet, Layout(), bad, (4,), "adamw")
+    result = planner.ask(0, "trace", NonzeroNet, Layout(dp_shard=2), bad, (4,), "adamw")
     assert "nonzero" in result.untraceable
+    (estimate,) = result.stages  # the model state from its parameter count, sharded two ways
+    assert estimate.peak == {"parameters": bad.param_bytes // 2, "gradients": bad.param_bytes // 2,
+                             "optimizer": bad.param_bytes}
 
 
 def test_tracing_a_candidate_takes_seconds_not_minutes(planner: Planners, facts: ModelFacts) -> None:

@@ -82,15 +82,25 @@ def trace(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFacts, b
             rank = stage * (layout.world // layout.pp)
             traced, inputs = trace_stage(factory, layout, facts, batch, optimizer, rank, inputs)
             stages.append(traced)
-    except torch._subclasses.fake_tensor.DynamicOutputShapeException as exc:
-        return Trace(layout, (), time.perf_counter() - started, untraceable=f"{exc.func}")
-    except torch._subclasses.fake_tensor.UnsupportedOperatorException as exc:
-        return Trace(layout, (), time.perf_counter() - started, untraceable=f"{exc.func}")
+    except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
+            torch._subclasses.fake_tensor.UnsupportedOperatorException) as exc:
+        return Trace(layout, (analytic(facts, layout, optimizer),), time.perf_counter() - started,
+                     untraceable=f"{exc.func}")
     except MeshError:
         raise
     except Exception as exc:
         return Trace(layout, (), time.perf_counter() - started, error=f"{type(exc).__name__}: {exc}"[:300])
     return Trace(layout, tuple(stages), time.perf_counter() - started)
+
+
+def analytic(facts: ModelFacts, layout: Layout, optimizer: Any) -> StageTrace:
+    """Model state from the parameter count, where fake tensors cannot run the model (an op
+    whose output shape depends on the data): parameters and gradients split over the ranks
+    that shard them, and AdamW's two moments (none for plain SGD). Activations are unknown."""
+    share = facts.param_bytes // (layout.dp_shard * layout.tp * layout.pp)
+    moments = 0 if str(optimizer).lower() == "sgd" else 2
+    state = {"parameters": share, "gradients": share, "optimizer": moments * share}
+    return StageTrace(stage=0, rank=0, peak=state, state=sum(state.values()))
 
 
 def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFacts, batch: tuple[int, ...],

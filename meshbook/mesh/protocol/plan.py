@@ -133,7 +133,7 @@ def predict(trace: Trace, probe: Probe, budget: int | None = None) -> Row:
         row.reason = (f"+{format_bytes(row.peak - budget)} on rank {worst}: "
                       f"{big} {format_bytes(memory[big])}")
     elif trace.untraceable:
-        row.status, row.reason = "UNTRACEABLE", f"{trace.untraceable}: analytic estimate"
+        row.status, row.reason = "UNTRACEABLE", f"{trace.untraceable}: analytic estimate, activations not counted"
     return row
 
 
