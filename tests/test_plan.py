@@ -176,3 +176,12 @@ def test_a_hugging_face_llama_is_planned_and_trained_with_tp(mesh: meshbook.Mesh
     mesh.parallelize(llama, tp)
     losses = train(mesh, (4, 16))
     assert all(v[-1] < v[0] for v in losses.values()), losses
+
+
+def test_a_layout_applied_without_a_plan_reports_what_it_measured(mesh: meshbook.Mesh,
+                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    mesh.parallelize(BUILD, Layout(dp_replicate=2, dp_shard=2, checkpointing="block"))
+    mesh.run("x = torch.randint(0, 256, (2, 16))\nloss = step(x, x)").result()
+    out = capfd.readouterr().out
+    assert out.count("step 1: peak ") == 4 and "predicted" not in out
+    assert mesh.run("type(model[1]).__name__").result(echo=False).unique() == "FSDPCheckpointWrapper"

@@ -485,12 +485,18 @@ class Reporting:
         loss = self.built.step(inputs, targets)
         if self.left > 0:
             self.left -= 1
-            seconds = time.perf_counter() - started
-            peak = peak_bytes(self.device)
-            print(f"rank {self.rank} step {self.built.steps}: peak {_mib(peak)} (predicted {_mib(self.predicted)}, "
-                  f"{(peak - self.predicted) / self.predicted:+.1%}), {seconds * 1e3:.0f} ms "
-                  f"(predicted {self.predicted_s * 1e3:.0f} ms)")
+            print(f"rank {self.rank} step {self.built.steps}: {self.measured(time.perf_counter() - started)}")
         return loss
+
+    def measured(self, seconds: float) -> str:
+        peak = peak_bytes(self.device)
+        memory = f"peak {_mib(peak)}"
+        if torch.device(self.device).type == "cuda":
+            memory += f" reserved, {_mib(torch.cuda.max_memory_allocated(self.device))} allocated"
+        if not self.predicted:  # a Layout applied without a plan
+            return f"{memory}, {seconds * 1e3:.0f} ms"
+        return (f"{memory} (predicted {_mib(self.predicted)}, {(peak - self.predicted) / self.predicted:+.1%}), "
+                f"{seconds * 1e3:.0f} ms (predicted {self.predicted_s * 1e3:.0f} ms)")
 
     def __repr__(self) -> str:
         return f"<step: {self.built.layout.describe()}, stage {self.built.stage}>"
