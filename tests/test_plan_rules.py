@@ -139,3 +139,18 @@ def test_an_untraceable_model_gets_an_estimate_labelled_so() -> None:
     too_big = predict(Trace(Layout(), (estimate,), 0.1, untraceable="aten.nonzero.default"),
                       Probe(overhead=100, flops_per_s=1e9, bandwidth=1e9, budget=300))
     assert too_big.status == "OOM"  # even the model state alone does not fit
+
+
+def test_a_stage_peaks_with_its_micro_batches_in_flight_or_where_the_trace_peaked() -> None:
+    layout = Layout(pp=2, microbatches=4, schedule="1f1b")
+    first, last = (StageTrace(stage=s, rank=s, peak={"parameters": 1000, "activations": 300},
+                              microbatch_activations=200) for s in (0, 1))
+    row = predict(Trace(layout, (first, last), 0.1), PROBE)
+    assert row.stage_peaks == {0: 1000 + 2 * 200 + 100, 1: 1000 + 300 + 100}  # 2 in flight; the traced peak
+
+
+def test_times_within_one_percent_are_a_tie_not_a_ranking() -> None:
+    a = predict(Trace(Layout(dp_shard=2), (stage(0, 100, 1e9),), 0.1), PROBE)
+    b = predict(Trace(Layout(dp_shard=2, checkpointing="block"), (stage(0, 100, 1.004e9),), 0.1), PROBE)
+    mark_dominated([a, b])
+    assert a.status == b.status == "OK"

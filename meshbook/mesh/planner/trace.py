@@ -125,10 +125,15 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
             x = x[:micro] if stage == 0 else torch.empty(inputs[0], dtype=inputs[1], requires_grad=True)
             y = y[:micro] if y is not None else None
         tracker = torch_compat.memory_tracker(built.model, built.optimizer, fsdp=layout.dp_shard > 1)
-        state = 0
+        held: list[int] = []  # activations held for backward, read after each forward
+
+        def after_forward() -> None:
+            current = _by_kind(tracker.get_tracker_snapshot("current"))
+            held.append(current.get("activations", 0))
+
         with tracker:
             for _ in range(2):
-                out = one_step(built, x, y, last)
+                out = one_step(built, x, y, last, after_forward)
                 tracker.reset_mod_stats()  # per-module stats only: the peak stays
             state = _state_bytes(tracker)
         peak = _by_kind(tracker.get_tracker_snapshot("peak"))
@@ -136,7 +141,7 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
         with flops, comm:
             out = one_step(built, x, y, last)
     traced = StageTrace(stage=stage, rank=rank, peak=peak,
-                        microbatch_activations=peak.get("activations", 0) if layout.pp > 1 else 0,
+                        microbatch_activations=max(held) if layout.pp > 1 else 0,
                         state=state, flops=float(flops.get_total_flops()), comm=dict(comm.bytes),
                         collectives=comm.calls)
     if layout.pp > 1:
@@ -144,10 +149,13 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
     return traced, None if out is None else (tuple(out.shape), out.dtype)
 
 
-def one_step(built: parallel.Built, x: Any, y: Any, last: bool) -> Any:
+def one_step(built: parallel.Built, x: Any, y: Any, last: bool,
+             after_forward: Callable[[], None] | None = None) -> Any:
     """A stage's forward and backward and the optimizer step (without pipelining: a full
     training step, as :meth:`Built.step` takes it)."""
     out = built.model(x)
+    if after_forward is not None:
+        after_forward()
     if last:
         (built.loss_fn or parallel.default_loss)(out, y).backward()
     else:

@@ -99,15 +99,19 @@ class Row:
 
     @property
     def fits(self) -> bool:
-        return self.status == "OK"
+        """Predicted to fit the budget (the fastest, a dominated one or an estimate)."""
+        return self.status in ("OK", "DOMINATED", "UNTRACEABLE")
 
 
 def stage_peak(stage: StageTrace, layout: Layout) -> dict[str, int]:
-    """A stage's peak by kind; with pipelining, the traced micro-batch's activations times the
-    micro-batches the schedule keeps in flight at this stage."""
+    """A stage's peak by kind. With pipelining, the larger of the traced peak (one micro-batch:
+    often the optimizer step) and the stage's state with the activations of every micro-batch
+    the schedule keeps in flight (:func:`in_flight`), each as held after its forward."""
     peak = {k: stage.peak.get(k, 0) for k in KINDS if k != "overhead"}
     if layout.pp > 1:
-        peak["activations"] = stage.microbatch_activations * in_flight(layout, stage.stage)
+        flight = dict(peak, activations=stage.microbatch_activations * in_flight(layout, stage.stage))
+        if sum(flight.values()) > sum(peak.values()):
+            return flight
     return peak
 
 
@@ -128,13 +132,18 @@ def predict(trace: Trace, probe: Probe, budget: int | None = None) -> Row:
     if trace.error:
         row.status, row.reason = "INVALID", trace.error
     elif row.peak > budget:
-        big = max((k for k in KINDS), key=lambda k: memory[k])
+        big = largest_part(memory)
         row.status = "OOM"
         row.reason = (f"+{format_bytes(row.peak - budget)} on rank {worst}: "
                       f"{big} {format_bytes(memory[big])}")
     elif trace.untraceable:
         row.status, row.reason = "UNTRACEABLE", f"{trace.untraceable}: analytic estimate, activations not counted"
     return row
+
+
+def largest_part(memory: dict[str, int]) -> str:
+    """The kind of model memory that weighs most (the process overhead is no lever)."""
+    return max((k for k in KINDS if k != "overhead"), key=lambda k: memory[k])
 
 
 def step_time(trace: Trace, probe: Probe) -> dict[str, float]:
@@ -159,11 +168,14 @@ def step_time(trace: Trace, probe: Probe) -> dict[str, float]:
 
 
 def mark_dominated(rows: list[Row]) -> None:
-    """A fitting row that another fitting row beats in both peak and step time is DOMINATED."""
-    fitting = [r for r in rows if r.fits]
+    """A fitting row that another is no bigger and no slower than, and beats in one of the two
+    (by over 1% in time: closer is a tie, not a ranking), is DOMINATED by it."""
+    fitting = [r for r in rows if r.status == "OK"]
     for row in fitting:
         for other in fitting:
-            if other is not row and other.status == "OK" and other.peak <= row.peak and other.step_s < row.step_s:
+            if other is row or other.status != "OK" or other.peak > row.peak or other.step_s > row.step_s:
+                continue
+            if other.peak < row.peak or other.step_s < row.step_s * 0.99:
                 row.status = "DOMINATED"
                 row.reason = f"by #{rows.index(other) + 1} ({row.step_s / max(other.step_s, 1e-12):.1f}x slower)"
                 break

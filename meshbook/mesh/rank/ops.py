@@ -359,6 +359,8 @@ def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predi
         worker.namespace.pop(name, None)
     gc.collect()
     device = worker.namespace["device"]
+    if device.type == "cpu":
+        parallel.return_freed_memory()
     parallel.reset_peak(device)
     if dict(worker.cfg.topology.dims) == layout.dims:
         device_mesh = worker.namespace["device_mesh"]

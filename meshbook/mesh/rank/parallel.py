@@ -208,7 +208,7 @@ class Built:
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if last else {}
         args = (inputs,) if self.stage == 0 else ()
-        self.schedule.step(*args, **kwargs)
+        self.schedule.step(*args, return_outputs=False, **kwargs)  # the loss comes back in losses
         return torch.stack(losses).mean() if last and losses else None
 
 
@@ -386,6 +386,27 @@ def example_batch(facts: ModelFacts, shape: tuple[int, ...], layout: Layout, dev
 
 
 # -- measuring on a rank -------------------------------------------------------------------
+
+
+#: glibc's ``mallopt`` parameter for the size above which a block is mapped on its own.
+M_MMAP_THRESHOLD = -3
+#: Blocks from this size up are mapped and unmapped by themselves on CPU ranks (glibc's default
+#: starts at 128 KiB but grows to 32 MiB with every large block freed, after which freed
+#: activations stay in the heap: a peak RSS far above anything live, and no tracker sees it).
+MMAP_THRESHOLD = 128 << 10
+
+
+def return_freed_memory() -> bool:
+    """Fix glibc's mmap threshold, so tensors a step frees go back to the system and a CPU
+    rank's peak RSS is what was live (as a plan predicts). False where libc is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
 
 
 def reset_peak(device: Any) -> None:

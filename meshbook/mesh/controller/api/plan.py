@@ -24,7 +24,18 @@ from typing import Any
 
 from ...protocol.errors import MeshError
 from ...protocol.layout import CHECKPOINTING, Layout, ModelFacts, Rejected, candidates
-from ...protocol.plan import BUDGET_SHARE, KINDS, Probe, Row, Trace, mark_dominated, predict, read_frame, write_frame
+from ...protocol.plan import (
+    BUDGET_SHARE,
+    KINDS,
+    Probe,
+    Row,
+    Trace,
+    largest_part,
+    mark_dominated,
+    predict,
+    read_frame,
+    write_frame,
+)
 from ...protocol.text import format_bytes, parse_size, status_table
 from ...protocol.values import RankValues
 from ...rank import ops
@@ -82,10 +93,12 @@ class PlanReport:
         if not sized:
             return "no layout could be traced: " + "; ".join(sorted({r.reason for r in self.rows}))[:500]
         small = min(sized, key=lambda r: r.peak)
-        big = max(KINDS, key=lambda k: small.memory[k])
+        big = largest_part(small.memory)
+        levers = (["checkpointing"] if small.layout.checkpointing != "block" else []) + [
+            "more ranks", "a smaller batch"]
         return (f"no plan fits in {format_bytes(self.budget)} per rank: the smallest ({small.layout.describe()}) "
                 f"needs {format_bytes(small.peak)} on rank {small.worst_rank}, {big} "
-                f"{format_bytes(small.memory[big])}; try checkpointing, more ranks or a smaller batch")
+                f"{format_bytes(small.memory[big])}; try {', '.join(levers[:-1])} or {levers[-1]}")
 
     def assumptions(self) -> list[str]:
         p = self.probe
@@ -104,6 +117,8 @@ class PlanReport:
         for i, row in enumerate(self.rows, 1):
             cells: dict[str, Any] = {"#": i, "layout": row.layout.family, "degrees": row.layout.start_dims(),
                                      "ac": row.layout.checkpointing,
+                                     "reshard": ("yes" if row.layout.reshard else "no") if row.layout.dp_shard > 1
+                                     else "-",
                                      "mb": row.layout.microbatches if row.layout.pp > 1 else "-",
                                      "peak": format_bytes(row.peak),
                                      "budget": f"{row.peak / self.budget:.0%}" if self.budget else "-"}
@@ -240,9 +255,11 @@ def _budget(budget: str | int) -> int:
         raise MeshError(str(exc)) from None
 
 
-def _order(row: Row) -> tuple[int, float, int]:
+def _order(row: Row) -> tuple[int, float, int, str]:
+    """Fitting rows by step time (to 0.1%), then memory; the others by memory; ties by name."""
     rank = {"OK": 0, "UNTRACEABLE": 1, "OOM": 2, "INVALID": 3}.get(row.status, 4)
-    return rank, row.step_s if rank < 2 else float(row.peak), row.peak
+    time = float(f"{row.step_s:.3g}") if rank < 2 else float(row.peak)
+    return rank, time, row.peak, row.layout.describe()
 
 
 # -- mesh.plan and mesh.parallelize ----------------------------------------------------------
@@ -281,7 +298,11 @@ class PlanOps:
             facts = pool.ask(0, "inspect", build)  # first, where a failing build harms nothing
             measured = probe(self, build)  # the other planners import torch meanwhile
             found = candidates(len(self.ranks), facts, shape[0], per_host)
-            layouts = [lay for lay in found.valid if lay.checkpointing in checkpointing and (only is None or only(lay))]
+            def wanted(lay: Layout) -> bool:
+                return lay.checkpointing in checkpointing and (only is None or only(lay))
+
+            layouts = [lay for lay in found.valid if wanted(lay)]
+            found.rejected = [r for r in found.rejected if only is None or only(r.layout)]
             if not layouts:
                 reasons = "; ".join(sorted({r.reason for r in found.rejected}))[:600]
                 raise MeshError(f"no layout of {len(self.ranks)} ranks is possible for this model: "
