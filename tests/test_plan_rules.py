@@ -154,3 +154,13 @@ def test_times_within_one_percent_are_a_tie_not_a_ranking() -> None:
     b = predict(Trace(Layout(dp_shard=2, checkpointing="block"), (stage(0, 100, 1.004e9),), 0.1), PROBE)
     mark_dominated([a, b])
     assert a.status == b.status == "OK"
+
+
+def test_cpu_rows_add_gloos_scratch_and_the_layouts_process_groups() -> None:
+    probe = Probe(overhead=100, flops_per_s=1e9, bandwidth=1e9, budget=10**9, per_group=10)
+    traced = StageTrace(stage=0, rank=0, peak={"parameters": 1000}, largest={"all_gather": 300, "reduce_scatter": 300})
+    row = predict(Trace(Layout(dp_replicate=2, dp_shard=2), (traced,), 0.1), probe)
+    assert row.memory["temporaries"] == 400  # a reduce-scatter stages 4/3 of its input
+    assert row.memory["overhead"] == 100 + 2 * 10  # two mesh dimensions, a group each
+    gpu = predict(Trace(Layout(dp_shard=4), (traced,), 0.1), Probe(0, 1e9, 1e9, 10**9, device="cuda", per_group=10))
+    assert gpu.memory["temporaries"] == 0 and gpu.memory["overhead"] == 10 + int(1000 * 0.05)

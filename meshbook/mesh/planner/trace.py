@@ -47,6 +47,7 @@ class CommCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.bytes: Counter[str] = Counter()
+        self.largest: Counter[str] = Counter()
         self.calls = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -54,7 +55,9 @@ class CommCounter(TorchDispatchMode):
             kind = COLLECTIVES.get(func.__name__.split(".")[0])
             if kind is not None:
                 tensors = _tensors(args[kind[1]]) if len(args) > kind[1] else []
-                self.bytes[kind[0]] += sum(t.numel() * t.element_size() for t in tensors)
+                size = sum(t.numel() * t.element_size() for t in tensors)
+                self.bytes[kind[0]] += size
+                self.largest[kind[0]] = max(self.largest[kind[0]], size)
                 self.calls += 1
         return func(*args, **(kwargs or {}))
 
@@ -143,7 +146,7 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
     traced = StageTrace(stage=stage, rank=rank, peak=peak,
                         microbatch_activations=max(held) if layout.pp > 1 else 0,
                         state=state, flops=float(flops.get_total_flops()), comm=dict(comm.bytes),
-                        collectives=comm.calls)
+                        largest=dict(comm.largest), collectives=comm.calls)
     if layout.pp > 1:
         traced = _pipelined(traced, out, layout, last)
     return traced, None if out is None else (tuple(out.shape), out.dtype)
@@ -173,7 +176,7 @@ def _pipelined(traced: StageTrace, out: torch.Tensor, layout: Layout, last: bool
         comm["p2p"] = comm.get("p2p", 0) + 2 * out.numel() * out.element_size() * layout.microbatches
         calls += 2 * layout.microbatches
     return StageTrace(traced.stage, traced.rank, traced.peak, traced.microbatch_activations, traced.state,
-                      traced.flops * layout.microbatches, comm, calls)
+                      traced.flops * layout.microbatches, comm, traced.largest, calls)
 
 
 def _by_kind(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:

@@ -22,6 +22,10 @@ from .text import format_bytes
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "overhead")
 #: The share of a CUDA device's reserved memory the caching allocator loses to fragmentation.
 CUDA_FRAGMENTATION = 0.05
+#: What gloo allocates inside a collective, as a share of its full size (measured: an
+#: all-gather stages its whole output, a reduce-scatter a third more than its input): memory a
+#: fake process group never allocates, at the peak while the largest one runs.
+GLOO_SCRATCH = {"all_gather": 1.0, "reduce_scatter": 4 / 3, "all_reduce": 0.13}
 #: The share of a checkpointed step's FLOPs spent recomputing forwards (forward : backward is
 #: 1 : 2, so all blocks recomputed add 1 to 3, and every other block 0.5 to 3).
 RECOMPUTED = {"none": 0.0, "block": 1 / 4, "selective": 1 / 7}
@@ -44,6 +48,8 @@ class StageTrace:
     flops: float = 0.0
     #: Bytes by collective: all_gather, reduce_scatter, all_reduce, p2p.
     comm: dict[str, int] = field(default_factory=dict)
+    #: The largest single collective of each kind, in bytes.
+    largest: dict[str, int] = field(default_factory=dict)
     #: How many collectives (and point-to-point messages) one step issues.
     collectives: int = 0
 
@@ -71,6 +77,9 @@ class Probe:
     bandwidth: float
     budget: int
     latency: float = 0.0
+    #: The bytes one more process group costs a rank (gloo: its buffers and threads); a layout
+    #: makes one per mesh dimension.
+    per_group: int = 0
     device: str = "cpu"
     calibrated: bool = True
 
@@ -120,10 +129,13 @@ def predict(trace: Trace, probe: Probe, budget: int | None = None) -> Row:
     layout = trace.layout
     budget = probe.budget if budget is None else budget
     worst, memory, stage_peaks = 0, {k: 0 for k in KINDS}, {}
+    groups = len(layout.dims) if layout.world > 1 else 0
     for stage in trace.stages:
         peak = stage_peak(stage, layout)
-        peak["overhead"] = probe.overhead + (int(sum(peak.values()) * CUDA_FRAGMENTATION)
-                                             if probe.device == "cuda" else 0)
+        if probe.device == "cpu":
+            peak["temporaries"] += int(max((GLOO_SCRATCH.get(k, 0) * n for k, n in stage.largest.items()), default=0))
+        peak["overhead"] = probe.overhead + groups * probe.per_group + (
+            int(sum(peak.values()) * CUDA_FRAGMENTATION) if probe.device == "cuda" else 0)
         stage_peaks[stage.stage] = sum(peak.values())
         if sum(peak.values()) > sum(memory.values()):
             worst, memory = stage.rank, peak

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..protocol import config
 from ..protocol.errors import MeshError
 from ..protocol.layout import Layout, ModelFacts, split_points, stage_of
 from . import torch_compat
@@ -390,21 +391,23 @@ def example_batch(facts: ModelFacts, shape: tuple[int, ...], layout: Layout, dev
 
 #: glibc's ``mallopt`` parameter for the size above which a block is mapped on its own.
 M_MMAP_THRESHOLD = -3
-#: Blocks from this size up are mapped and unmapped by themselves on CPU ranks (glibc's default
-#: starts at 128 KiB but grows to 32 MiB with every large block freed, after which freed
-#: activations stay in the heap: a peak RSS far above anything live, and no tracker sees it).
-MMAP_THRESHOLD = 128 << 10
 
 
 def return_freed_memory() -> bool:
-    """Fix glibc's mmap threshold, so tensors a step frees go back to the system and a CPU
-    rank's peak RSS is what was live (as a plan predicts). False where libc is not glibc."""
+    """Fix glibc's mmap threshold (``MESHBOOK_CPU_MMAP_THRESHOLD``), so tensors a step frees
+    go back to the system and a CPU rank's peak RSS is what was live, as a plan predicts.
+    glibc's default starts at 128 KiB but slides up to 32 MiB with every large block freed,
+    after which freed activations stay in the heap: a peak no tracker sees. False where libc
+    is not glibc, or the variable is 0."""
     import ctypes
     import ctypes.util
 
+    threshold = config.cpu_mmap_threshold()
+    if threshold <= 0:
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
     except (OSError, AttributeError):
         return False
 
@@ -432,53 +435,73 @@ def peak_bytes(device: Any) -> int:
 
 
 def probe(device: Any, ranks_here: int, factory: Callable[[], nn.Module]) -> dict[str, Any]:
-    """What planning needs to know of this rank, measured: the bytes the process holds after
-    building the model on the meta device (what it imports: transformers alone is ~60 MiB),
-    one tiny training step and one all-reduce (torch, autograd's threads, the communicator:
-    what no tracker sees); its FLOP/s on a matmul, the all-reduce bus bandwidth and the time
-    of the smallest all-reduce; and its share of the memory there is."""
+    """What planning needs to know of this rank, measured on it: the bytes the process holds
+    after building the model on the meta device (what it imports: transformers alone is
+    ~60 MiB), a small training step and an all-reduce (torch, autograd's threads, the
+    communicator: what no tracker sees); what one more process group costs it; the FLOP/s a
+    training step of a small MLP block reaches (its norm, activation and optimizer included:
+    a matmul's peak rate would promise too much); the all-reduce bus bandwidth and the time of
+    the smallest all-reduce; and its share of the memory there is."""
     import gc
-    import time
 
+    import psutil
     import torch.distributed as dist
 
     make(factory)  # dropped at once: what stays is what its imports hold
     gc.collect()
     device = torch.device(device)
-    tiny = nn.Linear(64, 64, device=device)
-    opt = torch.optim.AdamW(tiny.parameters())
-    tiny(torch.randn(8, 64, device=device)).sum().backward()
-    opt.step()
-    a, b = torch.randn(256, 256, device=device), torch.randn(256, 1024, device=device)
-    a @ b
-    started, n = time.perf_counter(), 0
-    while time.perf_counter() - started < 0.05:
-        a @ b
-        n += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    flops = 2 * 256 * 256 * 1024 * n / (time.perf_counter() - started)
+    flops = training_rate(device)
     world = dist.get_world_size()
     payload = torch.ones(1 << 18, device=device)  # 1 MiB
     dist.all_reduce(payload)
-    started = time.perf_counter()
-    for _ in range(4):
-        dist.all_reduce(payload)
-    seconds = (time.perf_counter() - started) / 4
-    bandwidth = 2 * (world - 1) / world * payload.numel() * 4 / seconds if world > 1 else float("inf")
+    bandwidth = 2 * (world - 1) / world * payload.numel() * 4 / _timed(lambda: dist.all_reduce(payload), 4)
     small = torch.ones(1, device=device)
-    started = time.perf_counter()
-    for _ in range(8):
-        dist.all_reduce(small)
-    latency = (time.perf_counter() - started) / 8 if world > 1 else 0.0
+    latency = _timed(lambda: dist.all_reduce(small), 8) if world > 1 else 0.0
+    before = psutil.Process().memory_info().rss
+    group = dist.new_group()
+    dist.all_reduce(small, group=group)
+    per_group = max(0, psutil.Process().memory_info().rss - before)
+    if world == 1:
+        bandwidth = float("inf")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return {"overhead": 0, "flops_per_s": flops, "bandwidth": bandwidth, "latency": latency,
-                "memory": int(free), "device": "cuda"}
-    import psutil
+                "memory": int(free), "device": "cuda", "per_group": 0}
+    return {"overhead": psutil.Process().memory_info().rss - per_group, "flops_per_s": flops,
+            "bandwidth": bandwidth, "latency": latency, "memory": memory_limit() // ranks_here, "device": "cpu",
+            "per_group": per_group}
 
-    return {"overhead": psutil.Process().memory_info().rss, "flops_per_s": flops, "bandwidth": bandwidth,
-            "latency": latency, "memory": memory_limit() // ranks_here, "device": "cpu"}
+
+def training_rate(device: Any, dim: int = 256, tokens: int = 512) -> float:
+    """FLOP/s of training steps of a pre-norm MLP block with AdamW, FLOPs as the planner
+    counts them (torch's FLOP counter), time the median of a few steps after a warm-up."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    block = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(device)
+    opt = torch.optim.AdamW(block.parameters())
+    x = torch.randn(tokens, dim, device=device)
+
+    def step() -> None:
+        block(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    times = sorted(_timed(step, 1) for _ in range(7))
+    return counter.get_total_flops() / times[len(times) // 2]
+
+
+def _timed(fn: Callable[[], Any], n: int) -> float:
+    import time
+
+    started = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - started) / n
 
 
 def memory_limit() -> int:

@@ -105,8 +105,10 @@ class PlanReport:
         return [f"{self.facts.cls}: {self.facts.params:,} parameters, batch {'x'.join(map(str, self.batch))}",
                 f"budget {format_bytes(self.budget)} per rank "
                 f"({'given' if self.budget_given else f'{BUDGET_SHARE:.0%} of what each rank has'})",
-                f"process overhead {format_bytes(p.overhead)} per rank (measured on the ranks after one tiny step)",
-                f"compute {p.flops_per_s / 1e9:.1f} GFLOP/s per rank, all-reduce bus bandwidth "
+                f"process overhead {format_bytes(p.overhead)} per rank, and {format_bytes(p.per_group)} per process "
+                f"group a layout makes (measured on the ranks)",
+                f"compute {p.flops_per_s / 1e9:.1f} GFLOP/s per rank (a training step, measured), all-reduce bus "
+                f"bandwidth "
                 f"{p.bandwidth / 1e9:.2f} GB/s, {p.latency * 1e6:.0f} us per collective "
                 f"(measured on the ranks, {p.device})",
                 f"{len(self.rows)} layouts traced in {self.seconds:.1f} s, {len(self.rejected)} dropped before tracing",
@@ -243,6 +245,7 @@ def probe(mesh: MeshView, build: Callable[[], Any]) -> Probe:
                   flops_per_s=min(v["flops_per_s"] for v in values.values()),
                   bandwidth=min(v["bandwidth"] for v in values.values()),
                   latency=max(v["latency"] for v in values.values()),
+                  per_group=max(v["per_group"] for v in values.values()),
                   budget=int(min(v["memory"] for v in values.values()) * BUDGET_SHARE),
                   device=next(iter(values.values()))["device"])
     return found
