@@ -343,7 +343,10 @@ def plan_probe(worker: "Worker", ranks_per_host: dict[int, int], factory: Callab
     all-reduces); ``ranks_per_host``: how many ranks share each rank's host (and its memory)."""
     from . import parallel  # torch's parallel APIs: only on a rank that plans
 
-    return parallel.probe(worker.namespace["device"], ranks_per_host[worker.rank], factory)
+    device = worker.namespace["device"]
+    if device.type == "cpu":
+        parallel.return_freed_memory()  # the allocator the steps will run with (its rate included)
+    return parallel.probe(device, ranks_per_host[worker.rank], factory)
 
 
 def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predicted: dict[int, int],
