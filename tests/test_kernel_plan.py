@@ -38,7 +38,8 @@ def test_plan_a_notebook_model_then_apply_the_best(kernel: Kernel) -> None:
     assert kernel.value("sorted({r.layout.family for r in report.rows})") == ["DDP", "FSDP", "TP"]
     (applied,) = kernel.ok("%mesh parallelize --build build --row 1").of_type("execute_result")
     assert "model, optimizer, step: its part of" in applied["content"]["data"]["text/plain"]
-    distributed = "all(type(p).__name__ == 'DTensor' for p in model.parameters())"
+    # DDP and FSDP make every parameter a DTensor, TP the blocks' linears: whichever row was best
+    distributed = "any(type(p).__name__ == 'DTensor' for p in model.parameters())"
     assert kernel.value(f"meshbook.current().run({distributed!r}).result(echo=False).unique()") is True
     out = kernel.ok("%%mesh\nx = torch.randn(4, 16)\nfor _ in range(3): loss = step(x)").stream()
     assert sorted(line.split(":")[0] for line in out.splitlines()) == sorted(
