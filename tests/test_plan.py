@@ -185,3 +185,13 @@ def test_a_layout_applied_without_a_plan_reports_what_it_measured(mesh: meshbook
     out = capfd.readouterr().out
     assert out.count("step 1: peak ") == 4 and "predicted" not in out
     assert mesh.run("type(model[1]).__name__").result(echo=False).unique() == "FSDPCheckpointWrapper"
+
+
+def test_a_pipeline_of_a_model_without_targets_steps(mesh: meshbook.Mesh) -> None:
+    """A float model trained on its own output (no targets): the last stage's loss takes none,
+    where torch's schedule demands one (and the other stages would wait in recv meanwhile)."""
+    mesh.parallelize(partial(models.mlp, dim=64, layers=4), Layout(pp=2, dp_shard=2, microbatches=2))
+    mesh.run("x = torch.randn(4, 64)\nlosses = [step(x) for _ in range(3)]").result(timeout=120)
+    losses = mesh.run("[None if l is None else round(l.item(), 5) for l in losses]").result(echo=False)
+    assert losses[0] == losses[1] == [None] * 3
+    assert all(v is not None and v[-1] < v[0] for v in (losses[2], losses[3])), losses

@@ -88,7 +88,7 @@ def test_pipeline_arithmetic() -> None:
 
 def stage(rank: int, activations: int, flops: float = 1e9, **comm: int) -> StageTrace:
     peak = {"parameters": 1000, "gradients": 1000, "optimizer": 2000, "activations": activations, "temporaries": 0}
-    return StageTrace(stage=rank, rank=rank, peak=peak, microbatch_activations=activations, state=4000,
+    return StageTrace(stage=rank, rank=rank, peak=peak, microbatch_activations=activations,
                       flops=flops, comm=comm)
 
 

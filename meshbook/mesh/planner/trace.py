@@ -11,63 +11,27 @@ optimizer state the first created), once under the FLOP counter and a collective
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..protocol.errors import MeshError
 from ..protocol.layout import Layout, ModelFacts
 from ..protocol.plan import StageTrace, Trace
 from ..rank import parallel, torch_compat
 
-#: torch's collective ops -> the report's name, and which argument holds the bytes that cross
-#: the network (output of a gather, input of a reduce-scatter, the tensor of an all-reduce).
-COLLECTIVES = {
-    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
-    "all_gather_into_tensor": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor": ("reduce_scatter", 0), "allreduce_": ("all_reduce", 0),
-    "all_reduce": ("all_reduce", 0), "send": ("p2p", 0), "recv_": ("p2p", 0),
-}
 #: The tracker's kinds (both trackers' names) -> the report's.
 KIND_OF = {"Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
            "Buffer": "parameters", "Gradient": "gradients", "Sharded Grad": "gradients",
            "Unsharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer",
            "Activation": "activations", "Temp": "temporaries", "All Gather": "temporaries",
            "Reduce Scatter": "temporaries", "Inputs": "activations"}
-
-
-class CommCounter(TorchDispatchMode):
-    """Bytes each kind of collective moves, as torch dispatches them (eager and functional)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes: Counter[str] = Counter()
-        self.largest: Counter[str] = Counter()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace in ("c10d", "_c10d_functional"):
-            kind = COLLECTIVES.get(func.__name__.split(".")[0])
-            if kind is not None:
-                tensors = _tensors(args[kind[1]]) if len(args) > kind[1] else []
-                size = sum(t.numel() * t.element_size() for t in tensors)
-                self.bytes[kind[0]] += size
-                self.largest[kind[0]] = max(self.largest[kind[0]], size)
-                self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def inspect(factory: Callable[[], nn.Module]) -> ModelFacts:
@@ -85,10 +49,9 @@ def trace(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFacts, b
             rank = stage * (layout.world // layout.pp)
             traced, inputs = trace_stage(factory, layout, facts, batch, optimizer, rank, inputs)
             stages.append(traced)
-    except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
-            torch._subclasses.fake_tensor.UnsupportedOperatorException) as exc:
+    except torch_compat.untraceable_errors() as exc:
         return Trace(layout, (analytic(facts, layout, optimizer),), time.perf_counter() - started,
-                     untraceable=f"{exc.func}")
+                     untraceable=f"{exc.func}")  # type: ignore[attr-defined]
     except MeshError:
         raise
     except Exception as exc:
@@ -103,7 +66,7 @@ def analytic(facts: ModelFacts, layout: Layout, optimizer: Any) -> StageTrace:
     share = facts.param_bytes // (layout.dp_shard * layout.tp * layout.pp)
     moments = 0 if str(optimizer).lower() == "sgd" else 2
     state = {"parameters": share, "gradients": share, "optimizer": moments * share}
-    return StageTrace(stage=0, rank=0, peak=state, state=sum(state.values()))
+    return StageTrace(stage=0, rank=0, peak=state)
 
 
 def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFacts, batch: tuple[int, ...],
@@ -119,64 +82,43 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
             parallel.allocate(model, "cpu", 0, None)
 
     built = parallel.build(factory, layout, mesh, rank, optimizer=optimizer, materialize=materialize)
-    stage = built.stage
-    last = stage == layout.pp - 1
     with mode:
         x, y = parallel.example_batch(facts, batch, layout)
         if layout.pp > 1:
             micro = x.shape[0] // layout.microbatches
-            x = x[:micro] if stage == 0 else torch.empty(inputs[0], dtype=inputs[1], requires_grad=True)
+            x = x[:micro] if built.stage == 0 else torch.empty(inputs[0], dtype=inputs[1], requires_grad=True)
             y = y[:micro] if y is not None else None
         tracker = torch_compat.memory_tracker(built.model, built.optimizer, fsdp=layout.dp_shard > 1)
         held: list[int] = []  # activations held for backward, read after each forward
 
         def after_forward() -> None:
-            current = _by_kind(tracker.get_tracker_snapshot("current"))
-            held.append(current.get("activations", 0))
+            held.append(_by_kind(tracker.get_tracker_snapshot("current")).get("activations", 0))
 
         with tracker:
             for _ in range(2):
-                out = one_step(built, x, y, last, after_forward)
+                built.local_step(x, y, after_forward)
                 tracker.reset_mod_stats()  # per-module stats only: the peak stays
-            state = _state_bytes(tracker)
         peak = _by_kind(tracker.get_tracker_snapshot("peak"))
-        flops, comm = torch_compat.local_flop_counter(), CommCounter()
+        flops, comm = torch_compat.local_flop_counter(), torch_compat.collective_counter()
         with flops, comm:
-            out = one_step(built, x, y, last)
-    traced = StageTrace(stage=stage, rank=rank, peak=peak,
+            _, out = built.local_step(x, y)
+    traced = StageTrace(stage=built.stage, rank=rank, peak=peak,
                         microbatch_activations=max(held) if layout.pp > 1 else 0,
-                        state=state, flops=float(flops.get_total_flops()), comm=dict(comm.bytes),
+                        flops=float(flops.get_total_flops()), comm=dict(comm.bytes),
                         largest=dict(comm.largest), collectives=comm.calls)
-    if layout.pp > 1:
-        traced = _pipelined(traced, out, layout, last)
-    return traced, None if out is None else (tuple(out.shape), out.dtype)
+    return (_pipelined(traced, out, layout, built.last) if layout.pp > 1 else traced), out
 
 
-def one_step(built: parallel.Built, x: Any, y: Any, last: bool,
-             after_forward: Callable[[], None] | None = None) -> Any:
-    """A stage's forward and backward and the optimizer step (without pipelining: a full
-    training step, as :meth:`Built.step` takes it)."""
-    out = built.model(x)
-    if after_forward is not None:
-        after_forward()
-    if last:
-        (built.loss_fn or parallel.default_loss)(out, y).backward()
-    else:
-        out.backward(torch.ones_like(out))
-    built.optimizer.step()
-    built.optimizer.zero_grad(set_to_none=True)
-    return out.detach() if isinstance(out, torch.Tensor) else None  # a model's output object: last stage
-
-
-def _pipelined(traced: StageTrace, out: torch.Tensor, layout: Layout, last: bool) -> StageTrace:
+def _pipelined(traced: StageTrace, out: tuple[tuple[int, ...], torch.dtype], layout: Layout,
+               last: bool) -> StageTrace:
     """A micro-batch's trace scaled to the step: every micro-batch computes, and a stage
     sends its output forward and receives its gradient back for each (but the last stage)."""
     comm, calls = dict(traced.comm), traced.collectives * layout.microbatches
     if not last:
-        comm["p2p"] = comm.get("p2p", 0) + 2 * out.numel() * out.element_size() * layout.microbatches
+        shape, dtype = out
+        comm["p2p"] = comm.get("p2p", 0) + 2 * math.prod(shape) * dtype.itemsize * layout.microbatches
         calls += 2 * layout.microbatches
-    return StageTrace(traced.stage, traced.rank, traced.peak, traced.microbatch_activations, traced.state,
-                      traced.flops * layout.microbatches, comm, traced.largest, calls)
+    return replace(traced, flops=traced.flops * layout.microbatches, comm=comm, collectives=calls)
 
 
 def _by_kind(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
@@ -187,8 +129,3 @@ def _by_kind(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
             if name is not None:
                 out[name] += n
     return dict(out)
-
-
-def _state_bytes(tracker: Any) -> int:
-    current = _by_kind(tracker.get_tracker_snapshot("current"))
-    return current.get("parameters", 0) + current.get("gradients", 0) + current.get("optimizer", 0)

@@ -43,8 +43,6 @@ class StageTrace:
     peak: dict[str, int]
     #: With pipelining: one micro-batch's activations, multiplied by those in flight.
     microbatch_activations: int = 0
-    #: Parameters + gradients + optimizer state (what every micro-batch shares).
-    state: int = 0
     flops: float = 0.0
     #: Bytes by collective: all_gather, reduce_scatter, all_reduce, p2p.
     comm: dict[str, int] = field(default_factory=dict)

@@ -188,29 +188,64 @@ class Built:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     schedule: Any = None
     steps: int = field(default=0)
+    #: The pipeline's last stage was given no targets: its loss ignores the placeholder.
+    targetless: bool = False
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.layout.pp - 1
 
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor | None:
         """One training step on this rank's batch. The loss comes back on the ranks that
         compute it (every rank, or the last pipeline stage); ``None`` elsewhere."""
-        loss_fn = self.loss_fn or default_loss
-        loss: torch.Tensor | None
         if self.schedule is None:
-            loss = loss_fn(self.model(inputs), targets)
+            return self.local_step(inputs, targets)[0]
+        loss = self._pipeline_step(inputs, targets)
+        self._update()
+        return loss
+
+    def local_step(self, inputs: Any, targets: Any = None,
+                   after_forward: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, Any]:
+        """Forward, backward and the optimizer step of this rank's module alone: the whole
+        step without pipelining, and what the planner traces of a stage (one micro-batch; a
+        stage before the last back-propagates ones). The output goes before the backward, as
+        in any training step; its (shape, dtype) comes back for the next stage's trace."""
+        out = self.model(inputs)
+        if after_forward is not None:
+            after_forward()
+        meta = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else None
+        loss = None
+        if self.last:
+            loss = self.loss(out, targets)
+            del out
             loss.backward()
         else:
-            loss = self._pipeline_step(inputs, targets)
+            out.backward(torch.ones_like(out))
+            del out
+        self._update()
+        return (None if loss is None else loss.detach()), meta
+
+    def loss(self, out: Any, targets: Any) -> torch.Tensor:
+        return (self.loss_fn or default_loss)(out, None if self.targetless else targets)
+
+    def _update(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        return None if loss is None else loss.detach()
 
     def _pipeline_step(self, inputs: Any, targets: Any) -> torch.Tensor | None:
-        last = self.stage == self.layout.pp - 1
         losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if last else {}
+        kwargs: dict[str, Any] = {}
+        if self.last:
+            # torch's last stage needs a target to split into micro-batches: one placeholder
+            # per micro-batch where the loss takes none (it would refuse, and the other stages
+            # would wait in recv for the collective timeout).
+            self.targetless = targets is None
+            placeholder = torch.zeros(self.layout.microbatches, device=next(self.model.parameters()).device)
+            kwargs = {"target": placeholder if self.targetless else targets, "losses": losses}
         args = (inputs,) if self.stage == 0 else ()
         self.schedule.step(*args, return_outputs=False, **kwargs)  # the loss comes back in losses
-        return torch.stack(losses).mean() if last and losses else None
+        return torch.stack(losses).mean().detach() if self.last and losses else None
 
 
 def default_loss(out: Any, targets: Any) -> torch.Tensor:
@@ -262,8 +297,7 @@ def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, ra
     opt = make_optimizer(optimizer, model, lr)
     built = Built(model, opt, layout, stage=stage, loss_fn=loss_fn)
     if layout.pp > 1:
-        built.schedule = make_schedule(model, layout, stage, device_mesh["pp"].get_group(), device,
-                                       loss_fn or default_loss)
+        built.schedule = make_schedule(model, layout, stage, device_mesh["pp"].get_group(), device, built.loss)
     return built
 
 

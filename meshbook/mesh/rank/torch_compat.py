@@ -183,3 +183,52 @@ def local_flop_counter() -> Any:
             return out
 
     return LocalFlops(display=False)
+
+
+#: torch's collective ops -> the planner's name, and which argument holds the bytes that cross
+#: the network (output of a gather, input of a reduce-scatter, the tensor of an all-reduce).
+COLLECTIVES = {
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0), "allreduce_": ("all_reduce", 0),
+    "all_reduce": ("all_reduce", 0), "send": ("p2p", 0), "recv_": ("p2p", 0),
+}
+
+
+def collective_counter() -> Any:
+    """A dispatch mode counting the collectives torch dispatches (eager and functional): bytes
+    by kind (``.bytes``), the largest single one by kind (``.largest``) and how many (``.calls``).
+    torch's CommDebugMode counts calls only."""
+    from collections import Counter
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes: Counter[str] = Counter()
+            self.largest: Counter[str] = Counter()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kind = COLLECTIVES.get(func.__name__.split(".")[0]) if func.namespace in (
+                "c10d", "_c10d_functional") else None
+            if kind is not None and len(args) > kind[1]:
+                size = sum(t.numel() * t.element_size() for t in tree_leaves(args[kind[1]])
+                           if isinstance(t, torch.Tensor))
+                self.bytes[kind[0]] += size
+                self.largest[kind[0]] = max(self.largest[kind[0]], size)
+                self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    return Collectives()
+
+
+def untraceable_errors() -> tuple[type[BaseException], ...]:
+    """What fake tensors raise on an op they cannot run (its output shape depends on the data,
+    or it has no fake implementation); the exception's ``func`` names the op."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, UnsupportedOperatorException
+
+    return DynamicOutputShapeException, UnsupportedOperatorException
