@@ -195,3 +195,10 @@ def test_a_pipeline_of_a_model_without_targets_steps(mesh: meshbook.Mesh) -> Non
     losses = mesh.run("[None if l is None else round(l.item(), 5) for l in losses]").result(echo=False)
     assert losses[0] == losses[1] == [None] * 3
     assert all(v is not None and v[-1] < v[0] for v in (losses[2], losses[3])), losses
+
+
+def test_planning_leaves_no_process_group_behind(mesh: meshbook.Mesh) -> None:
+    count = "from meshbook.mesh.rank import torch_compat\nlen(torch_compat.process_groups())"
+    before = mesh.run(count).result(echo=False)
+    mesh.plan(BUILD, BATCH, only=lambda lay: lay.family == "FSDP" and lay.reshard, checkpointing=("none",))
+    assert mesh.run(count).result(echo=False) == before

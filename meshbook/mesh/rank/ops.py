@@ -338,39 +338,17 @@ def actor_handle(address: ActorAddress) -> Any:
 # -- planning and applying parallel layouts (mesh/controller/api/plan.py) --------------------
 
 
-def plan_probe(worker: "Worker", ranks_per_host: dict[int, int], factory: Callable[[], Any]) -> dict[str, Any]:
-    """Measure this rank for ``mesh.plan`` of ``factory()`` (every rank at once: it
-    all-reduces); ``ranks_per_host``: how many ranks share each rank's host (and its memory)."""
+def plan_probe(worker: "Worker", factory: Callable[[], Any]) -> dict[str, Any]:
+    """Measure this rank for ``mesh.plan`` of ``factory()`` (every rank at once: it all-reduces)."""
     from . import parallel  # torch's parallel APIs: only on a rank that plans
 
-    device = worker.namespace["device"]
-    if device.type == "cpu":
-        parallel.return_freed_memory()  # the allocator the steps will run with (its rate included)
-    return parallel.probe(device, ranks_per_host[worker.rank], factory)
+    return parallel.probe(worker.namespace["device"], factory)
 
 
 def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predicted: dict[int, int],
                 predicted_s: float, names: tuple[str, str, str], options: dict[str, Any]) -> str:
-    """Build this rank's part of ``factory()`` as ``layout`` and bind model, optimizer and
-    step in the namespace (every rank at once: it creates process groups). What those names
-    held goes first, so a model built again does not share memory with the one it replaces."""
-    import gc
-
+    """Build a layout on this rank (every rank at once: it creates process groups)."""
     from . import parallel
 
-    for name in names:
-        worker.namespace.pop(name, None)
-    gc.collect()
-    device = worker.namespace["device"]
-    if device.type == "cpu":
-        parallel.return_freed_memory()
-    parallel.reset_peak(device)
-    if dict(worker.cfg.topology.dims) == layout.dims:
-        device_mesh = worker.namespace["device_mesh"]
-    else:
-        device_mesh = parallel.layout_mesh(layout, device.type)
-    built = parallel.build(factory, layout, device_mesh, worker.rank, device=device, **options)
-    step = parallel.Reporting(built, predicted.get(built.stage, 0), predicted_s, device)
-    worker.namespace.update(dict(zip(names, (built.model, built.optimizer, step))))
-    where = f"stage {built.stage} of {layout.pp}" if layout.pp > 1 else "its part"
-    return f"{', '.join(names)}: {where} of {layout.describe()}"
+    return parallel.apply(worker.namespace, worker.rank, dict(worker.cfg.topology.dims), factory, layout,
+                          predicted, predicted_s, names, options)

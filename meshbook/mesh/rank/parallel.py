@@ -446,6 +446,35 @@ def return_freed_memory() -> bool:
         return False
 
 
+def settle_allocator(device: Any) -> None:
+    """On a CPU rank, the allocator a plan predicts (:func:`return_freed_memory`)."""
+    if torch.device(device).type == "cpu":
+        return_freed_memory()
+
+
+def apply(namespace: dict[str, Any], rank: int, dims: dict[str, int], factory: Callable[[], nn.Module],
+          layout: Layout, predicted: dict[int, int], predicted_s: float, names: tuple[str, str, str],
+          options: dict[str, Any]) -> str:
+    """``mesh.parallelize`` on one rank: build its part of ``factory()`` as ``layout`` and bind
+    model, optimizer and step in ``namespace``. What those names held goes first, so a model
+    built again does not share memory with the one it replaces; the mesh's own ``device_mesh``
+    serves when its dims are the layout's."""
+    import gc
+
+    for name in names:
+        namespace.pop(name, None)
+    gc.collect()
+    device = namespace["device"]
+    settle_allocator(device)
+    reset_peak(device)
+    device_mesh = namespace["device_mesh"] if dims == layout.dims else layout_mesh(layout, device.type)
+    built = build(factory, layout, device_mesh, rank, device=device, **options)
+    step = Reporting(built, predicted.get(built.stage, 0), predicted_s, device)
+    namespace.update(dict(zip(names, (built.model, built.optimizer, step))))
+    where = f"stage {built.stage} of {layout.pp}" if layout.pp > 1 else "its part"
+    return f"{', '.join(names)}: {where} of {layout.describe()}"
+
+
 def reset_peak(device: Any) -> None:
     """Start a new peak: CUDA's allocator statistics, or the kernel's peak RSS of this process
     (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``)."""
@@ -468,22 +497,24 @@ def peak_bytes(device: Any) -> int:
     return 0
 
 
-def probe(device: Any, ranks_here: int, factory: Callable[[], nn.Module]) -> dict[str, Any]:
-    """What planning needs to know of this rank, measured on it: the bytes the process holds
-    after building the model on the meta device (what it imports: transformers alone is
-    ~60 MiB), a small training step and an all-reduce (torch, autograd's threads, the
-    communicator: what no tracker sees); what one more process group costs it; the FLOP/s a
-    training step of a small MLP block reaches (its norm, activation and optimizer included:
-    a matmul's peak rate would promise too much); the all-reduce bus bandwidth and the time of
-    the smallest all-reduce; and its share of the memory there is."""
+def probe(device: Any, factory: Callable[[], nn.Module]) -> dict[str, Any]:
+    """What planning needs to know of this rank, measured on it, under the allocator its
+    steps will run with (:func:`settle_allocator`): the bytes the process holds after building
+    the model on the meta device (what it imports: transformers alone is ~60 MiB), a small
+    training step and an all-reduce (torch, autograd's threads, the communicator: what no
+    tracker sees); what one more process group costs it; the FLOP/s a training step of a
+    small MLP block reaches (its norm, activation and optimizer included: a matmul's peak rate
+    would promise too much); the all-reduce bus bandwidth and the time of the smallest
+    all-reduce; on CUDA, the free device memory (the host's share comes from the heartbeats)."""
     import gc
 
     import psutil
     import torch.distributed as dist
 
+    device = torch.device(device)
+    settle_allocator(device)
     make(factory)  # dropped at once: what stays is what its imports hold
     gc.collect()
-    device = torch.device(device)
     flops = training_rate(device)
     world = dist.get_world_size()
     payload = torch.ones(1 << 18, device=device)  # 1 MiB
@@ -495,15 +526,12 @@ def probe(device: Any, ranks_here: int, factory: Callable[[], nn.Module]) -> dic
     group = dist.new_group()
     dist.all_reduce(small, group=group)
     per_group = max(0, psutil.Process().memory_info().rss - before)
-    if world == 1:
-        bandwidth = float("inf")
+    dist.destroy_process_group(group)  # measured, not kept: a plan a minute would pile them up
+    found = {"flops_per_s": flops, "bandwidth": bandwidth if world > 1 else float("inf"), "latency": latency,
+             "device": device.type}
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return {"overhead": 0, "flops_per_s": flops, "bandwidth": bandwidth, "latency": latency,
-                "memory": int(free), "device": "cuda", "per_group": 0}
-    return {"overhead": psutil.Process().memory_info().rss - per_group, "flops_per_s": flops,
-            "bandwidth": bandwidth, "latency": latency, "memory": memory_limit() // ranks_here, "device": "cpu",
-            "per_group": per_group}
+        return {**found, "overhead": 0, "per_group": 0, "memory": int(torch.cuda.mem_get_info(device)[0])}
+    return {**found, "overhead": psutil.Process().memory_info().rss, "per_group": per_group}
 
 
 def training_rate(device: Any, dim: int = 256, tokens: int = 512) -> float:
@@ -536,16 +564,6 @@ def _timed(fn: Callable[[], Any], n: int) -> float:
     for _ in range(n):
         fn()
     return (time.perf_counter() - started) / n
-
-
-def memory_limit() -> int:
-    """The bytes this host lets its processes use: the cgroup's limit where one is set, else
-    the machine's memory."""
-    import psutil
-
-    with contextlib.suppress(OSError, ValueError), open("/sys/fs/cgroup/memory.max") as f:
-        return min(int(f.read().strip()), psutil.virtual_memory().total)
-    return int(psutil.virtual_memory().total)
 
 
 class Reporting:

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -234,21 +235,25 @@ class Planners:
         return answers
 
 
-def probe(mesh: MeshView, build: Callable[[], Any]) -> Probe:
-    """The ranks' measurements with ``build``'s imports loaded: the worst rank's of each."""
-    controller = mesh.controller
-    host_of = controller.host_of
-    counts = {r: sum(1 for h in host_of.values() if h == host_of.get(r)) or 1 for r in mesh.ranks}
-    run = controller.call(ops.plan_probe, counts, build, ranks=mesh.ranks, what="plan: measuring the ranks")
-    values = dict(run.result(RANK_TIMEOUT_S, echo=False).items())
-    found = Probe(overhead=max(v["overhead"] for v in values.values()),
-                  flops_per_s=min(v["flops_per_s"] for v in values.values()),
-                  bandwidth=min(v["bandwidth"] for v in values.values()),
-                  latency=max(v["latency"] for v in values.values()),
-                  per_group=max(v["per_group"] for v in values.values()),
-                  budget=int(min(v["memory"] for v in values.values()) * BUDGET_SHARE),
-                  device=next(iter(values.values()))["device"])
-    return found
+def probe(mesh: MeshView, build: Callable[[], Any], ranks_on_host: dict[int, int]) -> Probe:
+    """The ranks' measurements with ``build``'s imports loaded, the worst rank's of each; the
+    memory budget is each rank's share of its host's (or container's) memory, from the
+    heartbeats, or its GPU's free memory."""
+    run = mesh.controller.call(ops.plan_probe, build, ranks=mesh.ranks, what="plan: measuring the ranks")
+    values = list(run.result(RANK_TIMEOUT_S, echo=False).values())
+    device = values[0]["device"]
+    if device == "cuda":
+        memory = min(v["memory"] for v in values)
+    else:
+        host_of = mesh.controller.host_of
+        shares = [row.pool_limit // ranks_on_host[host_of[row.rank]] for row in mesh.memory().rows
+                  if row.rank in mesh.ranks and row.pool_limit]
+        if not shares:
+            raise MeshError("the ranks have not reported their hosts' memory yet: give plan(..., budget=\"8G\")")
+        memory = min(shares)
+    return Probe(overhead=max(v["overhead"] for v in values), flops_per_s=min(v["flops_per_s"] for v in values),
+                 bandwidth=min(v["bandwidth"] for v in values), latency=max(v["latency"] for v in values),
+                 per_group=max(v["per_group"] for v in values), budget=int(memory * BUDGET_SHARE), device=device)
 
 
 def _budget(budget: str | int) -> int:
@@ -295,12 +300,11 @@ class PlanOps:
         started = time.monotonic()
         deadline = started + PLAN_TIMEOUT_S
         limit = None if budget is None else _budget(budget)
-        per_host = min(sum(1 for h in self.controller.host_of.values() if h == host) for host in
-                       set(self.controller.host_of.values()))
+        ranks_on_host = Counter(self.controller.host_of.values())
         with Planners(max(1, min(planners or MAX_PLANNERS, os.cpu_count() or 1))) as pool:
             facts = pool.ask(0, "inspect", build)  # first, where a failing build harms nothing
-            measured = probe(self, build)  # the other planners import torch meanwhile
-            found = candidates(len(self.ranks), facts, shape[0], per_host)
+            measured = probe(self, build, ranks_on_host)  # the other planners import torch meanwhile
+            found = candidates(len(self.ranks), facts, shape[0], min(ranks_on_host.values()))
             def wanted(lay: Layout) -> bool:
                 return lay.checkpointing in checkpointing and (only is None or only(lay))
 
