@@ -21,6 +21,16 @@ def command(fn: Command) -> Command:
     return fn
 
 
+def notebook_values(shell: Any, names: list[str], retry: str) -> dict[str, Any]:
+    """The notebook's variables ``names``, or a UsageError naming the missing ones and the
+    command (``retry``) to run once they are defined."""
+    missing = [n for n in names if n not in shell.user_ns]
+    if missing:
+        raise UsageError(f"no variable {', '.join(map(repr, missing))} in the notebook; "
+                         f"define it first, then {retry}")
+    return {n: shell.user_ns[n] for n in names}
+
+
 def running_mesh() -> Mesh | None:
     try:
         return current()

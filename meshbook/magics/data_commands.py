@@ -18,7 +18,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ..mesh import DEFAULT_MAX_BYTES, RankValues, format_bytes, format_ranks, parse_where
 from ..mesh import parse_size as size_in_bytes
-from .base import command, require_mesh
+from .base import command, notebook_values, require_mesh
 
 _RANKS_HELP = "ranks: 0,2 or 0-3 (default: all)"
 _WHERE_HELP = "select ranks by mesh coordinates: dp=0 or dp=0,tp=0-1"
@@ -46,13 +46,9 @@ class DataCommands:
     def push(self, line: str) -> None:
         """Send notebook variables to the ranks' namespaces, under the same names."""
         args = parse_argstring(self.push, line)
-        missing = [n for n in args.names if n not in self.shell.user_ns]
-        if missing:
-            raise UsageError(f"no variable {', '.join(map(repr, missing))} in the notebook; "
-                             f"define it first, then %mesh push {' '.join(args.names)}")
-        mesh = require_mesh()
-        where = _where(args.where)
-        mesh.push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks, where=where)
+        values = notebook_values(self.shell, args.names, f"%mesh push {' '.join(args.names)}")
+        mesh, where = require_mesh(), _where(args.where)
+        mesh.push(values, ranks=args.ranks, where=where)
         print(f"pushed {', '.join(args.names)} to ranks "
               f"{format_ranks(mesh.select(args.ranks, where))}")
 

@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..mesh import CHECKPOINTING, MeshError, PlanReport, parse_batch
-from .base import command, require_mesh
+from .base import command, notebook_values, require_mesh
 
 
 class PlanCommands:
@@ -24,11 +24,6 @@ class PlanCommands:
 
     shell: Any
     last_plan: PlanReport | None = None
-
-    def _user_value(self, name: str, what: str) -> Any:
-        if name not in self.shell.user_ns:
-            raise UsageError(f"--{what} {name}: no variable {name!r} in the notebook; define it first")
-        return self.shell.user_ns[name]
 
     @magic_arguments(name="mesh plan")
     @argument("--build", "-b", required=True, help="the notebook's function that builds the model")
@@ -44,7 +39,7 @@ class PlanCommands:
     def plan(self, line: str) -> PlanReport:
         """Predict every layout's per-rank peak memory and step time; the best fitting first."""
         args = parse_argstring(self.plan, line)
-        build = self._user_value(args.build, "build")
+        build = notebook_values(self.shell, [args.build], f"%mesh plan {line.strip()}")[args.build]
         try:
             shape = parse_batch(args.batch)
         except MeshError as exc:
@@ -72,8 +67,9 @@ class PlanCommands:
     def parallelize(self, line: str) -> Any:
         """Build a planned layout on every rank: model, optimizer and step in each namespace."""
         args = parse_argstring(self.parallelize, line)
-        build = self._user_value(args.build, "build")
-        report = self._user_value(args.plan, "plan") if args.plan else self.last_plan
+        retry = f"%mesh parallelize {line.strip()}"
+        build = notebook_values(self.shell, [args.build], retry)[args.build]
+        report = notebook_values(self.shell, [args.plan], retry)[args.plan] if args.plan else self.last_plan
         if report is None:
             raise UsageError("no plan yet: run %mesh plan --build NAME --batch 8x2048 first (or give --plan)")
         if isinstance(report, PlanReport):

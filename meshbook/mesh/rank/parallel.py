@@ -28,6 +28,7 @@ from torch import nn
 from ..protocol import config
 from ..protocol.errors import MeshError
 from ..protocol.layout import Layout, ModelFacts, split_points, stage_of
+from ..protocol.text import format_bytes
 from . import torch_compat
 
 #: Linear layers sharded by output (their input is replicated) and by input (their output is
@@ -586,17 +587,14 @@ class Reporting:
 
     def measured(self, seconds: float) -> str:
         peak = peak_bytes(self.device)
-        memory = f"peak {_mib(peak)}"
+        memory = f"peak {format_bytes(peak)}"
         if torch.device(self.device).type == "cuda":
-            memory += f" reserved, {_mib(torch.cuda.max_memory_allocated(self.device))} allocated"
+            memory += f" reserved, {format_bytes(torch.cuda.max_memory_allocated(self.device))} allocated"
         if not self.predicted:  # a Layout applied without a plan
             return f"{memory}, {seconds * 1e3:.0f} ms"
-        return (f"{memory} (predicted {_mib(self.predicted)}, {(peak - self.predicted) / self.predicted:+.1%}), "
+        return (f"{memory} (predicted {format_bytes(self.predicted)}, "
+                f"{(peak - self.predicted) / self.predicted:+.1%}), "
                 f"{seconds * 1e3:.0f} ms (predicted {self.predicted_s * 1e3:.0f} ms)")
 
     def __repr__(self) -> str:
         return f"<step: {self.built.layout.describe()}, stage {self.built.stage}>"
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB"
