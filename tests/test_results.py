@@ -98,3 +98,12 @@ def test_the_cell_shows_the_note_and_takes_max_bytes() -> None:
         k.ok("%mesh stop")
     finally:
         k.close()
+
+
+def test_a_second_result_prints_only_what_is_new(mesh2: meshbook.Mesh, capfd: pytest.CaptureFixture[str]) -> None:
+    run = mesh2.run("print('before', flush=True)\nimport time\ntime.sleep(2)\nprint('after')")
+    with pytest.raises(meshbook.MeshTimeout):
+        run.result(timeout=1)
+    run.result()
+    out = capfd.readouterr().out
+    assert out.count("before") == 1 and out.count("after") == 1, out

@@ -80,10 +80,8 @@ class _Follow:
     def __init__(self, run: Run, mesh: Watched, renderer: EventRenderer, options: FollowOptions,
                  view: View | None) -> None:
         self.run, self.mesh, self.renderer, self.options, self.view = run, mesh, renderer, options, view
-        self.index = 0
         self.started = time.monotonic()
         self.interrupted_at: float | None = None
-        self.first_done_at: float | None = None
         self.explained = False  # the hang hint was printed
         self.interrupt_explained = False  # the "did not stop after the interrupt" note was printed
         self.recovery_report = ""
@@ -115,6 +113,10 @@ class _Follow:
             _note(report)
         return self.run.values()
 
+    @property
+    def first_done_at(self) -> float | None:
+        return self.run.first_done_at
+
     def _next_wake(self) -> float | None:
         now = time.monotonic()
         waits = [self.renderer.next_deadline(), 0.25 if self.view else None,
@@ -126,12 +128,12 @@ class _Follow:
         return min((w for w in waits if w is not None), default=None)
 
     def _pump(self, timeout: float | None) -> None:
-        events, self.index = self.run.events_since(self.index, timeout)
+        # From where any earlier result() of this run left off: a second wait (after a
+        # MeshTimeout, say) prints what is new, not everything again.
+        events, self.run.echoed = self.run.events_since(self.run.echoed, timeout)
         self.renderer.feed(events)
         if self.view:
             self.view.update(self.run)
-        if self.first_done_at is None and len(self.run.pending) < len(self.run.ranks):
-            self.first_done_at = time.monotonic()
 
     def _check_time(self) -> None:
         now = time.monotonic()
@@ -159,7 +161,8 @@ class _Follow:
     def _check_stuck(self) -> None:
         """Explain ranks waiting in a collective call the other ranks have not joined."""
         if self.explained or self.interrupted_at is not None \
-                or self.renderer.prompts.used:  # ranks wait on purpose while one is in the debugger
+                or self.renderer.prompts.used \
+                or time.monotonic() - self.started < self.options.stuck_hint:  # no rank can have waited that long yet
             return
         waiting = self.mesh.stuck(self.run)
         elsewhere = [r for r in self.run.ranks if r not in waiting]

@@ -97,7 +97,7 @@ class RankBook:
             return Answer(None)
         if lost_group or isinstance(event, Error):
             run.irregular = True
-        last = run.pending == [rank]
+        last = run.only_pending(rank)
         check = last and (run.irregular or run.interrupted) and run.kind in msg.USER_KINDS
         return Answer(run, check, last)
 

@@ -87,7 +87,7 @@ class Run:
         self._failures: dict[int, RankFailure] = {}
         self._durations: dict[int, float] = {}
         self._pending = set(ranks)
-        self._echoed = 0  # events already printed by result()
+        self.echoed = 0  #: events already printed (by result(), or the follower of a cell)
         #: Called with each Output/Display event that arrives after the run finished (also
         #: after this object is gone: the controller keeps the callable for a while).
         self.on_late_output: Callable[[Event], None] = print_late
@@ -124,6 +124,10 @@ class Run:
 
     def done(self) -> bool:
         return not self._pending
+
+    def only_pending(self, rank: int) -> bool:
+        """``rank`` is the one rank still to answer (no sort: asked once per answer)."""
+        return len(self._pending) == 1 and rank in self._pending
 
     @property
     def pending(self) -> list[int]:
@@ -175,7 +179,10 @@ class Run:
         not stop (``mesh.recover()``). Without ``echo``, Ctrl-C interrupts the ranks and
         returns at once (``KeyboardInterrupt``).
         """
-        if echo and self._follow is not None:
+        if echo and self._follow is not None and threading.current_thread() is threading.main_thread():
+            # A cell's way of waiting (hints, a second Ctrl-C frees ranks) is for the user's
+            # thread; meshbook's own waits on its threads (a supervisor, Slurm's time-limit
+            # hook) print the output and nothing more.
             return self._follow(self, EventRenderer(self), timeout)
         try:
             values = self._wait_and_echo(timeout, echo)
@@ -211,14 +218,14 @@ class Run:
     def _wait_and_echo(self, timeout: float | None, echo: bool) -> RankValues:
         deadline = None if timeout is None else time.monotonic() + timeout
         renderer = EventRenderer(self) if echo else None
-        seen = self._echoed
+        seen = self.echoed
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             wait = renderer.next_deadline() if renderer else None
             events, seen = self.events_since(seen, min(filter(None, (left, wait)), default=left))
             if renderer:
                 renderer.feed(events)
-                self._echoed = seen
+                self.echoed = seen
             if self.done() and seen == len(self._events):
                 break
             if deadline is not None and time.monotonic() >= deadline:
