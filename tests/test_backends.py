@@ -107,3 +107,8 @@ def test_env_names_variables_and_bad_ones_are_refused(monkeypatch: pytest.Monkey
     with pytest.raises(meshbook.MeshError, match="is not a variable name"):
         parse_env(["=oops"])
     assert os.environ.get("NOT_SET_HERE") is None
+
+
+def test_a_kept_meshs_backend_string_gives_its_device() -> None:
+    assert [Backend.of(s).device_type for s in ("gloo", "nccl", "cuda:nccl,cpu:gloo", "cuda:gloo")] == [
+        "cpu", "cuda", "cuda", "cuda"]  # an explicit cuda:gloo mesh came back as cpu after attach

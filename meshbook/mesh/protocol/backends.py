@@ -39,6 +39,12 @@ class Backend:
     device_type: str
     note: str = ""
 
+    @classmethod
+    def of(cls, torch: str) -> "Backend":
+        """The backend a torch string names: on CUDA when it names CUDA or NCCL (a kept mesh's
+        record holds the string only)."""
+        return cls(torch, "cuda" if "cuda" in torch or "nccl" in torch else "cpu")
+
 
 def check_requested(backend: str) -> None:
     """Refuse a backend name before anything starts."""
@@ -56,7 +62,7 @@ def choose(requested: str, hosts: Sequence[HostGpus]) -> Backend:
     if requested != "auto":
         wanted = NCCL if requested == "nccl" else requested
         if "nccl" not in wanted:
-            return Backend(wanted, "cuda" if "cuda" in wanted else "cpu")
+            return Backend.of(wanted)
         if short:
             raise MeshError(f"--backend {requested} needs a GPU per rank, but {_describe(short)}. "
                             f"Start with --backend gloo (backend='gloo'), or with at most "

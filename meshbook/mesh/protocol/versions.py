@@ -10,6 +10,7 @@ with a message naming both sides and what to install (as dask's ``versions.py`` 
 
 from __future__ import annotations
 
+import functools
 import platform
 import sys
 
@@ -21,6 +22,13 @@ COMPARED = ("protocol", "meshbook", "torch", "python")
 
 
 def versions() -> dict[str, str]:
+    """This process's versions (see :func:`_read`), a copy of what was read once: every rank's
+    hello and every agent's handshake asks, and metadata costs milliseconds to read."""
+    return dict(_read())
+
+
+@functools.cache
+def _read() -> dict[str, str]:
     """This process's: the protocol, meshbook, torch (from its metadata when it is not
     imported yet: the controller need not import it) and Python (major.minor)."""
     from importlib.metadata import PackageNotFoundError, version

@@ -151,16 +151,16 @@ def attach(mesh_id: str, name: str | None = None, timeout: float = 60.0) -> "Mes
     a kernel restart: same ranks, same variables. It becomes the current mesh, under ``name``
     (default: its name when started). Any other kernel that drove it is fenced off: its next
     cell fails and says this one attached it."""
-    record = next_epoch(find(mesh_id))
-    known = launchers()
-    if record.launcher not in known:
+    record, known = find(mesh_id), launchers()
+    if record.launcher not in known:  # before taking the next epoch: a refused attach fences nobody
         raise MeshError(f"kept mesh {mesh_id} was started with the {record.launcher!r} launcher, which this "
                         f"kernel does not have (available: {', '.join(known)}): install the package that "
                         f"registers it")
+    record = next_epoch(record)
     controller = Controller(Topology(tuple((k, v) for k, v in record.dims)),
                             known[record.launcher].from_record(record), record.backend, record.collective_timeout,
                             new_name(name or record.name), key=bytes.fromhex(record.key))
-    controller.agents.chosen = Backend(record.backend, "cuda" if "nccl" in record.backend else "cpu")
+    controller.agents.chosen = Backend.of(record.backend)
     controller.lease = Lease(record)
     recovery.install(controller)
     controller.attach(timeout)
