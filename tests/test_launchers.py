@@ -131,3 +131,13 @@ def test_mesh_start_gets_its_options_from_the_launchers(registered: None) -> Non
         launcher_from_args(parser.parse_args(["--subprocesses", "2", "--hosts", "a,b"]))
     with pytest.raises(meshbook.MeshError, match="--per-host goes with a launcher for other hosts"):
         launcher_from_args(parser.parse_args(["--per-host", "2"]))
+
+
+@pytest.mark.parametrize("flags, main", [
+    (["--tunnel"], "--hosts"), (["--join-address", "10.0.0.1"], "--join"),
+    (["--sbatch=--qos=high"], "--slurm"), (["--on-time-limit", "save()"], "--slurm")])
+def test_an_option_without_its_launcher_says_which_it_goes_with(flags: list[str], main: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_start_arguments(parser)
+    with pytest.raises(meshbook.MeshError, match=f"--{flags[0].lstrip('-').split('=')[0]} goes with {main}"):
+        launcher_from_args(parser.parse_args(flags))

@@ -297,16 +297,19 @@ class Controller:
     def _send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str) -> None:
         """On this host, one message per rank; to other hosts, one per host (its agent fans
         it out)."""
+        states = self.book.ranks  # the parts themselves, not the facade's properties: per rank, per send
+
         def alive(these: list[int]) -> bool:
-            return not self.stopped and any(self.ranks[r].state != "dead" for r in these)
+            return not self.stopped and any(states[r].state != "dead" for r in these)
 
         if self.transport.network is None:
             self.transport.send_to_ranks(frames, ranks, channel, alive)
             return
+        host_of = self.agents.host_of
         by_host: dict[int, list[int]] = {}
         for r in ranks:
-            if self.ranks[r].state != "dead":
-                by_host.setdefault(self.host_of[r], []).append(r)
+            if states[r].state != "dead":
+                by_host.setdefault(host_of[r], []).append(r)
         self.transport.send_to_ranks(frames, by_host, channel, alive)
 
     def send_input(self, rank: int, text: str) -> None:

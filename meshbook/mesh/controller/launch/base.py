@@ -199,10 +199,26 @@ class Launcher(abc.ABC):
         """Add this launcher's own ``%mesh start`` options (``--per-host`` and ``--python``,
         which several share, are :func:`shared_arguments`)."""
 
+    #: The ``%mesh start`` option (its dest) that asks for this launcher, and those that only
+    #: go with it: :meth:`from_args` refuses the latter without the former.
+    option: ClassVar[str | None] = None
+    companions: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Launcher | None":
-        """This launcher, when ``%mesh start``'s options ask for it; None otherwise."""
-        return None
+        """This launcher, when ``%mesh start``'s options ask for it (:attr:`option`, then
+        :meth:`from_options`); None otherwise."""
+        if cls.option is None or not getattr(args, cls.option, None):
+            for flag in cls.companions:
+                if getattr(args, flag, None) not in (None, False, ()):
+                    raise MeshError(f"--{flag.replace('_', '-')} goes with --{cls.option}")
+            return None
+        return cls.from_options(args)
+
+    @classmethod
+    def from_options(cls, args: argparse.Namespace) -> "Launcher":
+        """This launcher, from ``%mesh start``'s options (its :attr:`option` is given)."""
+        raise NotImplementedError(f"the {cls.name} launcher names an option but cannot be made from it")
 
 
 def shared_arguments(parser: argparse.ArgumentParser) -> None:

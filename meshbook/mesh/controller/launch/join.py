@@ -75,12 +75,10 @@ class Join(Launcher):
         parser.add_argument("--join-address", help="--join: the address the hosts dial (default: this "
                                                    "machine's address on its default route)")
 
+    option, companions = "join", ("join_address",)
+
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "Join | None":
-        if not args.join:
-            if args.join_address:
-                raise MeshError("--join-address goes with --join")
-            return None
+    def from_options(cls, args: argparse.Namespace) -> "Join":
         return cls(per_host=args.per_host, address=args.join_address)
 
     def instructions(self, hosts: int) -> str:

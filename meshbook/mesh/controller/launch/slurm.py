@@ -283,13 +283,10 @@ class Slurm(Launcher):
         parser.add_argument("--on-time-limit", help='--slurm: code every rank runs when Slurm signals the '
                                                     'time limit is near, e.g. "save()"')
 
+    option, companions = "slurm", ("sbatch", "on_time_limit")
+
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "Slurm | None":
-        if not args.slurm:
-            for flag in ("sbatch", "on_time_limit"):
-                if getattr(args, flag) is not None:
-                    raise MeshError(f"--{flag.replace('_', '-')} goes with --slurm")
-            return None
+    def from_options(cls, args: argparse.Namespace) -> "Slurm":
         return cls.from_spec(args.slurm, sbatch=args.sbatch or (), per_node=args.per_host, python=args.python,
                              on_time_limit=args.on_time_limit)
 

@@ -113,12 +113,10 @@ class SSH(Launcher):
         parser.add_argument("--tunnel", action="store_true",
                             help="--hosts: reach the agents through ssh tunnels (hosts reachable only by ssh)")
 
+    option, companions = "hosts", ("tunnel",)
+
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "SSH | None":
-        if not args.hosts:
-            if args.tunnel:
-                raise MeshError("--tunnel goes with --hosts")
-            return None
+    def from_options(cls, args: argparse.Namespace) -> "SSH":
         return cls(args.hosts.split(","), per_host=args.per_host, python=args.python, tunnel=args.tunnel)
 
     def _dial(self, plan: HostPlan, agent: "ListeningAgent", network: Network, deadline: float) -> None:
