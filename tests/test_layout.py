@@ -10,9 +10,11 @@ in pyproject.toml).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grimp
 import pytest
@@ -112,3 +114,13 @@ def test_an_agent_counts_and_logs_an_operation_it_has_no_handler_for(mesh2: mesh
 
     assert _eventually(logged)
     assert mesh2.run("rank").result() == {0: 0, 1: 1}  # and it kept serving
+
+
+def test_the_readme_lists_every_setting_meshbook_reads() -> None:
+    """protocol/config.py's VARIABLES is the one list; README's "Settings" table shows it."""
+    from meshbook.mesh.protocol.config import VARIABLES
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    settings = readme.split("## Settings", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(MESHBOOK_\w+)` \|", settings, re.MULTILINE))
+    assert listed == set(VARIABLES)

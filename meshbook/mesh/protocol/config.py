@@ -4,20 +4,8 @@ The protocol's own rhythm (how often ranks beat, how long a host may be silent) 
 and read from here by every process, so a controller, its agents and its ranks agree. The
 variables a user can set are listed in :data:`VARIABLES` with their defaults and what they do;
 the readers below read them at the moment they matter (a start, a connection), so a value set
-in a notebook cell before ``%mesh start`` counts.
-
-========================== ============ ==================================================
-variable                   default      what it sets
-========================== ============ ==================================================
-MESHBOOK_HOST_SUSPECT_S    5            a host silent this long shows as suspect
-MESHBOOK_HOST_LOST_S       15           a host silent this long is lost (its ranks stop
-                                        themselves a second before)
-MESHBOOK_PORT_RANGE        (any)        the ports meshbook listens on, e.g. 40000-40999
-MESHBOOK_JOIN_TOKEN        (none)       the token of ``python -m meshbook.mesh.agent join``
-MESHBOOK_CPU_MMAP_THRESHOLD 131072      CPU ranks that parallelize: glibc maps blocks from
-                                        this size up on their own; 0 keeps glibc's sliding
-                                        threshold (faster steps, a peak a plan cannot see)
-========================== ============ ==================================================
+in a notebook cell before ``%mesh start`` counts. :data:`VARIABLES` is the one list: README's
+"Settings" table shows it, and a test checks that it shows all of it.
 """
 
 from __future__ import annotations

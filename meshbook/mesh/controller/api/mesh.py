@@ -101,11 +101,15 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
     controller.max_result_bytes = max_result_bytes
     recovery.install(controller)
     controller.launch(timeout)
-    for note in controller.notes:
-        print(note, file=sys.stderr, flush=True)
-    if mesh_id:
-        controller.lease = Lease(_record(controller, mesh_id))
-    return register(controller)
+    try:
+        for note in controller.notes:
+            print(note, file=sys.stderr, flush=True)
+        if mesh_id:
+            controller.lease = Lease(_record(controller, mesh_id))
+        return register(controller)
+    except BaseException:  # a mesh file that cannot be written, a Ctrl-C: no mesh nobody holds
+        controller.stop()
+        raise
 
 
 def _record(controller: Controller, mesh_id: str) -> MeshRecord:
