@@ -73,6 +73,8 @@ class Recovery:
 class Cancellable(Protocol):
     """A check holding ranks (a step check): a recovery lets them go first."""
 
+    done: threading.Event
+
     def cancel(self) -> None: ...
 
 
@@ -81,10 +83,10 @@ _checks: "weakref.WeakKeyDictionary[Controller, list[Cancellable]]" = weakref.We
 _checks_lock = threading.Lock()
 
 
-def track(controller: "Controller", check: Cancellable, done: Callable[[Cancellable], bool]) -> None:
+def track(controller: "Controller", check: Cancellable) -> None:
     """``check`` holds ranks of ``controller`` until it is done, or a recovery cancels it."""
     with _checks_lock:
-        _checks[controller] = [c for c in _checks.get(controller, []) if not done(c)] + [check]
+        _checks[controller] = [c for c in _checks.get(controller, []) if not c.done.is_set()] + [check]
 
 
 def cancel_checks(controller: "Controller") -> None:

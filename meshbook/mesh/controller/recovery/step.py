@@ -87,7 +87,7 @@ def check_after(controller: "Controller", run: "Run") -> "StepCheck | None":
         check.start()
     except MeshError:
         return None  # stopped, or a rank died, meanwhile: nothing to check (see above)
-    track(controller, check, lambda c: c.done.is_set())  # type: ignore[attr-defined]
+    track(controller, check)
     return check
 
 
