@@ -1,7 +1,7 @@
 """Notebook cells as a frontend sees them: from execute_request to execute_reply.
 
 A real Jupyter kernel is started and driven through jupyter_client with the same driver the
-tests use (``tests/kernels.py``), so a cell's time here is what JupyterLab waits for. Two
+tests use (``tests/jupyter_kernels.py``), so a cell's time here is what JupyterLab waits for. Two
 kernels, one per system under test:
 
 * :func:`meshbook_kernel`: ``%load_ext meshbook`` and ``%mesh start -n N``; it runs
@@ -29,12 +29,16 @@ def _kernel_class() -> Any:
     # The tests' kernel driver, loaded from its file: tests/ is not a package.
     name = "meshbook_test_kernels"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _TESTS / "kernels.py")
+        spec = importlib.util.spec_from_file_location(name, _TESTS / "jupyter_kernels.py")
         if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load the kernel driver from {_TESTS / 'kernels.py'}")
+            raise ImportError(f"cannot load the kernel driver from {_TESTS / 'jupyter_kernels.py'}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # its dataclasses look their module up while being defined
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]  # not half a module for the next caller
+            raise
     return sys.modules[name].Kernel
 
 
