@@ -439,11 +439,11 @@ class Worker:
         before the controller does, so that nothing more happens here after it has."""
         silence = self.cfg.liveness.silence()
         if silence > max(1.0, self.cfg.lost_s - LOST_MARGIN_S):
-            stderr = sys.__stderr__
-            assert stderr is not None  # a rank inherits its agent's
-            stderr.write(f"meshbook: rank {self.rank} stops: its agent has not heard the controller "
-                         f"for {silence:.0f} s\n")
-            stderr.flush()
+            # Said in the crash file: its agent sends it with the death, so the error says why
+            # this rank died of SIGKILL (the signal it sends itself, to take its children too).
+            with open(self.cfg.crash_path, "a") as crash:
+                crash.write(f"meshbook: rank {self.rank} stopped itself: its agent had not heard the "
+                            f"controller for {silence:.1f} s (the host is lost after {self.cfg.lost_s:g} s)\n")
             os.killpg(0, signal.SIGKILL)
 
     def _control(self, message: wire.Message) -> None:
