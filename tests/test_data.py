@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from meshbook import (
     TooLargeError,
 )
 from meshbook.mesh.protocol.namespaces import Layout, Namespaces, VarInfo
-from meshbook.mesh.protocol.payload import SHARE_MIN, pack
+from meshbook.mesh.protocol.payload import SHARE_MIN, Lent, pack
 
 DTENSOR_SETUP = """
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -222,6 +225,48 @@ def test_a_push_whose_shared_memory_is_gone_fails_clearly() -> None:
         os.close(other)
         if other != number:
             os.close(number)
+
+
+def lent_files(pid: int) -> list[str]:
+    """The shared-memory files of pulls process ``pid`` holds open."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:meshbook-pull"):
+                found.append(fd)
+    return found
+
+
+def test_a_pull_from_local_ranks_maps_their_shared_memory(mesh4: meshbook.Mesh) -> None:
+    mesh4.run(f"lent = torch.arange({SHARE_MIN}, dtype=torch.float32) + rank").result()
+    pulled = mesh4.pull("lent")
+    for rank, value in pulled.items():
+        assert torch.equal(value, torch.arange(SHARE_MIN, dtype=torch.float32) + rank), rank
+    assert "/memfd:meshbook-pull" in Path("/proc/self/maps").read_text(), "mapped, not received through a socket"
+    pulled[0].add_(1)  # copy-on-write: the notebook's copy is its own
+    assert mesh4.run("lent[0].item()", ranks=[0]).result()[0] == 0.0
+    pids = [state.pid for state in mesh4.status().values()]
+    deadline = time.monotonic() + 30
+    while any(lent_files(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(lent_files(pid) for pid in pids), "each rank closes its file once the notebook mapped it"
+    del pulled, value
+    gc.collect()
+    assert "/memfd:meshbook-pull" not in Path("/proc/self/maps").read_text(), "the mapping goes with the tensors"
+
+
+def test_a_lent_file_nobody_claims_is_closed_by_the_next() -> None:
+    lent = Lent(keep_s=0.0)
+    first = lent.lend(torch.ones(SHARE_MIN), "pull('x')")
+    assert first.shared is not None and torch.equal(first.load("pull")["value"], torch.ones(SHARE_MIN))
+    time.sleep(0.01)
+    second = lent.lend(torch.zeros(SHARE_MIN), "pull('x')")  # the first pull was interrupted
+    with pytest.raises(RuntimeError, match="shared memory for this pull is gone"):
+        first.load("pull")
+    assert second.shared is not None and lent_files(os.getpid()) == [str(second.shared.fd)]
+    lent.release(second.shared.token)
+    assert lent_files(os.getpid()) == []
+    assert lent.lend(7, "pull('n')").shared is None, "a small value goes inline"
 
 
 class CountsPickling:

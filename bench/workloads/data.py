@@ -10,9 +10,10 @@ float32:
   ``DirectView.pull("t", block=True)`` and the Monarch endpoint's result.
 
 GB/s counts the bytes that reach their destination: the tensor once per rank. The issue's
-targets: at least 3x ipyparallel's throughput, and pushing to 8 local ranks taking less than
+targets: at least 3x ipyparallel's throughput, pushing to 8 local ranks taking less than
 3x as long as pushing to one (meshbook serializes a pushed value once and local ranks map it
-from shared memory, instead of receiving one copy each).
+from shared memory, instead of receiving one copy each), and pulling 256 MiB from each of 8
+local ranks at 5 GB/s or more (each rank writes its value into shared memory the notebook maps).
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def _checks(found: Found, ranks: tuple[int, ...]) -> list[Check]:
         checks.append(Check(f"push of {mib(size)} to 8 local ranks < 3x push to 1 (issue 6)",
                             f"{eight / one:.2g}x" if one and eight else "-",
                             eight / one < 3 if one and eight else None))
+    size = SIZES[-1]
+    pull = _median(found, "meshbook", 8, "pull", size)
+    rate = size * 8 / pull / 1e9 if pull else None
+    checks.append(Check(f"pull of {mib(size)} from 8 local ranks >= 5 GB/s (issue 26: shared memory back)",
+                        f"{rate:.3g} GB/s" if rate else "-", rate >= 5 if rate else None))
     return checks
 
 

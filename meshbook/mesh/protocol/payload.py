@@ -1,4 +1,4 @@
-"""Bulk values for push and scatter: serialized once, their big buffers shared, not copied per rank.
+"""Bulk values for push, scatter and pull: serialized once, their big buffers shared, not copied per rank.
 
 A value pushed to the ranks is pickled exactly once, by :func:`pack`, with its large buffers
 (tensor and array payloads, bf16 and non-contiguous tensors included, see :mod:`.wire`)
@@ -18,6 +18,11 @@ two ways:
   values, which names them with a :class:`Staged`): one piece crosses the network, encrypted,
   while the one before is decrypted and handed to the ranks, where one message would take each
   stage in turn (measured: about a third faster to one host).
+
+A pull from local ranks goes the same way back (:class:`Lent`): each rank writes its value's
+buffers into a memfd of its own and answers with the file's name; the notebook maps it
+copy-on-write and tells the rank to close its copy. One copy, on the rank, where a socket
+would cost two (into the kernel, out of it) and a reassembly.
 
 The message naming the shared file is signed like every other message; the file starts with
 a random token the message carries too, so a rank never maps a file that is not this push's.
@@ -39,6 +44,7 @@ import os
 import pickle
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,17 +91,17 @@ class Payload:
     shared: SharedFile | None = None
     staged: Staged | None = None
 
-    def load(self) -> Any:
-        """The value, on a rank: its tensors alias the frames or the mapped file, uncopied."""
-        return self.open()[0]
+    def load(self, what: str = "push") -> Any:
+        """The value, where it arrived: its tensors alias the frames or the mapped file, uncopied."""
+        return self.open(what)[0]
 
-    def open(self) -> tuple[Any, Callable[[], bool]]:
+    def open(self, what: str = "push") -> tuple[Any, Callable[[], bool]]:
         """The value, and ``release()``: once nothing uses the value any more, it unmaps the
         shared file and says True; False while something still holds a tensor of it (the
         mapping then lives on with that tensor)."""
         if self.shared is None:
             return wire.loads(self.body, self.buffers), lambda: True
-        mapped, views = _map(self.shared)
+        mapped, views = _map(self.shared, what)
         value = wire.loads(self.body, views)
 
         def release() -> bool:
@@ -165,6 +171,43 @@ class Segments:
                 os.close(self._free.pop(0)[1])
 
 
+class Lent:
+    """Files this process wrote values into for a reader on this machine (a rank's answer to
+    a pull), open until the reader has mapped them and says so (:meth:`release`). One the
+    reader never claims (its pull was interrupted) is closed by the next :meth:`lend` after
+    ``keep_s``: only the reader's mapping may keep a file's pages alive for long."""
+
+    def __init__(self, keep_s: float = 60.0) -> None:
+        self.keep_s = keep_s
+        self._open: dict[bytes, tuple[int, float]] = {}  # token -> (fd, when lent)
+        self._lock = threading.Lock()
+
+    def lend(self, value: Any, what: str) -> Payload:
+        """``value`` as a payload: its buffers in a new memfd when they are big enough, else
+        inline (frames). A new file each time: the reader maps it copy-on-write, so writing
+        over it would change what the reader sees."""
+        body, views, buffers = pickled({"value": value}, what)
+        if sum(v.nbytes for v in views) < SHARE_MIN:
+            return Payload(body, list(buffers))
+        now = time.monotonic()
+        with self._lock:
+            for token, (fd, lent) in list(self._open.items()):
+                if now - lent > self.keep_s:
+                    os.close(self._open.pop(token)[0])
+        fd = os.memfd_create("meshbook-pull", os.MFD_CLOEXEC)
+        payload = Payload(body, shared=_write(fd, views))
+        with self._lock:
+            self._open[payload.shared.token] = (fd, now)  # type: ignore[union-attr]
+        return payload
+
+    def release(self, token: bytes | None) -> None:
+        """The reader mapped the file lent under ``token``: close ours."""
+        with self._lock:
+            fd = self._open.pop(token, None) if token is not None else None
+        if fd is not None:
+            os.close(fd[0])
+
+
 @contextlib.contextmanager
 def pack(values: Mapping[str, Any], shared: bool, what: str = "push") -> Iterator[Payload]:
     """Pickle ``values`` once; with ``shared`` and enough bytes, put the buffers in a memfd.
@@ -210,15 +253,15 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _map(shared: SharedFile) -> tuple[mmap.mmap, list[memoryview]]:
-    gone = "the notebook's shared memory for this push is gone (the push was interrupted); push again"
+def _map(shared: SharedFile, what: str) -> tuple[mmap.mmap, list[memoryview]]:
+    gone = f"the shared memory for this {what} is gone (the {what} was interrupted); {what} again"
     try:
         fd = os.open(f"/proc/{shared.pid}/fd/{shared.fd}", os.O_RDONLY)
     except FileNotFoundError:
         raise RuntimeError(gone) from None
     except OSError as exc:
-        raise RuntimeError(f"cannot open the notebook's shared memory ({exc}): this rank may not "
-                           f"read the notebook process's files") from None
+        raise RuntimeError(f"cannot open the shared memory of this {what} ({exc}): this process may "
+                           f"not read the files of process {shared.pid}") from None
     try:
         if os.pread(fd, _TOKEN_BYTES, 0) != shared.token:
             raise RuntimeError(gone)  # the number now names another file of the notebook

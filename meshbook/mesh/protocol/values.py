@@ -42,6 +42,10 @@ class RankValues(Mapping[int, Any]):
     def ranks(self) -> list[int]:
         return list(self._values)
 
+    def replaced(self, values: Mapping[int, Any]) -> "RankValues":
+        """Other values for the same ranks, on the same mesh dimensions."""
+        return RankValues(values, self._topology)
+
     def where(self, **selectors: DimSelector) -> "RankValues":
         """The values of the ranks matching ``selectors``, e.g. ``vals.where(dp=0)``."""
         if self._topology is None:

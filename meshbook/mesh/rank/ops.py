@@ -314,8 +314,18 @@ def store(worker: Any, payload: Payload) -> None:
     worker.namespace.update(values)  # only once every value arrived: all of them or none
 
 
-def fetch(worker: Any, name: str) -> Any:
-    return walk(worker.namespace[name], local_shard)
+def fetch(worker: Any, name: str, share: bool = False) -> Any:
+    """``name``'s value (a DTensor's local shard). With ``share`` (the notebook runs on this
+    machine), a payload whose big buffers this rank lends in shared memory (see
+    :class:`~meshbook.mesh.protocol.payload.Lent`); the notebook maps it, then ``unshare``."""
+    value = walk(worker.namespace[name], local_shard)
+    return worker.lent.lend(value, f"pull({name!r})") if share else value
+
+
+@rank_op(channel=msg.CONTROL)
+def unshare(worker: Any, tokens: dict[int, bytes]) -> None:
+    """The notebook mapped what ``fetch`` lent (``tokens``: each rank's file): close ours."""
+    worker.lent.release(tokens.get(worker.rank))
 
 
 # -- actors (mesh/controller/actors.py) -------------------------------------------------------

@@ -45,6 +45,7 @@ from ..protocol.cell import cell_filename, compile_cell, current_cell_line, fail
 from ..protocol.config import HEARTBEAT_S
 from ..protocol.errors import RankFailure, SendError
 from ..protocol.limits import KeptOnRank
+from ..protocol.payload import Lent
 from ..protocol.versions import versions
 from . import torchrun
 from .actors import ActorHost
@@ -105,6 +106,8 @@ class Worker:
         self.actors = ActorHost(self)
         #: Pieces of a push to another host, put together until its store (see ops.stage).
         self.staged: dict[bytes, dict[int, bytearray]] = {}
+        #: Values of pulls in shared memory, until the notebook mapped them (see ops.fetch).
+        self.lent = Lent()
         self._main_handlers: dict[str, Callable[[dict[str, Any], int], Any]] = {
             msg.EXEC: self._exec, msg.APPLY: self._apply, msg.CALL: self._call,
             msg.ACTOR: self.actors.serve, msg.PEER: self.actors.serve}

@@ -20,9 +20,10 @@ How the data travels:
   them; a rank that failed is named, with the ranks that did store them.
 * **pull / fetch** first ask every rank for the value's metadata (on the control thread: a
   busy rank answers), so a name missing on some ranks, or a pull larger than ``max_bytes``, is
-  refused before anything moves. Then each rank sends its value straight to the notebook as
-  zero-copy frames; CUDA tensors arrive on the CPU; a DTensor arrives as the rank's local
-  shard (``ref.full_tensor()`` assembles the global one).
+  refused before anything moves. Then local ranks write their big buffers into shared memory
+  of their own, which the notebook maps (one copy, on the rank); ranks on other hosts send
+  their value straight to the notebook as zero-copy frames. CUDA tensors arrive on the CPU; a
+  DTensor arrives as the rank's local shard (``ref.full_tensor()`` assembles the global one).
 
 Metadata comes from :mod:`meshbook.mesh.protocol.namespaces`; what each rank runs is in
 :mod:`meshbook.mesh.rank.ops` (``who``, ``info``, ``store``, ``fetch``). The controller
@@ -48,7 +49,7 @@ from ...protocol.errors import (
 )
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.namespaces import SEEDED, Layout, Namespaces
-from ...protocol.payload import PIECE, pack, pieces
+from ...protocol.payload import PIECE, SHARE_MIN, pack, pieces
 from ...protocol.text import format_bytes, format_ranks, group_by_text
 from ...protocol.values import RankValues
 from ...rank import ops
@@ -140,7 +141,18 @@ class DataOps:
         total = sum(info.nbytes or 0 for info in infos.values())
         if total > max_bytes:
             raise TooLargeError(_too_large(name, infos, total, max_bytes))
-        return self.call(ops.fetch, name, ranks=chosen, what=f"pull({name!r})").result(echo=False)
+        share = self.controller.agents.same_host and total >= SHARE_MIN
+        run = self.call(ops.fetch, name, share, ranks=chosen, what=f"pull({name!r})")
+        if not share:
+            return run.result(echo=False)
+        try:
+            answers = run.result(echo=False)
+            return answers.replaced({rank: payload.load("pull")["value"] for rank, payload in answers.items()})
+        finally:  # mapped, or never to be: the ranks close their files either way
+            lent = {rank: payload.shared.token for rank, payload in run.values().items() if payload.shared}
+            if lent:
+                with contextlib.suppress(MeshError):  # a stopped mesh's ranks are gone, files and all
+                    self.call(ops.unshare, lent, ranks=sorted(lent), what=f"pull({name!r}): release")
 
 
 class RemoteRef:
