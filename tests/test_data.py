@@ -245,7 +245,7 @@ def test_a_pull_from_local_ranks_maps_their_shared_memory(mesh4: meshbook.Mesh) 
     assert "/memfd:meshbook-pull" in Path("/proc/self/maps").read_text(), "mapped, not received through a socket"
     pulled[0].add_(1)  # copy-on-write: the notebook's copy is its own
     assert mesh4.run("lent[0].item()", ranks=[0]).result()[0] == 0.0
-    pids = [state.pid for state in mesh4.status().values()]
+    pids = [state.pid for state in mesh4.status()]
     deadline = time.monotonic() + 30
     while any(lent_files(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
