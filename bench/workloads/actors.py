@@ -10,8 +10,9 @@ Side by side with PyTorch Monarch's actor endpoints, in the same run:
   the tensor into a resident buffer, as ``load_state_dict`` does with weights. GB/s counts the
   tensor once per call.
 
-The issue's targets: latency at least 2x Monarch's at each size; actor to actor at least
-2 GB/s and faster than Monarch.
+The issues' targets: latency at least 2x Monarch's at each size (issue 18), then 3x, and a
+call to every actor no slower than ``mesh.run("pass")`` on the same ranks (issue 26); actor to
+actor at least 2 GB/s and faster than Monarch.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def _meshbook_latency(n: int, budget: Budget) -> Samples:
 
     with reaped(f"meshbook actors on {n}", lambda: meshbook.start(n, name="bench"), lambda m: m.stop()) as mesh:
         ping = mesh.spawn("ping", Ping)
-        return measure(clock(lambda: ping.noop.call().result()), budget)
+        calls = measure(clock(lambda: ping.noop.call().result()), budget)
+        RUN_ON_SAME_RANKS[n] = measure(clock(lambda: mesh.run("pass").result()), budget)
+        return calls
 
 
 def _monarch_latency(n: int, budget: Budget) -> Samples:
@@ -80,6 +83,8 @@ def _monarch_transfer(times: int) -> dict[int, list[float]]:
 
 
 LATENCY: dict[str, Callable[[int, Budget], Samples]] = {"meshbook": _meshbook_latency, "Monarch": _monarch_latency}
+#: ``mesh.run("pass")`` on the ranks of each meshbook latency row, timed right after its calls.
+RUN_ON_SAME_RANKS: dict[int, Samples] = {}
 TRANSFER: dict[str, Callable[[int], dict[int, list[float]]]] = {"meshbook": _meshbook_transfer,
                                                                "Monarch": _monarch_transfer}
 
@@ -99,13 +104,16 @@ def run(ctx: Context) -> Outcome:
 
 def _latency_table(lat: dict[tuple[str, int], Samples | None], systems: list[str], sizes: tuple[int, ...]) -> Table:
     table = Table("Endpoint call to every actor, from the notebook process",
-                  ["actors", *systems, *(["Monarch / meshbook"] if "Monarch" in systems else [])])
+                  ["actors", *systems, *(["Monarch / meshbook"] if "Monarch" in systems else []),
+                   'meshbook `mesh.run("pass")`, same ranks'])
     for n in sizes:
         cells = [latency(s) if (s := lat.get((name, n))) else "failed" for name in systems]
         extra = [ratio(median_of(lat.get(("Monarch", n))), median_of(lat.get(("meshbook", n))))] \
             if "Monarch" in systems else []
-        table.add(n, *cells, *extra)
-    table.notes.append("median round trip (p99); above 1x meshbook is faster")
+        run = RUN_ON_SAME_RANKS.get(n)
+        table.add(n, *cells, *extra, latency(run) if run else "-")
+    table.notes.append("median round trip (p99); above 1x meshbook is faster; the last column is a no-op "
+                       "cell's round trip on the same mesh, timed right after its endpoint calls")
     return table
 
 
@@ -135,6 +143,13 @@ def _checks(lat: dict[tuple[str, int], Samples | None], moved: dict[str, dict[in
     checks.append(Check("endpoint call latency >= 2x faster than Monarch's at 1/4/8 actors (issue 18)",
                         f"worst {worst[0]:.2g}x ({worst[1]} actors)" if worst else "-",
                         worst[0] >= 2 if worst else None))
+    checks.append(Check("endpoint call latency >= 3x faster than Monarch's at 1/4/8 actors (issue 26)",
+                        f"worst {worst[0]:.2g}x ({worst[1]} actors)" if worst else "-",
+                        worst[0] >= 3 if worst else None))
+    call, run = median_of(lat.get(("meshbook", sizes[-1]))), median_of(RUN_ON_SAME_RANKS.get(sizes[-1]))
+    checks.append(Check(f'endpoint call on {sizes[-1]} actors no slower than mesh.run("pass") on the same ranks '
+                        f"(issue 26)", f"{duration(call)} vs {duration(run)}" if call and run else "-",
+                        call <= run if call and run else None))
     for size in SIZES:
         ours = _median((moved.get("meshbook") or {}).get(size))
         theirs = _median((moved.get("Monarch") or {}).get(size))
