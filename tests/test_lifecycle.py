@@ -16,6 +16,7 @@ from jupyter_kernels import wait_gone
 
 import meshbook
 from meshbook import MeshError, MeshStoppedError, RemoteError
+from meshbook.mesh.protocol.proc import Liveness
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -169,3 +170,25 @@ def test_a_refused_start_builds_nothing_that_could_hang_later() -> None:
     assert set(os.listdir(runtime_base())) - before == set(), "a refused start left a directory"
     with meshbook.start(2) as mesh:
         assert dict(mesh.run("rank").result()) == {0: 0, 1: 1}
+
+
+def test_a_rank_never_reads_a_heartbeat_half_written() -> None:
+    """The agent beats its ranks' liveness page after every wake-up while they read it; a read
+    between the two halves of a write once said "silent since boot", and the rank stopped
+    itself in the middle of a cell (seen in a big push across hosts and in notebook 08)."""
+    live = Liveness()
+    readers = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:  # a rank: read for a second, exit 1 on any read that says silent
+            end = time.monotonic() + 1.0
+            silent = 0
+            while time.monotonic() < end:
+                silent += live.silence() > 1.0
+            os._exit(1 if silent else 0)
+        readers.append(pid)
+    end = time.monotonic() + 1.2
+    while time.monotonic() < end:  # the agent
+        live.beat(time.monotonic())
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in readers]
+    assert codes == [0, 0], "a rank read a heartbeat that was not there"
