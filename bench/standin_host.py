@@ -9,11 +9,14 @@ listening on its own loopback address (Linux routes all of 127/8 to loopback), w
 * makes its connection with the real link code: :func:`meshbook.mesh.agent.link.listen`, the
   Curve server key of the mesh, a ZAP allowlist that admits the controller's key only, the
   ``LISTENING`` line the ssh launcher reads;
-* takes the controller's messages in the real format (``[epoch, route, *signed frames]``, routes as
-  :mod:`meshbook.mesh.protocol.remote` encodes them), checks their signature once, and
-  answers the agent operations a remote agent answers (configure, ping, stop);
+* takes the controller's messages in the real format (the link's ``[identity, epoch, seq, route,
+  *signed frames]``, read by the link's own :func:`~meshbook.mesh.agent.link.unwrap`), checks
+  their signature once, and answers the agent operations a remote agent answers (configure,
+  ping with its acknowledgement, stop);
 * answers a request for its ranks with one ``RESULT`` per rank, each signed with the mesh
   key by a :class:`~meshbook.mesh.protocol.wire.Wire` of that rank's own, as a rank signs.
+  What it sends goes outside the link's numbering (number 0): over loopback nothing is lost,
+  so it keeps nothing to send again.
 
 What it skips, and the fan-out table says so: the agent's ipc hop to real rank processes
 and back (each rank receiving, checking and running the request), and the ranks' own
@@ -37,7 +40,7 @@ from meshbook.mesh.agent import link
 from meshbook.mesh.protocol import messages as msg
 from meshbook.mesh.protocol import wire
 from meshbook.mesh.protocol.bodies import Bootstrap
-from meshbook.mesh.protocol.remote import decode_route
+from meshbook.mesh.protocol.remote import decode_route, encode_seq
 from meshbook.mesh.protocol.versions import versions
 
 
@@ -51,6 +54,9 @@ class StandIn:
         self.host: int | None = None
         self.signers: dict[int, wire.Wire] = {}
         self.stopping = False
+        #: The controller that wrote last (its routing identity), and its newest message's number.
+        self.peer: link.Peer | None = None
+        self.acknowledged = 0
         self._ops: dict[str, Callable[[wire.Message, dict[str, Any]], None]] = {
             msg.AgentOp.CONFIGURE: self._configure, msg.AgentOp.PING: self._ping,
             msg.AgentOp.STOP: self._stop}
@@ -69,13 +75,14 @@ class StandIn:
                 self._take(wire.recv(self.sock))
 
     def _take(self, frames: list[Any]) -> None:
-        _, route, *message = frames  # [epoch, route, *message]
+        self.peer, seq, route, message = link.unwrap(frames, routed=True)
+        self.acknowledged = max(self.acknowledged, seq)  # loopback keeps the order
         try:
             request = self.checker.unpack(message)
         except wire.BadMessage:
             return
-        if route.bytes:
-            self._answer(request, decode_route(route.bytes)[1])
+        if route:
+            self._answer(request, decode_route(route)[1])
             return
         body = request.body() if request.kind == msg.OP else {}
         handler = self._ops.get(body.get("op"))
@@ -105,7 +112,7 @@ class StandIn:
 
     def _ping(self, request: wire.Message, body: dict[str, Any]) -> None:
         self._emit(msg.HOST_BEAT, request.header[msg.ID],
-                   {"sent": body["sent"], "ranks": sorted(self.signers)})
+                   {"sent": body["sent"], "ranks": sorted(self.signers), "ack": self.acknowledged})
 
     def _stop(self, request: wire.Message, body: dict[str, Any]) -> None:
         self._emit(msg.HOST_BEAT, None, {"stopped": True})
@@ -115,7 +122,8 @@ class StandIn:
         self._send(self.checker.pack({msg.KIND: kind, msg.ID: request, msg.HOST: self.host}, body))
 
     def _send(self, frames: list[Any]) -> None:
-        wire.send(self.sock, frames)
+        assert self.peer is not None  # the stand-in only answers
+        wire.send(self.sock, [encode_seq(0), *frames], prefix=[self.peer.identity])
 
 
 def main(address: str) -> None:
