@@ -255,7 +255,7 @@ def test_a_pull_from_local_ranks_maps_their_shared_memory(mesh4: meshbook.Mesh) 
     assert "/memfd:meshbook-pull" not in Path("/proc/self/maps").read_text(), "the mapping goes with the tensors"
 
 
-def test_a_lent_file_nobody_claims_is_closed_by_the_next() -> None:
+def test_a_lent_file_nobody_claims_is_closed_by_the_next_lend_or_tick() -> None:
     lent = Lent(keep_s=0.0)
     first = lent.lend(torch.ones(SHARE_MIN), "pull('x')")
     assert first.shared is not None and torch.equal(first.load("pull")["value"], torch.ones(SHARE_MIN))
@@ -267,6 +267,10 @@ def test_a_lent_file_nobody_claims_is_closed_by_the_next() -> None:
     lent.release(second.shared.token)
     assert lent_files(os.getpid()) == []
     assert lent.lend(7, "pull('n')").shared is None, "a small value goes inline"
+    lent.lend(torch.ones(SHARE_MIN), "pull('x')")  # never claimed, and no pull comes after it
+    time.sleep(0.01)
+    lent.expire(time.monotonic())  # the rank's control loop, a tick later
+    assert lent_files(os.getpid()) == []
 
 
 class CountsPickling:

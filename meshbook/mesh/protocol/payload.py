@@ -152,10 +152,10 @@ class Segments:
             fits = [seg for seg in self._free if seg[0] >= need]
             if fits:
                 self._free.remove(min(fits))
-        if fits:
-            fd = min(fits)[1]
-        else:
-            fd = os.memfd_create("meshbook-call", os.MFD_CLOEXEC)
+        if not fits:
+            shared, fd = in_new_file("meshbook-call", views)
+            return Payload(body, shared=shared), fd
+        fd = min(fits)[1]
         return Payload(body, shared=_write(fd, views)), fd
 
     def give_back(self, fd: int, reusable: bool) -> None:
@@ -174,8 +174,10 @@ class Segments:
 class Lent:
     """Files this process wrote values into for a reader on this machine (a rank's answer to
     a pull), open until the reader has mapped them and says so (:meth:`release`). One the
-    reader never claims (its pull was interrupted) is closed by the next :meth:`lend` after
-    ``keep_s``: only the reader's mapping may keep a file's pages alive for long."""
+    reader never claims (its pull was interrupted, its process died) is closed after
+    ``keep_s`` by :meth:`expire` (the rank's control loop calls it every tick, and each
+    :meth:`lend`): only the reader's mapping may keep a file's pages alive
+    for long."""
 
     def __init__(self, keep_s: float = 60.0) -> None:
         self.keep_s = keep_s
@@ -187,18 +189,22 @@ class Lent:
         inline (frames). A new file each time: the reader maps it copy-on-write, so writing
         over it would change what the reader sees."""
         body, views, buffers = pickled({"value": value}, what)
-        if sum(v.nbytes for v in views) < SHARE_MIN:
+        if not worth_sharing(views):
             return Payload(body, list(buffers))
-        now = time.monotonic()
+        self.expire(time.monotonic())
+        shared, fd = in_new_file("meshbook-pull", views)
+        with self._lock:
+            self._open[shared.token] = (fd, time.monotonic())
+        return Payload(body, shared=shared)
+
+    def expire(self, now: float) -> None:
+        """Close the files lent more than ``keep_s`` before ``now`` (called every tick)."""
+        if not self._open:
+            return
         with self._lock:
             for token, (fd, lent) in list(self._open.items()):
                 if now - lent > self.keep_s:
                     os.close(self._open.pop(token)[0])
-        fd = os.memfd_create("meshbook-pull", os.MFD_CLOEXEC)
-        payload = Payload(body, shared=_write(fd, views))
-        with self._lock:
-            self._open[payload.shared.token] = (fd, now)  # type: ignore[union-attr]
-        return payload
 
     def release(self, token: bytes | None) -> None:
         """The reader mapped the file lent under ``token``: close ours."""
@@ -216,14 +222,25 @@ def pack(values: Mapping[str, Any], shared: bool, what: str = "push") -> Iterato
     Raises :class:`~meshbook.SendError` naming the value that cannot be pickled (and its type).
     """
     body, views, buffers = pickled(values, what)
-    if not shared or sum(v.nbytes for v in views) < SHARE_MIN:
+    if not shared or not worth_sharing(views):
         yield Payload(body, list(buffers))
         return
-    fd = os.memfd_create("meshbook-push", os.MFD_CLOEXEC)
+    file, fd = in_new_file("meshbook-push", views)
     try:
-        yield Payload(body, shared=_write(fd, views))
+        yield Payload(body, shared=file)
     finally:
         os.close(fd)
+
+
+def worth_sharing(views: list[memoryview]) -> bool:
+    """Do these buffers weigh enough for a shared file (:data:`SHARE_MIN`)?"""
+    return sum(v.nbytes for v in views) >= SHARE_MIN
+
+
+def in_new_file(name: str, views: list[memoryview]) -> tuple[SharedFile, int]:
+    """``views`` written into a new memfd named ``name``: where they are, and the file's fd."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    return _write(fd, views), fd
 
 
 def _layout(views: list[memoryview]) -> tuple[list[tuple[int, int]], int]:

@@ -52,7 +52,7 @@ from ..protocol.actors import (
 )
 from ..protocol.cell import register_source
 from ..protocol.errors import MeshError, RankFailure, RemoteError
-from ..protocol.payload import SHARE_MIN, Payload, Segments, pickled
+from ..protocol.payload import Payload, Segments, pickled, worth_sharing
 from ..protocol.proc import pid_alive
 from ..protocol.text import format_ranks
 from ..protocol.values import RankValues
@@ -218,7 +218,7 @@ class _Link:
                             f"call it from the notebook, which reaches every host")
         body, views, buffers = pickled({"args": args, "kwargs": kwargs}, what)
         segment = None
-        if all(p.host == here for p in peers.values()) and sum(v.nbytes for v in views) >= SHARE_MIN:
+        if all(p.host == here for p in peers.values()) and worth_sharing(views):
             payload, segment = self.segments.share(body, views)
         else:
             payload = Payload(body, buffers)

@@ -430,6 +430,7 @@ class Worker:
             self.stderr.flush()
             now = time.monotonic()
             self.sampler.tick(now)
+            self.lent.expire(now)  # what an interrupted pull never claimed
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
                 self.emit(msg.HEARTBEAT, None, self.metrics())
