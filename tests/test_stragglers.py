@@ -194,6 +194,24 @@ def test_the_slow_rank_is_named_inside_a_loop_with_where_it_spends_its_time(mesh
     assert mesh4.stragglers().stragglers == [2], "the verdict outlives the loop until the next cell"
 
 
+def test_sampling_a_rank_in_a_collective_keeps_none_of_its_memory(mesh2: meshbook.Mesh) -> None:
+    """A held frame keeps its locals and its callers' alive: a tensor of the function that
+    waited in the collective must go the moment the function returns (FSDP's gradient buffers
+    once outlived their step this way, into the next step's peak)."""
+    run = mesh2.run(
+        "import weakref\n"
+        "def wait_in_a_collective():\n"
+        "    big = torch.ones(1 << 20)\n"
+        "    if rank == 1:\n"
+        "        time.sleep(1.5)  # rank 0 waits in the all_reduce meanwhile: sampled there\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+        "    return weakref.ref(big)\n"
+        "import time\n"
+        "ref = wait_in_a_collective()\n"
+        "ref() is None")
+    assert run.result(timeout=60) == {0: True, 1: True}, "the sampler kept the waiting frame's tensor alive"
+
+
 def test_slow_rank_by_cell_duration(mesh4: meshbook.Mesh) -> None:
     run = mesh4.run("import time\ntime.sleep(1.5 if rank == 1 else 0.1)")
     run.result()

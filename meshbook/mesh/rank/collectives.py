@@ -54,6 +54,10 @@ class CollectiveClock:
         self._enqueues = enqueues_gpu_work
         self._main = threading.main_thread().ident
         self._inside = False
+        #: Outermost collective calls the main thread has entered, and the number of the one
+        #: it is in now (``None`` outside): how the sampler tells one call from the next.
+        self._entered = 0
+        self.call: int | None = None
         self._generation = 0
         self._groups: dict[int, tuple[Any, int]] = {}  # id(group) -> (group, key): kept alive
         self._counts: list[int] = []  # per key: collectives issued so far
@@ -104,11 +108,13 @@ class CollectiveClock:
             group = _argument(args, kwargs, "group", group_at)
             waits = not _argument(args, kwargs, "async_op", async_at) and not (self._enqueues and _on_gpu(args))
             self._inside = True
+            self._entered += 1
+            self.call = self._entered
             entered = time.time_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._inside = False
+                self._inside, self.call = False, None
                 self._record(group, entered, time.time_ns() if waits else 0)
 
         self.codes.add(collective.__code__)

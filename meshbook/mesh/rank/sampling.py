@@ -23,9 +23,12 @@ request's window stays as it was until the next request is sampled, and ``%mesh 
 right after a training loop still names the straggler. Two more figures ride along: the
 fraction of the *whole* request spent waiting (a cell's end splits each rank's time into
 computing and waiting), and how long the main thread has been inside the *same* collective
-call (``stuck_s``: the same frame object, held from one sample to the next, so a loop that
-waits in a new all_reduce each step never adds up). A cell explains a hang from the latter
-without waiting for any rank to finish. A ``.wait()`` on a work handle runs in the same frame
+call (``stuck_s``: the same call from one sample to the next, so a loop that waits in a new
+all_reduce each step never adds up). A cell explains a hang from the latter without waiting
+for any rank to finish. A call is known by its number from the collective clock
+(:mod:`.collectives` numbers every call it wraps), else by its frame's address and code: never
+by the frame itself, whose locals (and its callers', FSDP's gradient buffers among them) a
+held frame would keep alive into the next step, a peak no plan predicts. A ``.wait()`` on a work handle runs in the same frame
 step after step, so it never counts as stuck.
 
 A sample walks only the user's frames (it stops at meshbook's own machinery) and classifies
@@ -79,9 +82,12 @@ class MainThreadSampler:
 
     def __init__(self, frame: Callable[[], FrameType | None], request: Callable[[], int | None],
                  window: float = WINDOW_S, gap: float = SAMPLE_GAP_S,
-                 device_wait: Callable[[], tuple[str, float] | None] | None = None) -> None:
+                 device_wait: Callable[[], tuple[str, float] | None] | None = None,
+                 call: Callable[[], int | None] = lambda: None) -> None:
         self._frame = frame
         self._request = request
+        #: The number of the wrapped collective call the main thread is in (see collectives.py).
+        self._call = call
         #: On NCCL: the oldest collective still running on the GPU and its age (see
         #: ``torch_compat.oldest_nccl_pending``): the main thread waits for it outside any
         #: collective's frame (``.item()``, ``synchronize()``).
@@ -97,7 +103,7 @@ class MainThreadSampler:
         self._next = 0.0
         # (request, samples, waiting samples) over the whole request
         self._total: tuple[int | None, int, int] = (None, 0, 0)
-        self._stuck: tuple[FrameType, float, float] | None = None  # (collective frame, first, last)
+        self._stuck: tuple[tuple[Any, ...], float, float] | None = None  # (the call's identity, first, last)
 
     def tick(self, now: float) -> None:
         """Take a sample if one is due and the main thread is busy; drop the samples older
@@ -118,7 +124,7 @@ class MainThreadSampler:
         frame = self._frame() if request is not None else None
         found = _classify(frame) if frame is not None else None
         if request is None or found is None:
-            self._stuck = None  # never keep a frame (and its locals) alive while idle
+            self._stuck = None
             self._device_stuck = 0.0
             return
         waiting, where, call = found
@@ -129,13 +135,20 @@ class MainThreadSampler:
         self._samples.append(Sample(now, request, waiting, where))
         same, samples, waits = self._total
         self._total = (request, samples + 1, waits + waiting) if same == request else (request, 1, int(waiting))
-        stuck = self._stuck
-        if call is None:
+        stuck, identity = self._stuck, self._identity(call)
+        if identity is None:
             self._stuck = None
-        elif stuck is not None and stuck[0] is call:
-            self._stuck = (call, stuck[1], now)
+        elif stuck is not None and stuck[0] == identity:
+            self._stuck = (identity, stuck[1], now)
         else:
-            self._stuck = (call, now, now)
+            self._stuck = (identity, now, now)
+
+    def _identity(self, call: FrameType | None) -> tuple[Any, ...] | None:
+        """What tells this collective call from the next (see the module's docstring)."""
+        if call is None:
+            return None
+        number = self._call()
+        return ("wrapped", number) if number is not None else (id(call), call.f_code)
 
     def report(self) -> dict[str, Any]:
         """The window's samples of the latest request sampled, for a heartbeat:

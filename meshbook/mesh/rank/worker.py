@@ -129,10 +129,11 @@ class Worker:
         #: Extra fields for heartbeats, filled by other rooms (e.g. straggler sampling).
         self.heartbeat_extras: dict[str, Callable[[], Any]] = {}
         #: Where the main thread spends its time (for straggler detection), and memory headroom.
-        self.sampler = MainThreadSampler(self.main_frame, lambda: self.request,
-                                         device_wait=oldest_nccl_pending if "nccl" in cfg.backend else None)
         #: When the main thread enters and leaves each collective (see collectives.py).
         self.clock = CollectiveClock(lambda: self.request, enqueues_gpu_work="nccl" in cfg.backend)
+        self.sampler = MainThreadSampler(self.main_frame, lambda: self.request,
+                                         device_wait=oldest_nccl_pending if "nccl" in cfg.backend else None,
+                                         call=lambda: self.clock.call)
         self.heartbeat_extras["sampling"] = self.sampler.report
         self.heartbeat_extras["memory"] = host_memory_probe()
         #: CUDA memory, read off the control thread (an NCCL rank's GPU is its memory pool).
