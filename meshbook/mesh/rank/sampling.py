@@ -28,8 +28,8 @@ all_reduce each step never adds up). A cell explains a hang from the latter with
 for any rank to finish. A call is known by its number from the collective clock
 (:mod:`.collectives` numbers every call it wraps), else by its frame's address and code: never
 by the frame itself, whose locals (and its callers', FSDP's gradient buffers among them) a
-held frame would keep alive into the next step, a peak no plan predicts. A ``.wait()`` on a work handle runs in the same frame
-step after step, so it never counts as stuck.
+held frame would keep alive into the next step, a peak no plan predicts. A ``.wait()`` on a
+work handle runs in the same frame step after step, so it never counts as stuck.
 
 A sample walks only the user's frames (it stops at meshbook's own machinery) and classifies
 each code object once, so it costs microseconds; at five samples a second that is far below
