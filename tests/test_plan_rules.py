@@ -149,6 +149,20 @@ def test_a_stage_peaks_with_its_micro_batches_in_flight_or_where_the_trace_peake
     assert row.stage_peaks == {0: 1000 + 2 * 200 + 100, 1: 1000 + 300 + 100}  # 2 in flight; the traced peak
 
 
+def test_micro_batches_in_flight_sit_on_the_state_between_steps_not_on_the_optimizer_step() -> None:
+    """GPipe's last stage holds every micro-batch's output and loss graph at once, on top of
+    the optimizer's state as it is between steps: the optimizer step's own temporaries (in the
+    traced peak) never coincide with a forward."""
+    layout = Layout(pp=2, microbatches=8, schedule="gpipe")
+    peak = {"parameters": 1000, "gradients": 1000, "optimizer": 4000, "activations": 0, "temporaries": 0}
+    rest = {"parameters": 1000, "optimizer": 2000}
+    last = StageTrace(stage=1, rank=1, peak=peak, at_rest=rest, microbatch_activations=600)
+    row = predict(Trace(layout, (last,), 0.1), PROBE)
+    assert row.stage_peaks == {1: 1000 + 2000 + 1000 + 8 * 600 + 100}
+    few = StageTrace(stage=1, rank=1, peak=peak, at_rest=rest, microbatch_activations=100)
+    assert predict(Trace(layout, (few,), 0.1), PROBE).stage_peaks == {1: 6000 + 100}  # the step's peak is higher
+
+
 def test_times_within_one_percent_are_a_tie_not_a_ranking() -> None:
     a = predict(Trace(Layout(dp_shard=2), (stage(0, 100, 1e9),), 0.1), PROBE)
     b = predict(Trace(Layout(dp_shard=2, checkpointing="block"), (stage(0, 100, 1.004e9),), 0.1), PROBE)

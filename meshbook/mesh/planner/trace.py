@@ -5,8 +5,9 @@ fake tensors, patched storages), so the planner never traces in the kernel or on
 controller starts planner processes (``python -m meshbook.mesh.planner``) and sends them jobs.
 Each trace joins a fake process group as the rank it plays (a pipeline stage's first rank),
 runs :func:`meshbook.mesh.rank.parallel.build` exactly as ``mesh.parallelize`` will, allocates
-under fake tensors, and steps: twice under torch's memory tracker (the second step has the
-optimizer state the first created), once under the FLOP counter and a collective counter.
+under fake tensors, and steps twice under torch's memory tracker (the second step has the
+optimizer state the first created), the second also under the FLOP counter and a collective
+counter (one step fewer than counting apart: a third of each trace's time).
 """
 
 from __future__ import annotations
@@ -92,17 +93,18 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
         held: list[int] = []  # activations held for backward, read after each forward
 
         def after_forward() -> None:
-            held.append(_by_kind(tracker.get_tracker_snapshot("current")).get("activations", 0))
+            now = _by_kind(tracker.get_tracker_snapshot("current"))
+            held.append(now.get("activations", 0) + now.get("temporaries", 0))  # the loss is no module's
 
-        with tracker:
-            for _ in range(2):
-                built.local_step(x, y, after_forward)
-                tracker.reset_mod_stats()  # per-module stats only: the peak stays
-        peak = _by_kind(tracker.get_tracker_snapshot("peak"))
         flops, comm = torch_compat.local_flop_counter(), torch_compat.collective_counter()
-        with flops, comm:
-            _, out = built.local_step(x, y)
-    traced = StageTrace(stage=built.stage, rank=rank, peak=peak,
+        with tracker:
+            built.local_step(x, y, after_forward)
+            tracker.reset_mod_stats()  # per-module stats only: the peak stays
+            at_rest = _by_kind(tracker.get_tracker_snapshot("current"))  # the optimizer's state, no step's
+            with flops, comm:  # counting allocates nothing: the second step also counts
+                _, out = built.local_step(x, y, after_forward)
+        peak = _by_kind(tracker.get_tracker_snapshot("peak"))
+    traced = StageTrace(stage=built.stage, rank=rank, peak=peak, at_rest=at_rest,
                         microbatch_activations=max(held) if layout.pp > 1 else 0,
                         flops=float(flops.get_total_flops()), comm=dict(comm.bytes),
                         largest=dict(comm.largest), collectives=comm.calls)

@@ -41,8 +41,11 @@ class StageTrace:
     rank: int
     #: Bytes by kind at the traced peak (KINDS but overhead), and the peak's total.
     peak: dict[str, int]
-    #: With pipelining: one micro-batch's activations, multiplied by those in flight.
+    #: With pipelining: what one micro-batch holds for its backward (activations, the output
+    #: and on the last stage the loss's graph), multiplied by those in flight.
     microbatch_activations: int = 0
+    #: Bytes by kind between steps (the optimizer's state, without its step's temporaries).
+    at_rest: dict[str, int] = field(default_factory=dict)
     flops: float = 0.0
     #: Bytes by collective: all_gather, reduce_scatter, all_reduce, p2p.
     comm: dict[str, int] = field(default_factory=dict)
@@ -112,11 +115,13 @@ class Row:
 
 def stage_peak(stage: StageTrace, layout: Layout) -> dict[str, int]:
     """A stage's peak by kind. With pipelining, the larger of the traced peak (one micro-batch:
-    often the optimizer step) and the stage's state with the activations of every micro-batch
-    the schedule keeps in flight (:func:`in_flight`), each as held after its forward."""
+    often the optimizer step) and the stage's state between steps, its gradients and what every
+    micro-batch the schedule keeps in flight (:func:`in_flight`) holds for its backward."""
     peak = {k: stage.peak.get(k, 0) for k in KINDS if k != "overhead"}
     if layout.pp > 1:
-        flight = dict(peak, activations=stage.microbatch_activations * in_flight(layout, stage.stage))
+        flight = {k: stage.at_rest.get(k, peak[k]) for k in peak}
+        flight["gradients"] = peak["gradients"]
+        flight["activations"] = stage.microbatch_activations * in_flight(layout, stage.stage)
         if sum(flight.values()) > sum(peak.values()):
             return flight
     return peak

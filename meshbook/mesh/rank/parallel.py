@@ -212,12 +212,11 @@ class Built:
         stage before the last back-propagates ones). The output goes before the backward, as
         in any training step; its (shape, dtype) comes back for the next stage's trace."""
         out = self.model(inputs)
-        if after_forward is not None:
-            after_forward()
         meta = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else None
-        loss = None
-        if self.last:
-            loss = self.loss(out, targets)
+        loss = self.loss(out, targets) if self.last else None
+        if after_forward is not None:
+            after_forward()  # what waits for the backward: the output, and the loss's graph
+        if loss is not None:
             del out
             loss.backward()
         else:
