@@ -54,6 +54,11 @@ SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "ac
          "bubble": "bubble", "recompute": "recomp"}
 
 
+#: What a DDP row predicts (torch's ``DistributedDataParallel`` built by hand is another program).
+DDP_NOTE = ("DDP rows are torch's FSDP-style replicate, what parallelize applies; DistributedDataParallel "
+            "built by hand keeps its own gradient buckets (bench/: within 10% of these rows)")
+
+
 def parse_batch(text: str | Sequence[int]) -> tuple[int, ...]:
     """``"8x2048"`` or ``(8, 2048)`` -> ``(8, 2048)``: the global batch, then its other dims."""
     try:
@@ -114,6 +119,7 @@ class PlanReport:
                 f"{p.bandwidth / 1e9:.2f} GB/s, {p.latency * 1e6:.0f} us per collective "
                 f"(measured on the ranks, {p.device})",
                 f"{len(self.rows)} layouts traced in {self.seconds:.1f} s, {len(self.rejected)} dropped before tracing",
+                *([DDP_NOTE] if any(r.layout.family.startswith("DDP") for r in self.rows) else []),
                 *self.notes]
 
     def table(self) -> list[dict[str, Any]]:
