@@ -5,9 +5,8 @@ fake tensors, patched storages), so the planner never traces in the kernel or on
 controller starts planner processes (``python -m meshbook.mesh.planner``) and sends them jobs.
 Each trace joins a fake process group as the rank it plays (a pipeline stage's first rank),
 runs :func:`meshbook.mesh.rank.parallel.build` exactly as ``mesh.parallelize`` will, allocates
-under fake tensors, and steps twice under torch's memory tracker (the second step has the
-optimizer state the first created), the second also under the FLOP counter and a collective
-counter (one step fewer than counting apart: a third of each trace's time).
+under fake tensors, and steps: twice under torch's memory tracker (the second step has the
+optimizer state the first created), once under the FLOP counter and a collective counter.
 """
 
 from __future__ import annotations
@@ -96,14 +95,17 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
             now = _by_kind(tracker.get_tracker_snapshot("current"))
             held.append(now.get("activations", 0) + now.get("temporaries", 0))  # the loss is no module's
 
-        flops, comm = torch_compat.local_flop_counter(), torch_compat.collective_counter()
         with tracker:
-            built.local_step(x, y, after_forward)
-            tracker.reset_mod_stats()  # per-module stats only: the peak stays
-            at_rest = _by_kind(tracker.get_tracker_snapshot("current"))  # the optimizer's state, no step's
-            with flops, comm:  # counting allocates nothing: the second step also counts
-                _, out = built.local_step(x, y, after_forward)
+            for _ in range(2):
+                built.local_step(x, y, after_forward)
+                tracker.reset_mod_stats()  # per-module stats only: the peak stays
+                at_rest = _by_kind(tracker.get_tracker_snapshot("current"))  # the optimizer's state, no step's
         peak = _by_kind(tracker.get_tracker_snapshot("peak"))
+        # Apart: the FLOP counter's module hooks hold a step's outputs longer (a peak up to 2x
+        # the activations on a big batch), so counting never runs under the memory tracker.
+        flops, comm = torch_compat.local_flop_counter(), torch_compat.collective_counter()
+        with flops, comm:
+            _, out = built.local_step(x, y)
     traced = StageTrace(stage=built.stage, rank=rank, peak=peak, at_rest=at_rest,
                         microbatch_activations=max(held) if layout.pp > 1 else 0,
                         flops=float(flops.get_total_flops()), comm=dict(comm.bytes),
