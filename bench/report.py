@@ -53,9 +53,13 @@ class Check:
     met: bool | None
     #: Why a missed target was missed, from what the same run measured (shown when missed).
     why: str = ""
+    #: A figure an issue asks to see beside a target, not a target itself: ``met`` is None.
+    reported: bool = False
 
     def markdown(self) -> str:
         mark = {True: "met", False: "**missed**", None: "not measured"}[self.met]
+        if self.reported:
+            mark = "reported, no target"
         return f"| {self.target} | {self.measured} | {mark} |"
 
 
