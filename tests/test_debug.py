@@ -213,7 +213,9 @@ def test_a_request_sent_while_a_rank_is_re_forked_reaches_the_new_process(mesh: 
 
 
 SCRIPT = '''
-import meshbook
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even where the
+import meshbook                                          # test runs with SIGINT ignored (a background job)
 mesh = meshbook.start(4)
 run = mesh.run(CODE)
 print("submitted", flush=True)
