@@ -96,10 +96,10 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
             held.append(now.get("activations", 0) + now.get("temporaries", 0))  # the loss is no module's
 
         with tracker:
-            for _ in range(2):
-                built.local_step(x, y, after_forward)
+            for _ in range(2):  # micro-batches in flight only matter to a pipeline
+                built.local_step(x, y, after_forward if layout.pp > 1 else None)
                 tracker.reset_mod_stats()  # per-module stats only: the peak stays
-                at_rest = _by_kind(tracker.get_tracker_snapshot("current"))  # the optimizer's state, no step's
+        at_rest = _by_kind(tracker.get_tracker_snapshot("current"))  # the optimizer's state, no step's
         peak = _by_kind(tracker.get_tracker_snapshot("peak"))
         # Apart: the FLOP counter's module hooks hold a step's outputs longer (a peak up to 2x
         # the activations on a big batch), so counting never runs under the memory tracker.
@@ -107,7 +107,7 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
         with flops, comm:
             _, out = built.local_step(x, y)
     traced = StageTrace(stage=built.stage, rank=rank, peak=peak, at_rest=at_rest,
-                        microbatch_activations=max(held) if layout.pp > 1 else 0,
+                        microbatch_activations=max(held, default=0),
                         flops=float(flops.get_total_flops()), comm=dict(comm.bytes),
                         largest=dict(comm.largest), collectives=comm.calls)
     return (_pipelined(traced, out, layout, built.last) if layout.pp > 1 else traced), out

@@ -53,9 +53,9 @@ class CollectiveClock:
         #: An NCCL mesh: a collective on GPU tensors returns once enqueued (see above).
         self._enqueues = enqueues_gpu_work
         self._main = threading.main_thread().ident
-        self._inside = False
         #: Outermost collective calls the main thread has entered, and the number of the one
-        #: it is in now (``None`` outside): how the sampler tells one call from the next.
+        #: it is in now (``None`` outside; a nested call counts as the outer one): how the
+        #: sampler tells one call from the next.
         self._entered = 0
         self.call: int | None = None
         self._generation = 0
@@ -103,18 +103,17 @@ class CollectiveClock:
         async_at = params.index("async_op") if "async_op" in params else None
 
         def collective(*args: Any, **kwargs: Any) -> Any:
-            if self._inside or threading.get_ident() != self._main:
+            if self.call is not None or threading.get_ident() != self._main:
                 return fn(*args, **kwargs)
             group = _argument(args, kwargs, "group", group_at)
             waits = not _argument(args, kwargs, "async_op", async_at) and not (self._enqueues and _on_gpu(args))
-            self._inside = True
             self._entered += 1
-            self.call = self._entered
             entered = time.time_ns()
-            try:
+            try:  # set inside: an interrupt can never leave the clock thinking it is in a call
+                self.call = self._entered
                 return fn(*args, **kwargs)
             finally:
-                self._inside, self.call = False, None
+                self.call = None
                 self._record(group, entered, time.time_ns() if waits else 0)
 
         self.codes.add(collective.__code__)

@@ -128,9 +128,9 @@ class Worker:
         self._process.cpu_percent()
         #: Extra fields for heartbeats, filled by other rooms (e.g. straggler sampling).
         self.heartbeat_extras: dict[str, Callable[[], Any]] = {}
-        #: Where the main thread spends its time (for straggler detection), and memory headroom.
         #: When the main thread enters and leaves each collective (see collectives.py).
         self.clock = CollectiveClock(lambda: self.request, enqueues_gpu_work="nccl" in cfg.backend)
+        #: Where the main thread spends its time (for straggler detection), and memory headroom.
         self.sampler = MainThreadSampler(self.main_frame, lambda: self.request,
                                          device_wait=oldest_nccl_pending if "nccl" in cfg.backend else None,
                                          call=lambda: self.clock.call)
