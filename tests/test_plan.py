@@ -197,8 +197,13 @@ def test_a_pipeline_of_a_model_without_targets_steps(mesh: meshbook.Mesh) -> Non
     assert all(v is not None and v[-1] < v[0] for v in (losses[2], losses[3])), losses
 
 
-def test_planning_leaves_no_process_group_behind(mesh: meshbook.Mesh) -> None:
+def test_planning_and_applying_make_each_layouts_process_groups_once(mesh: meshbook.Mesh) -> None:
     count = "from meshbook.mesh.rank import torch_compat\nlen(torch_compat.process_groups())"
-    before = mesh.run(count).result(echo=False)
-    mesh.plan(BUILD, BATCH, only=lambda lay: lay.family == "FSDP" and lay.reshard, checkpointing=("none",))
-    assert mesh.run(count).result(echo=False) == before
+    fsdp_tp = {"only": lambda lay: lay.family == "FSDP+TP" and lay.reshard, "checkpointing": ("none",)}
+    first = mesh.plan(BUILD, BATCH, **fsdp_tp)  # the probe runs FSDP+TP on a stand-in
+    after = mesh.run(count).result(echo=False)
+    mesh.run("torch.manual_seed(5)\ndrawn = torch.rand(3)\ntorch.manual_seed(5)").result(echo=False)
+    mesh.plan(BUILD, BATCH, **fsdp_tp)
+    assert all(mesh.run("torch.equal(torch.rand(3), drawn)").result(echo=False).values())  # its seed is undone
+    mesh.parallelize(BUILD, first.best)
+    assert mesh.run(count).result(echo=False) == after  # the stand-in's mesh is parallelize's

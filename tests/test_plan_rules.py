@@ -20,6 +20,7 @@ from meshbook.mesh.protocol.layout import (
     candidates,
     factorisations,
     in_flight,
+    kinds,
     split_points,
     stage_of,
     why_invalid,
@@ -170,11 +171,22 @@ def test_times_within_one_percent_are_a_tie_not_a_ranking() -> None:
     assert a.status == b.status == "OK"
 
 
-def test_cpu_rows_add_gloos_scratch_and_the_layouts_process_groups() -> None:
+def test_cpu_rows_take_the_peak_at_a_collective_with_gloos_scratch_and_the_layouts_process_groups() -> None:
     probe = Probe(overhead=100, flops_per_s=1e9, bandwidth=1e9, budget=10**9, per_group=10)
-    traced = StageTrace(stage=0, rank=0, peak={"parameters": 1000}, largest={"all_gather": 300, "reduce_scatter": 300})
+    at = {"parameters": 600, "temporaries": 300 + 400}  # a 300-byte reduce-scatter's input and 4/3 of it
+    traced = StageTrace(stage=0, rank=0, peak={"parameters": 1000, "activations": 200}, at_collective=at)
     row = predict(Trace(Layout(dp_replicate=2, dp_shard=2), (traced,), 0.1), probe)
-    assert row.memory["temporaries"] == 400  # a reduce-scatter stages 4/3 of its input
+    assert row.memory["temporaries"] == 700 and row.memory["activations"] == 0  # the collective's moment
     assert row.memory["overhead"] == 100 + 2 * 10  # two mesh dimensions, a group each
+    below = StageTrace(stage=0, rank=0, peak={"parameters": 1000, "activations": 500}, at_collective=at)
+    assert predict(Trace(Layout(dp_shard=4), (below,), 0.1), probe).memory["activations"] == 500
     gpu = predict(Trace(Layout(dp_shard=4), (traced,), 0.1), Probe(0, 1e9, 1e9, 10**9, device="cuda", per_group=10))
-    assert gpu.memory["temporaries"] == 0 and gpu.memory["overhead"] == 10 + int(1000 * 0.05)
+    assert gpu.memory["temporaries"] == 0 and gpu.memory["overhead"] == 10 + int(1200 * 0.05)  # no gloo
+
+
+def test_the_ranks_warm_up_on_a_few_layouts_that_use_every_parallelism_the_candidates_use() -> None:
+    layouts = [Layout(), Layout(dp_shard=4), Layout(dp_shard=4, checkpointing="block"), Layout(dp_shard=2, tp=2),
+               Layout(dp_replicate=2, dp_shard=2), Layout(pp=2, dp_shard=2, microbatches=2),
+               Layout(pp=2, dp_shard=2, microbatches=4), Layout(pp=4, microbatches=4, schedule="gpipe")]
+    assert kinds(layouts) == (layouts[3], layouts[4], layouts[5], layouts[7])
+    assert kinds(layouts[:3]) == (layouts[1],) and kinds([Layout()]) == ()  # one rank's layout runs no mesh

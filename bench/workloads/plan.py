@@ -190,12 +190,12 @@ def _train(step: Callable[..., Any], facts: Any, shape: tuple[int, ...], layout:
 
 
 def _probe_rate() -> float:
-    """The FLOP/s the planner's probe measures (``parallel.training_rate``; a 256x256x1024
+    """The FLOP/s the planner's probe measures (``probe.training_rate``; a 256x256x1024
     matmul where meshbook has no such function), measured now: what the plan's rate would be
     at this moment, under whatever else shares the cores."""
-    from meshbook.mesh.rank import parallel
+    from meshbook.mesh.rank import probe
 
-    rate = getattr(parallel, "training_rate", None)
+    rate = getattr(probe, "training_rate", None)
     if rate is not None:
         return float(rate(torch.device("cpu")))
     a, b = torch.randn(256, 256), torch.randn(256, 1024)
@@ -553,7 +553,8 @@ def _tiny_table(cells: list[Cell]) -> Table:
         ("the model's tensors are a few MiB, so what grows beyond them is the layout's machinery: "
          "torch's parallel modules imported, the layout's process groups and DeviceMesh, the "
          "threads a step starts; tracked excludes the row's overhead term (the probe's RSS after a "
-         "small plain step and an all-reduce, plus a process group's measured cost per mesh dim)"),
+         "small plain step, the layout run on a stand-in and an all-reduce, plus a process group's "
+         "measured cost per mesh dim), so what is left is what the warm-up did not already hold"),
         "of which at build: RSS that parallelize added before the first step (parameters included)"]
     return table
 
@@ -625,7 +626,7 @@ def _step_table(cells: list[Cell]) -> Table:
         (f"{WARMUP} warm-up steps, then {STEPS + TIMED - WARMUP} timed, on a 1-rank mesh (torch threads: "
          f"{', '.join(map(str, threads)) or '-'}); predicted: the row's compute + recompute (the FLOPs the "
          "trace counted over the probe's rate, Probe.flops_per_s; no communication on one rank)"),
-        ("rate after the steps: the probe's own rate measurement (parallel.training_rate) run again on "
+        ("rate after the steps: the probe's own rate measurement (probe.training_rate) run again on "
          "the rank right after the timed steps; error at that rate: the prediction had the probe run "
          "then (it tells a model error from load that came and went between plan and steps)"),
         ("traced FLOPs / measured step: the rate the step would need for the prediction to hold; "
@@ -755,10 +756,7 @@ def _why_memory(cells: list[Cell], sliding: list[Cell], tiny: list[Cell], collec
             return (f"{c.model} {c.label} ac={c.layout.checkpointing} {_pct(c.furthest(error))}: traced "
                     f"{_m(c.tracked(r))}, grew {_m(c.grew(r))}, {_m(c.tracked(r) - c.grew(r))} too much"
                     + (f" = {(c.tracked(r) - c.grew(r)) / out:.1f}x its output ({_m(out)})" if out else ""))
-        parts.append("over: " + "; ".join(excess(c) for c in over[:4]) + (
-            " (the trace holds a step's output beyond its loss: through the backward, and the first "
-            "step's into the second, where the step frees it at once; the bigger the vocabulary, the "
-            "bigger the excess)"))
+        parts.append("over: " + "; ".join(excess(c) for c in over[:4]))
     if under:
         def short(c: Cell) -> str:
             r = c.far(error)
@@ -772,7 +770,8 @@ def _why_memory(cells: list[Cell], sliding: list[Cell], tiny: list[Cell], collec
     if small:
         parts.append(f"the {TINY.name} ({TINY.what}) grows "
                      + ", ".join(f"{_m(c.grew(c.worst) - c.tracked(c.worst))} ({c.label})" for c in small)
-                     + " beyond its tensors: the layout's machinery, outside the plan's overhead term")
+                     + " beyond its tensors and the probe's warm-up: the layout's machinery the plan's "
+                       "overhead term misses")
     if collectives:
         parts.append(f"gloo's all_gather_into_tensor and reduce_scatter_tensor hold "
                      f"{_m(collectives['all_gather_into_tensor'])} and {_m(collectives['reduce_scatter_tensor'])} "

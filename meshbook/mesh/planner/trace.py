@@ -5,8 +5,11 @@ fake tensors, patched storages), so the planner never traces in the kernel or on
 controller starts planner processes (``python -m meshbook.mesh.planner``) and sends them jobs.
 Each trace joins a fake process group as the rank it plays (a pipeline stage's first rank),
 runs :func:`meshbook.mesh.rank.parallel.build` exactly as ``mesh.parallelize`` will, allocates
-under fake tensors, and steps: twice under torch's memory tracker (the second step has the
-optimizer state the first created), once under the FLOP counter and a collective counter.
+under fake tensors, and steps twice: under the FLOP counter, then (with the optimizer state
+the first step made) under torch's memory tracker and a collective counter.
+What gloo allocates inside a collective, which a fake group never does, is added to what the
+tracker holds as that collective starts: a big all-gather at the step's start and a big
+forward's activations never meet, so adding it to the step's peak over-predicted.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 
 from ..protocol.errors import MeshError
 from ..protocol.layout import Layout, ModelFacts
-from ..protocol.plan import StageTrace, Trace
+from ..protocol.plan import GLOO_SCRATCH, StageTrace, Trace
 from ..rank import parallel, torch_compat
 
 #: The tracker's kinds (both trackers' names) -> the report's.
@@ -88,28 +91,37 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
             micro = x.shape[0] // layout.microbatches
             x = x[:micro] if built.stage == 0 else torch.empty(inputs[0], dtype=inputs[1], requires_grad=True)
             y = y[:micro] if y is not None else None
+        # The first step counts FLOPs, without the memory tracker: the FLOP counter's module
+        # hooks hold a step's outputs longer (a peak up to 2x the activations on a big batch).
+        flops = torch_compat.local_flop_counter()
+        with flops:
+            _, out = built.local_step(x, y)
+        # The second, with the optimizer state the first made, is tracked from a tracker made
+        # now (it takes the state as it finds it), with its collectives counted.
         tracker = torch_compat.memory_tracker(built.model, built.optimizer, fsdp=layout.dp_shard > 1)
-        held: list[int] = []  # activations held for backward, read after each forward
+        held: list[int] = []  # activations held for backward, read after the forward
+        at_collective: dict[str, int] = {}
 
         def after_forward() -> None:
             now = _by_kind(tracker.get_tracker_snapshot("current"))
             held.append(now.get("activations", 0) + now.get("temporaries", 0))  # the loss is no module's
 
-        with tracker:
-            for _ in range(2):  # micro-batches in flight only matter to a pipeline
-                built.local_step(x, y, after_forward if layout.pp > 1 else None)
-                tracker.reset_mod_stats()  # per-module stats only: the peak stays
+        def collective(kind: str, size: int) -> None:
+            now = _by_kind(tracker.get_tracker_snapshot("current"))
+            now["temporaries"] = now.get("temporaries", 0) + int(GLOO_SCRATCH.get(kind, 0) * size)
+            if sum(now.values()) > sum(at_collective.values()):
+                at_collective.clear()
+                at_collective.update(now)
+
+        comm = torch_compat.collective_counter(collective)
+        with tracker, comm:  # micro-batches in flight only matter to a pipeline
+            built.local_step(x, y, after_forward if layout.pp > 1 else None)
         at_rest = _by_kind(tracker.get_tracker_snapshot("current"))  # the optimizer's state, no step's
         peak = _by_kind(tracker.get_tracker_snapshot("peak"))
-        # Apart: the FLOP counter's module hooks hold a step's outputs longer (a peak up to 2x
-        # the activations on a big batch), so counting never runs under the memory tracker.
-        flops, comm = torch_compat.local_flop_counter(), torch_compat.collective_counter()
-        with flops, comm:
-            _, out = built.local_step(x, y)
     traced = StageTrace(stage=built.stage, rank=rank, peak=peak, at_rest=at_rest,
                         microbatch_activations=max(held, default=0),
-                        flops=float(flops.get_total_flops()), comm=dict(comm.bytes),
-                        largest=dict(comm.largest), collectives=comm.calls)
+                        at_collective=at_collective, flops=float(flops.get_total_flops()),
+                        comm=dict(comm.bytes), collectives=comm.calls)
     return (_pipelined(traced, out, layout, built.last) if layout.pp > 1 else traced), out
 
 

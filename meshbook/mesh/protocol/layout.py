@@ -196,6 +196,29 @@ def _variants(base: Layout, facts: ModelFacts) -> Iterator[Layout]:
                     yield replace(base, checkpointing=ac, microbatches=m, schedule=schedule, reshard=r)
 
 
+def kinds(layouts: list[Layout]) -> tuple[Layout, ...]:
+    """A few of ``layouts`` that between them use every parallelism any of them uses
+    (replicas, shards, both at once, tensor parallelism alone and under each kind of data
+    parallelism, each pipeline schedule), the widest first; one rank's left out: what the
+    ranks run once before they are measured (:mod:`meshbook.mesh.rank.probe`). A pipeline
+    stage is parallelized as a whole model is, so pipelining pairs with nothing. One layout
+    of each family took ~0.4 s a family on 4 ranks of a small machine, 14 families for a
+    4-rank GPT."""
+    def uses(layout: Layout) -> frozenset[str]:
+        replicate, shard, tp = layout.dp_replicate > 1, layout.dp_shard > 1, layout.tp > 1
+        found = {"replicate": replicate, "shard": shard, "tp": tp, "hsdp": replicate and shard,
+                 "replicate tp": replicate and tp, "shard tp": shard and tp, f"pp {layout.schedule}": layout.pp > 1}
+        return frozenset(name for name, used in found.items() if used)
+
+    chosen: list[Layout] = []
+    left = frozenset().union(*(uses(layout) for layout in layouts))
+    while left:
+        best = max(layouts, key=lambda layout: len(uses(layout) & left))  # the first of the widest
+        chosen.append(best)
+        left -= uses(best)
+    return tuple(chosen)
+
+
 def bubble(layout: Layout) -> float:
     """The pipeline bubble's share of a step: (pp - 1) / (m + pp - 1)."""
     return (layout.pp - 1) / (layout.microbatches + layout.pp - 1) if layout.pp > 1 else 0.0

@@ -24,7 +24,7 @@ KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "
 CUDA_FRAGMENTATION = 0.05
 #: What gloo allocates inside a collective, as a share of its full size (measured: an
 #: all-gather stages its whole output, a reduce-scatter a third more than its input): memory a
-#: fake process group never allocates, at the peak while the largest one runs.
+#: fake process group never allocates, added to what is held as the collective starts.
 GLOO_SCRATCH = {"all_gather": 1.0, "reduce_scatter": 4 / 3, "all_reduce": 0.13}
 #: The share of a checkpointed step's FLOPs spent recomputing forwards (forward : backward is
 #: 1 : 2, so all blocks recomputed add 1 to 3, and every other block 0.5 to 3).
@@ -49,8 +49,9 @@ class StageTrace:
     flops: float = 0.0
     #: Bytes by collective: all_gather, reduce_scatter, all_reduce, p2p.
     comm: dict[str, int] = field(default_factory=dict)
-    #: The largest single collective of each kind, in bytes.
-    largest: dict[str, int] = field(default_factory=dict)
+    #: Bytes by kind as the collective starts at which they, with gloo's scratch for it
+    #: (GLOO_SCRATCH, in temporaries), peak: a CPU rank's peak when above ``peak``.
+    at_collective: dict[str, int] = field(default_factory=dict)
     #: How many collectives (and point-to-point messages) one step issues.
     collectives: int = 0
 
@@ -135,8 +136,8 @@ def predict(trace: Trace, probe: Probe, budget: int | None = None) -> Row:
     groups = len(layout.dims) if layout.world > 1 else 0
     for stage in trace.stages:
         peak = stage_peak(stage, layout)
-        if probe.device == "cpu":
-            peak["temporaries"] += int(max((GLOO_SCRATCH.get(k, 0) * n for k, n in stage.largest.items()), default=0))
+        if probe.device == "cpu" and sum(stage.at_collective.values()) > sum(peak.values()):
+            peak = {k: stage.at_collective.get(k, 0) for k in peak}
         peak["overhead"] = probe.overhead + groups * probe.per_group + (
             int(sum(peak.values()) * CUDA_FRAGMENTATION) if probe.device == "cuda" else 0)
         stage_peaks[stage.stage] = sum(peak.values())

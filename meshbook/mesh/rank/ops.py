@@ -348,11 +348,12 @@ def actor_handle(address: ActorAddress) -> Any:
 # -- planning and applying parallel layouts (mesh/controller/api/plan.py) --------------------
 
 
-def plan_probe(worker: "Worker", factory: Callable[[], Any]) -> dict[str, Any]:
-    """Measure this rank for ``mesh.plan`` of ``factory()`` (every rank at once: it all-reduces)."""
-    from . import parallel  # torch's parallel APIs: only on a rank that plans
+def plan_probe(worker: "Worker", factory: Callable[[], Any], layouts: tuple[Any, ...]) -> dict[str, Any]:
+    """Measure this rank for ``mesh.plan`` of ``factory()``, after a step of each of ``layouts``
+    on a stand-in (every rank at once: it all-reduces and makes process groups)."""
+    from . import probe  # torch's parallel APIs: only on a rank that plans
 
-    return parallel.probe(worker.namespace["device"], factory)
+    return probe.probe(worker.namespace["device"], factory, layouts)
 
 
 def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predicted: dict[int, int],

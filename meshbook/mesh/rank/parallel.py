@@ -270,6 +270,30 @@ def layout_mesh(layout: Layout, device_type: str) -> Any:
     return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
+class RankMeshes:
+    """This rank's DeviceMesh for each layout's dims, made once per world process group (a
+    restart makes a new one). Made again, a mesh would make new process groups each time; and
+    destroying a mesh's groups is unsafe while an equal mesh lives, as DTensor's caches hand
+    out equal meshes interchangeably."""
+
+    def __init__(self) -> None:
+        self.world: Any = None
+        self.meshes: dict[tuple[str, tuple[tuple[str, int], ...]], Any] = {}
+
+    def get(self, layout: Layout, device_type: str) -> Any:
+        import torch.distributed as dist
+
+        if self.world is not dist.group.WORLD:
+            self.world, self.meshes = dist.group.WORLD, {}
+        key = (device_type, tuple(layout.dims.items()))
+        if key not in self.meshes:
+            self.meshes[key] = layout_mesh(layout, device_type)
+        return self.meshes[key]
+
+
+MESHES = RankMeshes()
+
+
 def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, rank: int, *,
           device: Any = "cpu", optimizer: Any = "adamw", lr: float = 1e-3, seed: int = 0,
           init: Callable[[nn.Module], None] | None = None,
@@ -467,7 +491,7 @@ def apply(namespace: dict[str, Any], rank: int, dims: dict[str, int], factory: C
     device = namespace["device"]
     settle_allocator(device)
     reset_peak(device)
-    device_mesh = namespace["device_mesh"] if dims == layout.dims else layout_mesh(layout, device.type)
+    device_mesh = namespace["device_mesh"] if dims == layout.dims else MESHES.get(layout, device.type)
     built = build(factory, layout, device_mesh, rank, device=device, **options)
     step = Reporting(built, predicted.get(built.stage, 0), predicted_s, device)
     namespace.update(dict(zip(names, (built.model, built.optimizer, step))))
@@ -495,75 +519,6 @@ def peak_bytes(device: Any) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def probe(device: Any, factory: Callable[[], nn.Module]) -> dict[str, Any]:
-    """What planning needs to know of this rank, measured on it, under the allocator its
-    steps will run with (:func:`settle_allocator`): the bytes the process holds after building
-    the model on the meta device (what it imports: transformers alone is ~60 MiB), a small
-    training step and an all-reduce (torch, autograd's threads, the communicator: what no
-    tracker sees); what one more process group costs it; the FLOP/s a training step of a
-    small MLP block reaches (its norm, activation and optimizer included: a matmul's peak rate
-    would promise too much); the all-reduce bus bandwidth and the time of the smallest
-    all-reduce; on CUDA, the free device memory (the host's share comes from the heartbeats)."""
-    import gc
-
-    import psutil
-    import torch.distributed as dist
-
-    device = torch.device(device)
-    settle_allocator(device)
-    make(factory)  # dropped at once: what stays is what its imports hold
-    gc.collect()
-    flops = training_rate(device)
-    world = dist.get_world_size()
-    payload = torch.ones(1 << 18, device=device)  # 1 MiB
-    dist.all_reduce(payload)
-    bandwidth = 2 * (world - 1) / world * payload.numel() * 4 / _timed(lambda: dist.all_reduce(payload), 4)
-    small = torch.ones(1, device=device)
-    latency = _timed(lambda: dist.all_reduce(small), 8) if world > 1 else 0.0
-    before = psutil.Process().memory_info().rss
-    group = dist.new_group()
-    dist.all_reduce(small, group=group)
-    per_group = max(0, psutil.Process().memory_info().rss - before)
-    dist.destroy_process_group(group)  # measured, not kept: a plan a minute would pile them up
-    found = {"flops_per_s": flops, "bandwidth": bandwidth if world > 1 else float("inf"), "latency": latency,
-             "device": device.type}
-    if device.type == "cuda":
-        return {**found, "overhead": 0, "per_group": 0, "memory": int(torch.cuda.mem_get_info(device)[0])}
-    return {**found, "overhead": psutil.Process().memory_info().rss, "per_group": per_group}
-
-
-def training_rate(device: Any, dim: int = 256, tokens: int = 512) -> float:
-    """FLOP/s of training steps of a pre-norm MLP block with AdamW, FLOPs as the planner
-    counts them (torch's FLOP counter), time the median of a few steps after a warm-up."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    block = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(device)
-    opt = torch.optim.AdamW(block.parameters())
-    x = torch.randn(tokens, dim, device=device)
-
-    def step() -> None:
-        block(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        step()
-    times = sorted(_timed(step, 1) for _ in range(7))
-    return counter.get_total_flops() / times[len(times) // 2]
-
-
-def _timed(fn: Callable[[], Any], n: int) -> float:
-    import time
-
-    started = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - started) / n
 
 
 class Reporting:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 #: The flight recorders' size (entries per process, per recorder): a hang shows in the newest
@@ -195,32 +196,40 @@ COLLECTIVES = {
 }
 
 
-def collective_counter() -> Any:
+def collective_counter(observe: Callable[[str, int], None] | None = None) -> Any:
     """A dispatch mode counting the collectives torch dispatches (eager and functional): bytes
-    by kind (``.bytes``), the largest single one by kind (``.largest``) and how many (``.calls``).
-    torch's CommDebugMode counts calls only."""
+    by kind (``.bytes``) and how many (``.calls``); ``observe(kind, bytes)`` is called as each
+    one starts. torch's CommDebugMode counts calls only. Every op passes through it, so what
+    each op is gets looked up once."""
     from collections import Counter
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
+    def kind_of(func: Any) -> tuple[str, int] | None:
+        if func.namespace not in ("c10d", "_c10d_functional"):
+            return None
+        return COLLECTIVES.get(func.__name__.split(".")[0])
+
     class Collectives(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
+            self.kinds: dict[Any, tuple[str, int] | None] = {}
             self.bytes: Counter[str] = Counter()
-            self.largest: Counter[str] = Counter()
             self.calls = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            kind = COLLECTIVES.get(func.__name__.split(".")[0]) if func.namespace in (
-                "c10d", "_c10d_functional") else None
+            if func not in self.kinds:
+                self.kinds[func] = kind_of(func)
+            kind = self.kinds[func]
             if kind is not None and len(args) > kind[1]:
                 size = sum(t.numel() * t.element_size() for t in tree_leaves(args[kind[1]])
                            if isinstance(t, torch.Tensor))
                 self.bytes[kind[0]] += size
-                self.largest[kind[0]] = max(self.largest[kind[0]], size)
                 self.calls += 1
+                if observe is not None:
+                    observe(kind[0], size)
             return func(*args, **(kwargs or {}))
 
     return Collectives()

@@ -2,7 +2,7 @@
 
 ``plan`` answers "which layout fits, and which is fastest" before anything is allocated: it
 measures the ranks once (process overhead, FLOP/s, bandwidth, memory; see
-:func:`meshbook.mesh.rank.parallel.probe`), enumerates every layout of the mesh and drops the
+:func:`meshbook.mesh.rank.probe.probe`), enumerates every layout of the mesh and drops the
 impossible ones with their reasons (:mod:`meshbook.mesh.protocol.layout`), traces the rest in
 throwaway planner processes (:mod:`meshbook.mesh.planner`) and turns traces into predictions
 (:mod:`meshbook.mesh.protocol.plan`). ``parallelize`` then builds the chosen layout on every
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...protocol.errors import MeshError
-from ...protocol.layout import CHECKPOINTING, Layout, ModelFacts, Rejected, candidates
+from ...protocol.layout import CHECKPOINTING, Layout, ModelFacts, Rejected, candidates, kinds
 from ...protocol.plan import (
     BUDGET_SHARE,
     KINDS,
@@ -242,11 +242,12 @@ class Planners:
         return answers
 
 
-def probe(mesh: MeshView, build: Callable[[], Any], ranks_on_host: dict[int, int]) -> Probe:
-    """The ranks' measurements with ``build``'s imports loaded, the worst rank's of each; the
-    memory budget is each rank's share of its host's (or container's) memory, from the
-    heartbeats, or its GPU's free memory."""
-    run = mesh.controller.call(ops.plan_probe, build, ranks=mesh.ranks, what="plan: measuring the ranks")
+def probe(mesh: MeshView, build: Callable[[], Any], ranks_on_host: dict[int, int],
+          warm: tuple[Layout, ...]) -> Probe:
+    """The ranks' measurements with ``build``'s imports loaded and a step of each of ``warm``
+    run, the worst rank's of each; the memory budget is each rank's share of its host's (or
+    container's) memory, from the heartbeats, or its GPU's free memory."""
+    run = mesh.controller.call(ops.plan_probe, build, warm, ranks=mesh.ranks, what="plan: measuring the ranks")
     values = list(run.result(RANK_TIMEOUT_S, echo=False).values())
     device = values[0]["device"]
     if device == "cuda":
@@ -310,7 +311,6 @@ class PlanOps:
         ranks_on_host = Counter(self.controller.host_of.values())
         with Planners(max(1, min(planners or MAX_PLANNERS, os.cpu_count() or 1))) as pool:
             facts = pool.ask(0, "inspect", build)  # first, where a failing build harms nothing
-            measured = probe(self, build, ranks_on_host)  # the other planners import torch meanwhile
             found = candidates(len(self.ranks), facts, shape[0], min(ranks_on_host.values()))
             def wanted(lay: Layout) -> bool:
                 return lay.checkpointing in checkpointing and (only is None or only(lay))
@@ -321,6 +321,7 @@ class PlanOps:
                 reasons = "; ".join(sorted({r.reason for r in found.rejected}))[:600]
                 raise MeshError(f"no layout of {len(self.ranks)} ranks is possible for this model: "
                                 f"{reasons or 'only= left none'}")
+            measured = probe(self, build, ranks_on_host, kinds(layouts))  # the planners import torch meanwhile
             jobs = [(build, lay, facts, shape, optimizer) for lay in layouts]
             traces: list[Trace] = pool.map("trace", jobs, deadline)
         limit = measured.budget if limit is None else limit
