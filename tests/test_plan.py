@@ -207,3 +207,18 @@ def test_planning_and_applying_make_each_layouts_process_groups_once(mesh: meshb
     assert all(mesh.run("torch.equal(torch.rand(3), drawn)").result(echo=False).values())  # its seed is undone
     mesh.parallelize(BUILD, first.best)
     assert mesh.run(count).result(echo=False) == after  # the stand-in's mesh is parallelize's
+
+
+def test_a_mesh_laid_out_as_the_layout_plans_and_trains_on_its_own_process_groups() -> None:
+    laid = meshbook.start(dims={"dp_shard": 2, "tp": 2}, name="laid")
+    try:
+        count = "from meshbook.mesh.rank import torch_compat\nlen(torch_compat.process_groups())"
+        before = laid.run(count).result(echo=False)
+        report = laid.plan(BUILD, BATCH, only=lambda lay: lay.family == "FSDP+TP" and lay.reshard,
+                           checkpointing=("none",))
+        laid.parallelize(BUILD, report.best)
+        laid.run("x = torch.randint(0, 256, (2, 16))\nloss = step(x, x)").result(echo=False)
+        assert laid.run(count).result(echo=False) == before  # the stand-in ran on device_mesh too
+    finally:
+        laid.stop()
+

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..protocol import messages as msg
@@ -351,9 +352,10 @@ def actor_handle(address: ActorAddress) -> Any:
 def plan_probe(worker: "Worker", factory: Callable[[], Any], layouts: tuple[Any, ...]) -> dict[str, Any]:
     """Measure this rank for ``mesh.plan`` of ``factory()``, after a step of each of ``layouts``
     on a stand-in (every rank at once: it all-reduces and makes process groups)."""
-    from . import probe  # torch's parallel APIs: only on a rank that plans
+    from . import parallel, probe  # torch's parallel APIs: only on a rank that plans
 
-    return probe.probe(worker.namespace["device"], factory, layouts)
+    mesh_for = partial(parallel.mesh_for, worker.namespace, dict(worker.cfg.topology.dims))
+    return probe.probe(worker.namespace["device"], factory, layouts, mesh_for)
 
 
 def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predicted: dict[int, int],

@@ -294,6 +294,12 @@ class RankMeshes:
 MESHES = RankMeshes()
 
 
+def mesh_for(namespace: dict[str, Any], dims: dict[str, int], layout: Layout, device_type: str) -> Any:
+    """The DeviceMesh ``layout`` runs on: the mesh's own ``device_mesh`` when the mesh was
+    started with the layout's dims, else this rank's for those dims (:data:`MESHES`)."""
+    return namespace["device_mesh"] if dims == layout.dims else MESHES.get(layout, device_type)
+
+
 def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, rank: int, *,
           device: Any = "cpu", optimizer: Any = "adamw", lr: float = 1e-3, seed: int = 0,
           init: Callable[[nn.Module], None] | None = None,
@@ -491,8 +497,7 @@ def apply(namespace: dict[str, Any], rank: int, dims: dict[str, int], factory: C
     device = namespace["device"]
     settle_allocator(device)
     reset_peak(device)
-    device_mesh = namespace["device_mesh"] if dims == layout.dims else MESHES.get(layout, device.type)
-    built = build(factory, layout, device_mesh, rank, device=device, **options)
+    built = build(factory, layout, mesh_for(namespace, dims, layout, device.type), rank, device=device, **options)
     step = Reporting(built, predicted.get(built.stage, 0), predicted_s, device)
     namespace.update(dict(zip(names, (built.model, built.optimizer, step))))
     where = f"stage {built.stage} of {layout.pp}" if layout.pp > 1 else "its part"
