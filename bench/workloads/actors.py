@@ -85,7 +85,7 @@ def _monarch_transfer(times: int) -> dict[int, list[float]]:
 
 
 LATENCY: dict[str, Callable[[int, Budget], Samples]] = {"meshbook": _meshbook_latency, "Monarch": _monarch_latency}
-#: ``mesh.run("pass")`` on the ranks of each meshbook latency row, timed right after its calls.
+#: ``mesh.run("pass")`` on the ranks of each meshbook latency row, timed in turn with its calls.
 RUN_ON_SAME_RANKS: dict[int, Samples] = {}
 TRANSFER: dict[str, Callable[[int], dict[int, list[float]]]] = {"meshbook": _meshbook_transfer,
                                                                "Monarch": _monarch_transfer}
@@ -116,7 +116,7 @@ def _latency_table(lat: dict[tuple[str, int], Samples | None], systems: list[str
         run = RUN_ON_SAME_RANKS.get(n)
         table.add(n, *cells, *extra, latency(run) if run else "-")
     table.notes.append("median round trip (p99); above 1x meshbook is faster; the last column is a no-op "
-                       "cell's round trip on the same mesh, timed right after its endpoint calls")
+                       "cell's round trip on the same mesh, timed in turn with its endpoint calls")
     return table
 
 
