@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import psutil
 import pytest
@@ -21,6 +22,10 @@ from meshbook import Layout, MeshError
 
 BUILD = partial(models.gpt, vocab=256, dim=64, layers=4, heads=4)
 BATCH = (8, 16)
+#: How many process groups a rank holds.
+GROUPS = "from meshbook.mesh.rank import torch_compat\nlen(torch_compat.process_groups())"
+#: A plan of the FSDP+TP layouts only (resharding, no checkpointing).
+FSDP_TP: dict[str, Any] = {"only": lambda lay: lay.family == "FSDP+TP" and lay.reshard, "checkpointing": ("none",)}
 TRAIN = """
 import torch
 from meshbook.mesh.rank import parallel
@@ -198,27 +203,30 @@ def test_a_pipeline_of_a_model_without_targets_steps(mesh: meshbook.Mesh) -> Non
 
 
 def test_planning_and_applying_make_each_layouts_process_groups_once(mesh: meshbook.Mesh) -> None:
-    count = "from meshbook.mesh.rank import torch_compat\nlen(torch_compat.process_groups())"
-    fsdp_tp = {"only": lambda lay: lay.family == "FSDP+TP" and lay.reshard, "checkpointing": ("none",)}
-    first = mesh.plan(BUILD, BATCH, **fsdp_tp)  # the probe runs FSDP+TP on a stand-in
-    after = mesh.run(count).result(echo=False)
+    first = mesh.plan(BUILD, BATCH, **FSDP_TP)  # the probe runs FSDP+TP on a stand-in
+    after = mesh.run(GROUPS).result(echo=False)
     mesh.run("torch.manual_seed(5)\ndrawn = torch.rand(3)\ntorch.manual_seed(5)").result(echo=False)
-    mesh.plan(BUILD, BATCH, **fsdp_tp)
+    mesh.plan(BUILD, BATCH, **FSDP_TP)
     assert all(mesh.run("torch.equal(torch.rand(3), drawn)").result(echo=False).values())  # its seed is undone
     mesh.parallelize(BUILD, first.best)
-    assert mesh.run(count).result(echo=False) == after  # the stand-in's mesh is parallelize's
+    assert mesh.run(GROUPS).result(echo=False) == after  # the stand-in's mesh is parallelize's
 
 
 def test_a_mesh_laid_out_as_the_layout_plans_and_trains_on_its_own_process_groups() -> None:
     laid = meshbook.start(dims={"dp_shard": 2, "tp": 2}, name="laid")
     try:
-        count = "from meshbook.mesh.rank import torch_compat\nlen(torch_compat.process_groups())"
-        before = laid.run(count).result(echo=False)
-        report = laid.plan(BUILD, BATCH, only=lambda lay: lay.family == "FSDP+TP" and lay.reshard,
-                           checkpointing=("none",))
+        before = laid.run(GROUPS).result(echo=False)
+        report = laid.plan(BUILD, BATCH, **FSDP_TP)
         laid.parallelize(BUILD, report.best)
         laid.run("x = torch.randint(0, 256, (2, 16))\nloss = step(x, x)").result(echo=False)
-        assert laid.run(count).result(echo=False) == before  # the stand-in ran on device_mesh too
+        assert laid.run(GROUPS).result(echo=False) == before  # the stand-in ran on device_mesh too
     finally:
         laid.stop()
+
+
+def test_every_kind_of_layout_warms_up_on_the_stand_in(mesh: meshbook.Mesh) -> None:
+    families = ("DDP+TP", "HSDP", "PP-GPIPE", "TP+PP-1F1B")
+    report = mesh.plan(BUILD, BATCH, only=lambda lay: lay.family in families, checkpointing=("block",))
+    assert {r.layout.family for r in report.rows} == set(families)
+    assert all(r.status in ("OK", "DOMINATED") for r in report.rows), report
 

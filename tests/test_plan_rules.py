@@ -20,9 +20,9 @@ from meshbook.mesh.protocol.layout import (
     candidates,
     factorisations,
     in_flight,
-    kinds,
     split_points,
     stage_of,
+    warm_up_layouts,
     why_invalid,
 )
 from meshbook.mesh.protocol.plan import Probe, StageTrace, Trace, mark_dominated, predict
@@ -182,11 +182,17 @@ def test_cpu_rows_take_the_peak_at_a_collective_with_gloos_scratch_and_the_layou
     assert predict(Trace(Layout(dp_shard=4), (below,), 0.1), probe).memory["activations"] == 500
     gpu = predict(Trace(Layout(dp_shard=4), (traced,), 0.1), Probe(0, 1e9, 1e9, 10**9, device="cuda", per_group=10))
     assert gpu.memory["temporaries"] == 0 and gpu.memory["overhead"] == 10 + int(1200 * 0.05)  # no gloo
+    stages = Layout(pp=2, dp_shard=2, microbatches=4)  # FSDP inside each stage, 2 micro-batches in flight
+    piped = StageTrace(stage=0, rank=0, peak={"parameters": 1000}, at_rest={"parameters": 1000},
+                       microbatch_activations=300, scratch=400)
+    assert predict(Trace(stages, (piped,), 0.1), probe).memory["temporaries"] == 400  # on top of 2 x 300 in flight
+    assert predict(Trace(stages, (piped,), 0.1), Probe(0, 1e9, 1e9, 10**9, device="cuda")).memory["temporaries"] == 0
 
 
 def test_the_ranks_warm_up_on_a_few_layouts_that_use_every_parallelism_the_candidates_use() -> None:
     layouts = [Layout(), Layout(dp_shard=4), Layout(dp_shard=4, checkpointing="block"), Layout(dp_shard=2, tp=2),
                Layout(dp_replicate=2, dp_shard=2), Layout(pp=2, dp_shard=2, microbatches=2),
                Layout(pp=2, dp_shard=2, microbatches=4), Layout(pp=4, microbatches=4, schedule="gpipe")]
-    assert kinds(layouts) == (layouts[3], layouts[4], layouts[5], layouts[7])
-    assert kinds(layouts[:3]) == (layouts[1],) and kinds([Layout()]) == ()  # one rank's layout runs no mesh
+    assert warm_up_layouts(layouts) == (layouts[3], layouts[4], layouts[5], layouts[7])
+    assert warm_up_layouts(layouts[:3]) == (layouts[1],)
+    assert warm_up_layouts([Layout()]) == ()  # one rank's layout runs no mesh

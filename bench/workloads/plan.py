@@ -190,21 +190,11 @@ def _train(step: Callable[..., Any], facts: Any, shape: tuple[int, ...], layout:
 
 
 def _probe_rate() -> float:
-    """The FLOP/s the planner's probe measures (``probe.training_rate``; a 256x256x1024
-    matmul where meshbook has no such function), measured now: what the plan's rate would be
-    at this moment, under whatever else shares the cores."""
+    """The FLOP/s the planner's probe measures (``probe.training_rate``), measured now: what
+    the plan's rate would be at this moment, under whatever else shares the cores."""
     from meshbook.mesh.rank import probe
 
-    rate = getattr(probe, "training_rate", None)
-    if rate is not None:
-        return float(rate(torch.device("cpu")))
-    a, b = torch.randn(256, 256), torch.randn(256, 1024)
-    a @ b
-    started, n = time.perf_counter(), 0
-    while time.perf_counter() - started < 0.05:
-        a @ b
-        n += 1
-    return 2 * 256 * 256 * 1024 * n / (time.perf_counter() - started)
+    return float(probe.training_rate(torch.device("cpu")))
 
 
 def _classic_ddp(build: Callable[[], torch.nn.Module], checkpointing: str, facts: Any, shape: tuple[int, ...],

@@ -101,12 +101,14 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
         tracker = torch_compat.memory_tracker(built.model, built.optimizer, fsdp=layout.dp_shard > 1)
         held: list[int] = []  # activations held for backward, read after the forward
         at_collective: dict[str, int] = {}
+        scratch = [0]  # gloo's, for the biggest collective
 
         def after_forward() -> None:
             now = _by_kind(tracker.get_tracker_snapshot("current"))
             held.append(now.get("activations", 0) + now.get("temporaries", 0))  # the loss is no module's
 
         def collective(kind: str, size: int) -> None:
+            scratch[0] = max(scratch[0], int(GLOO_SCRATCH.get(kind, 0) * size))
             now = _by_kind(tracker.get_tracker_snapshot("current"))
             now["temporaries"] = now.get("temporaries", 0) + int(GLOO_SCRATCH.get(kind, 0) * size)
             if sum(now.values()) > sum(at_collective.values()):
@@ -120,7 +122,7 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
         peak = _by_kind(tracker.get_tracker_snapshot("peak"))
     traced = StageTrace(stage=built.stage, rank=rank, peak=peak, at_rest=at_rest,
                         microbatch_activations=max(held, default=0),
-                        at_collective=at_collective, flops=float(flops.get_total_flops()),
+                        at_collective=at_collective, scratch=scratch[0], flops=float(flops.get_total_flops()),
                         comm=dict(comm.bytes), collectives=comm.calls)
     return (_pipelined(traced, out, layout, built.last) if layout.pp > 1 else traced), out
 

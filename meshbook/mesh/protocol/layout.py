@@ -196,10 +196,10 @@ def _variants(base: Layout, facts: ModelFacts) -> Iterator[Layout]:
                     yield replace(base, checkpointing=ac, microbatches=m, schedule=schedule, reshard=r)
 
 
-def kinds(layouts: list[Layout]) -> tuple[Layout, ...]:
+def warm_up_layouts(layouts: list[Layout]) -> tuple[Layout, ...]:
     """A few of ``layouts`` that between them use every parallelism any of them uses
-    (replicas, shards, both at once, tensor parallelism alone and under each kind of data
-    parallelism, each pipeline schedule), the widest first; one rank's left out: what the
+    (replicas, shards, both at once, tensor parallelism and each kind of data parallelism
+    under it, each pipeline schedule), the widest first; one rank's left out: what the
     ranks run once before they are measured (:mod:`meshbook.mesh.rank.probe`). A pipeline
     stage is parallelized as a whole model is, so pipelining pairs with nothing. One layout
     of each family took ~0.4 s a family on 4 ranks of a small machine, 14 families for a

@@ -52,6 +52,9 @@ class StageTrace:
     #: Bytes by kind as the collective starts at which they, with gloo's scratch for it
     #: (GLOO_SCRATCH, in temporaries), peak: a CPU rank's peak when above ``peak``.
     at_collective: dict[str, int] = field(default_factory=dict)
+    #: gloo's scratch for the step's biggest collective: with pipelining, on top of the
+    #: micro-batches in flight (their stage's collectives run while the others wait).
+    scratch: int = 0
     #: How many collectives (and point-to-point messages) one step issues.
     collectives: int = 0
 
@@ -114,17 +117,22 @@ class Row:
         return self.status in ("OK", "DOMINATED", "UNTRACEABLE")
 
 
-def stage_peak(stage: StageTrace, layout: Layout) -> dict[str, int]:
+def stage_peak(stage: StageTrace, layout: Layout, gloo: bool = False) -> dict[str, int]:
     """A stage's peak by kind. With pipelining, the larger of the traced peak (one micro-batch:
     often the optimizer step) and the stage's state between steps, its gradients and what every
-    micro-batch the schedule keeps in flight (:func:`in_flight`) holds for its backward."""
+    micro-batch the schedule keeps in flight (:func:`in_flight`) holds for its backward (with
+    ``gloo``, and gloo's scratch for the stage's biggest collective). On gloo, the moment
+    a collective starts (``at_collective``) when higher still."""
     peak = {k: stage.peak.get(k, 0) for k in KINDS if k != "overhead"}
     if layout.pp > 1:
         flight = {k: stage.at_rest.get(k, peak[k]) for k in peak}
         flight["gradients"] = peak["gradients"]
         flight["activations"] = stage.microbatch_activations * in_flight(layout, stage.stage)
+        flight["temporaries"] += stage.scratch if gloo else 0
         if sum(flight.values()) > sum(peak.values()):
-            return flight
+            peak = flight
+    if gloo and sum(stage.at_collective.values()) > sum(peak.values()):
+        peak = {k: stage.at_collective.get(k, 0) for k in peak}
     return peak
 
 
@@ -135,9 +143,7 @@ def predict(trace: Trace, probe: Probe, budget: int | None = None) -> Row:
     worst, memory, stage_peaks = 0, {k: 0 for k in KINDS}, {}
     groups = len(layout.dims) if layout.world > 1 else 0
     for stage in trace.stages:
-        peak = stage_peak(stage, layout)
-        if probe.device == "cpu" and sum(stage.at_collective.values()) > sum(peak.values()):
-            peak = {k: stage.at_collective.get(k, 0) for k in peak}
+        peak = stage_peak(stage, layout, gloo=probe.device == "cpu")
         peak["overhead"] = probe.overhead + groups * probe.per_group + (
             int(sum(peak.values()) * CUDA_FRAGMENTATION) if probe.device == "cuda" else 0)
         stage_peaks[stage.stage] = sum(peak.values())

@@ -354,7 +354,7 @@ def plan_probe(worker: "Worker", factory: Callable[[], Any], layouts: tuple[Any,
     on a stand-in (every rank at once: it all-reduces and makes process groups)."""
     from . import parallel, probe  # torch's parallel APIs: only on a rank that plans
 
-    mesh_for = partial(parallel.mesh_for, worker.namespace, dict(worker.cfg.topology.dims))
+    mesh_for = partial(parallel.mesh_for, worker.device_mesh, dict(worker.cfg.topology.dims))
     return probe.probe(worker.namespace["device"], factory, layouts, mesh_for)
 
 
@@ -363,5 +363,5 @@ def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predi
     """Build a layout on this rank (every rank at once: it creates process groups)."""
     from . import parallel
 
-    return parallel.apply(worker.namespace, worker.rank, dict(worker.cfg.topology.dims), factory, layout,
-                          predicted, predicted_s, names, options)
+    return parallel.apply(worker.namespace, worker.rank, (worker.device_mesh, dict(worker.cfg.topology.dims)),
+                          factory, layout, predicted, predicted_s, names, options)

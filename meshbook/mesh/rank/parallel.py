@@ -294,10 +294,12 @@ class RankMeshes:
 MESHES = RankMeshes()
 
 
-def mesh_for(namespace: dict[str, Any], dims: dict[str, int], layout: Layout, device_type: str) -> Any:
-    """The DeviceMesh ``layout`` runs on: the mesh's own ``device_mesh`` when the mesh was
-    started with the layout's dims, else this rank's for those dims (:data:`MESHES`)."""
-    return namespace["device_mesh"] if dims == layout.dims else MESHES.get(layout, device_type)
+def mesh_for(own: Any, dims: dict[str, int], layout: Layout, device_type: str) -> Any:
+    """The DeviceMesh ``layout`` runs on: the mesh's own (``own``, made at start) when the mesh
+    was started with the layout's dims in the layout's order, else this rank's for those dims
+    (:data:`MESHES`)."""
+    same = list(dims.items()) == list(layout.dims.items())  # an order is a different grouping
+    return own if same else MESHES.get(layout, device_type)
 
 
 def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, rank: int, *,
@@ -482,13 +484,13 @@ def settle_allocator(device: Any) -> None:
         return_freed_memory()
 
 
-def apply(namespace: dict[str, Any], rank: int, dims: dict[str, int], factory: Callable[[], nn.Module],
-          layout: Layout, predicted: dict[int, int], predicted_s: float, names: tuple[str, str, str],
-          options: dict[str, Any]) -> str:
+def apply(namespace: dict[str, Any], rank: int, mesh: tuple[Any, dict[str, int]],
+          factory: Callable[[], nn.Module], layout: Layout, predicted: dict[int, int], predicted_s: float,
+          names: tuple[str, str, str], options: dict[str, Any]) -> str:
     """``mesh.parallelize`` on one rank: build its part of ``factory()`` as ``layout`` and bind
     model, optimizer and step in ``namespace``. What those names held goes first, so a model
-    built again does not share memory with the one it replaces; the mesh's own ``device_mesh``
-    serves when its dims are the layout's."""
+    built again does not share memory with the one it replaces; ``mesh`` (the mesh's own
+    DeviceMesh and dims) serves when its dims are the layout's (:func:`mesh_for`)."""
     import gc
 
     for name in names:
@@ -497,7 +499,7 @@ def apply(namespace: dict[str, Any], rank: int, dims: dict[str, int], factory: C
     device = namespace["device"]
     settle_allocator(device)
     reset_peak(device)
-    built = build(factory, layout, mesh_for(namespace, dims, layout, device.type), rank, device=device, **options)
+    built = build(factory, layout, mesh_for(*mesh, layout, device.type), rank, device=device, **options)
     step = Reporting(built, predicted.get(built.stage, 0), predicted_s, device)
     namespace.update(dict(zip(names, (built.model, built.optimizer, step))))
     where = f"stage {built.stage} of {layout.pp}" if layout.pp > 1 else "its part"

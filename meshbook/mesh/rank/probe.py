@@ -7,7 +7,9 @@ tensor-parallel step (DTensor's dispatch and sharding rules), a few MiB for FSDP
 pipeline. On a CPU rank those pages count in the RSS a budget is checked against, they stay,
 and no memory tracker sees them: a plan measured its overhead before they were there and fell
 short by them (4-5% on a small FSDP+TP model). Measured after this warm-up, the overhead holds
-them, as does every rank that then runs the layout. The stand-in has every kind of layer a
+them, as does every rank that then runs the layout. Only on CPU: on CUDA the budget is free
+device memory, which pages do not touch, and NCCL would keep a communicator (device memory)
+for every mesh warmed. The stand-in has every kind of layer a
 plan shards: an embedding, attention and an MLP with Llama's projection names, norms and a
 head, as a sequence of pieces a pipeline splits. The benchmark's models are built of it.
 """
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..protocol.errors import MeshError
 from ..protocol.layout import Layout
 from . import parallel
 
@@ -98,11 +101,14 @@ def warm_up(device: Any, layouts: Iterable[Layout], mesh_for: Callable[[Layout, 
     device = torch.device(device)
     rank = dist.get_rank()
     for layout in layouts:
-        mesh = mesh_for(layout, device.type)
-        built = parallel.build(partial(standin, layout), layout, mesh, rank, device=device)
-        tokens = torch.randint(0, VOCAB, (layout.microbatches if layout.pp > 1 else 1, TOKENS)).to(device)
-        for _ in range(2):
-            built.step(tokens, tokens)
+        try:
+            built = parallel.build(partial(standin, layout), layout, mesh_for(layout, device.type), rank, device=device)
+            tokens = torch.randint(0, VOCAB, (layout.microbatches if layout.pp > 1 else 1, TOKENS)).to(device)
+            for _ in range(2):
+                built.step(tokens, tokens)
+        except Exception as exc:
+            raise MeshError(f"plan: running {layout.describe()} on a {VOCAB}-token stand-in before measuring "
+                            f"the ranks failed: {type(exc).__name__}: {exc}") from exc
         del built
         gc.collect()
 
@@ -130,7 +136,8 @@ def probe(device: Any, factory: Callable[[], nn.Module], layouts: tuple[Layout, 
     gc.collect()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # planning draws nothing
         flops = training_rate(device)
-        warm_up(device, layouts, mesh_for)
+        if device.type == "cpu":  # code pages count in RSS only; on CUDA, NCCL would keep a communicator each
+            warm_up(device, layouts, mesh_for)
     world = dist.get_world_size()
     payload = torch.ones(1 << 18, device=device)  # 1 MiB
     dist.all_reduce(payload)

@@ -194,6 +194,8 @@ COLLECTIVES = {
     "reduce_scatter_tensor": ("reduce_scatter", 0), "allreduce_": ("all_reduce", 0),
     "all_reduce": ("all_reduce", 0), "send": ("p2p", 0), "recv_": ("p2p", 0),
 }
+#: Functional collectives whose counted argument is one rank's part: (input, group_size, group).
+PER_RANK_INPUT = frozenset({"all_gather_into_tensor"})
 
 
 def collective_counter(observe: Callable[[str, int], None] | None = None) -> Any:
@@ -226,6 +228,8 @@ def collective_counter(observe: Callable[[str, int], None] | None = None) -> Any
             if kind is not None and len(args) > kind[1]:
                 size = sum(t.numel() * t.element_size() for t in tree_leaves(args[kind[1]])
                            if isinstance(t, torch.Tensor))
+                if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in PER_RANK_INPUT:
+                    size *= int(args[1])  # the gathered output, as c10d's own all-gather counts it
                 self.bytes[kind[0]] += size
                 self.calls += 1
                 if observe is not None:

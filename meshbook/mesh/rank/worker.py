@@ -119,6 +119,8 @@ class Worker:
         self._noted_in: int | None = None
         self._noted: set[str] = set()
         self.generation = cfg.generation
+        #: The DeviceMesh of the mesh's dims (``device_mesh`` in the namespace, which user code may rebind).
+        self.device_mesh: Any = None
         self._ctx = zmq.Context()
         self._out = self._ctx.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 2000)
@@ -219,6 +221,7 @@ class Worker:
         self.init_group(cfg.backend, store=store, rank=self.rank, world_size=topo.world_size, timeout=timeout,
                         **bound)
         device_mesh = init_device_mesh(cfg.device_type, topo.shape, mesh_dim_names=topo.names)
+        self.device_mesh = device_mesh  # the namespace's may be replaced by the user's code
         self.generation = generation
         self.clock.new_generation(generation)
         self.namespace.update(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...protocol.errors import MeshError
-from ...protocol.layout import CHECKPOINTING, Layout, ModelFacts, Rejected, candidates, kinds
+from ...protocol.layout import CHECKPOINTING, Layout, ModelFacts, Rejected, candidates, warm_up_layouts
 from ...protocol.plan import (
     BUDGET_SHARE,
     KINDS,
@@ -321,7 +321,8 @@ class PlanOps:
                 reasons = "; ".join(sorted({r.reason for r in found.rejected}))[:600]
                 raise MeshError(f"no layout of {len(self.ranks)} ranks is possible for this model: "
                                 f"{reasons or 'only= left none'}")
-            measured = probe(self, build, ranks_on_host, kinds(layouts))  # the planners import torch meanwhile
+            # The planners import torch meanwhile.
+            measured = probe(self, build, ranks_on_host, warm_up_layouts(layouts))
             jobs = [(build, lay, facts, shape, optimizer) for lay in layouts]
             traces: list[Trace] = pool.map("trace", jobs, deadline)
         limit = measured.budget if limit is None else limit
