@@ -229,4 +229,3 @@ def test_every_kind_of_layout_warms_up_on_the_stand_in(mesh: meshbook.Mesh) -> N
     report = mesh.plan(BUILD, BATCH, only=lambda lay: lay.family in families, checkpointing=("block",))
     assert {r.layout.family for r in report.rows} == set(families)
     assert all(r.status in ("OK", "DOMINATED") for r in report.rows), report
-

@@ -61,6 +61,22 @@ def test_groups_backends_and_their_counts(pair: meshbook.Mesh) -> None:
     assert default[0][2][0][1] == [c for c in before if c[1]][0][2][0][1] + 1
 
 
+def test_the_collective_counter_counts_eager_and_functional_gathers_alike(pair: meshbook.Mesh) -> None:
+    def gathered() -> list:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import _functional_collectives as funcol
+
+        seen: list = []
+        part, whole = torch.ones(256), torch.empty(512)  # 1 KiB a rank, 2 KiB gathered
+        with torch_compat.collective_counter(lambda kind, size: seen.append((kind, size))) as counter:
+            dist.all_gather_into_tensor(whole, part)
+            funcol.wait_tensor(funcol.all_gather_tensor(part, 0, dist.group.WORLD))
+        return [seen, dict(counter.bytes), counter.calls]
+
+    assert pair.apply(gathered).result().unique() == [[("all_gather", 2048)] * 2, {"all_gather": 4096}, 2]
+
+
 def test_abort_process_groups_exists() -> None:
     with meshbook.start(1) as mesh:  # on gloo it aborts nothing; the call itself must exist
         assert mesh.apply(torch_compat.abort_process_groups).result()[0] is True

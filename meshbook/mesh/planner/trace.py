@@ -101,16 +101,20 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
         tracker = torch_compat.memory_tracker(built.model, built.optimizer, fsdp=layout.dp_shard > 1)
         held: list[int] = []  # activations held for backward, read after the forward
         at_collective: dict[str, int] = {}
-        scratch = [0]  # gloo's, for the biggest collective
+        scratch = 0  # gloo's, for the biggest collective
 
         def after_forward() -> None:
             now = _by_kind(tracker.get_tracker_snapshot("current"))
             held.append(now.get("activations", 0) + now.get("temporaries", 0))  # the loss is no module's
 
         def collective(kind: str, size: int) -> None:
-            scratch[0] = max(scratch[0], int(GLOO_SCRATCH.get(kind, 0) * size))
+            nonlocal scratch
+            extra = int(GLOO_SCRATCH.get(kind, 0) * size)
+            if not extra:  # what is held then is no more than the tracker's own peak
+                return
+            scratch = max(scratch, extra)
             now = _by_kind(tracker.get_tracker_snapshot("current"))
-            now["temporaries"] = now.get("temporaries", 0) + int(GLOO_SCRATCH.get(kind, 0) * size)
+            now["temporaries"] = now.get("temporaries", 0) + extra
             if sum(now.values()) > sum(at_collective.values()):
                 at_collective.clear()
                 at_collective.update(now)
@@ -122,7 +126,7 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
         peak = _by_kind(tracker.get_tracker_snapshot("peak"))
     traced = StageTrace(stage=built.stage, rank=rank, peak=peak, at_rest=at_rest,
                         microbatch_activations=max(held, default=0),
-                        at_collective=at_collective, scratch=scratch[0], flops=float(flops.get_total_flops()),
+                        at_collective=at_collective, scratch=scratch, flops=float(flops.get_total_flops()),
                         comm=dict(comm.bytes), collectives=comm.calls)
     return (_pipelined(traced, out, layout, built.last) if layout.pp > 1 else traced), out
 

@@ -352,10 +352,9 @@ def actor_handle(address: ActorAddress) -> Any:
 def plan_probe(worker: "Worker", factory: Callable[[], Any], layouts: tuple[Any, ...]) -> dict[str, Any]:
     """Measure this rank for ``mesh.plan`` of ``factory()``, after a step of each of ``layouts``
     on a stand-in (every rank at once: it all-reduces and makes process groups)."""
-    from . import parallel, probe  # torch's parallel APIs: only on a rank that plans
+    from . import probe  # torch's parallel APIs: only on a rank that plans
 
-    mesh_for = partial(parallel.mesh_for, worker.device_mesh, dict(worker.cfg.topology.dims))
-    return probe.probe(worker.namespace["device"], factory, layouts, mesh_for)
+    return probe.probe(worker.namespace["device"], factory, layouts, _meshes(worker))
 
 
 def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predicted: dict[int, int],
@@ -363,5 +362,12 @@ def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predi
     """Build a layout on this rank (every rank at once: it creates process groups)."""
     from . import parallel
 
-    return parallel.apply(worker.namespace, worker.rank, (worker.device_mesh, dict(worker.cfg.topology.dims)),
-                          factory, layout, predicted, predicted_s, names, options)
+    return parallel.apply(worker.namespace, worker.rank, _meshes(worker), factory, layout, predicted, predicted_s,
+                          names, options)
+
+
+def _meshes(worker: "Worker") -> Callable[[Any, str], Any]:
+    """The DeviceMesh a layout runs on, on this rank (:func:`meshbook.mesh.rank.parallel.mesh_for`)."""
+    from . import parallel
+
+    return partial(parallel.mesh_for, worker.device_mesh, dict(worker.cfg.topology.dims))

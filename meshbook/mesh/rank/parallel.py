@@ -484,13 +484,13 @@ def settle_allocator(device: Any) -> None:
         return_freed_memory()
 
 
-def apply(namespace: dict[str, Any], rank: int, mesh: tuple[Any, dict[str, int]],
+def apply(namespace: dict[str, Any], rank: int, meshes: Callable[[Layout, str], Any],
           factory: Callable[[], nn.Module], layout: Layout, predicted: dict[int, int], predicted_s: float,
           names: tuple[str, str, str], options: dict[str, Any]) -> str:
-    """``mesh.parallelize`` on one rank: build its part of ``factory()`` as ``layout`` and bind
-    model, optimizer and step in ``namespace``. What those names held goes first, so a model
-    built again does not share memory with the one it replaces; ``mesh`` (the mesh's own
-    DeviceMesh and dims) serves when its dims are the layout's (:func:`mesh_for`)."""
+    """``mesh.parallelize`` on one rank: build its part of ``factory()`` as ``layout`` on the
+    DeviceMesh ``meshes(layout, device_type)`` gives (:func:`mesh_for`) and bind model,
+    optimizer and step in ``namespace``. What those names held goes first, so a model built
+    again does not share memory with the one it replaces."""
     import gc
 
     for name in names:
@@ -499,7 +499,7 @@ def apply(namespace: dict[str, Any], rank: int, mesh: tuple[Any, dict[str, int]]
     device = namespace["device"]
     settle_allocator(device)
     reset_peak(device)
-    built = build(factory, layout, mesh_for(*mesh, layout, device.type), rank, device=device, **options)
+    built = build(factory, layout, meshes(layout, device.type), rank, device=device, **options)
     step = Reporting(built, predicted.get(built.stage, 0), predicted_s, device)
     namespace.update(dict(zip(names, (built.model, built.optimizer, step))))
     where = f"stage {built.stage} of {layout.pp}" if layout.pp > 1 else "its part"

@@ -90,9 +90,9 @@ def standin(layout: Layout) -> nn.Sequential:
     return gpt(VOCAB, HEAD_DIM * layout.tp, max(2, layout.pp), layout.tp)
 
 
-def warm_up(device: Any, layouts: Iterable[Layout], mesh_for: Callable[[Layout, str], Any]) -> None:
+def warm_up(device: Any, layouts: Iterable[Layout], meshes: Callable[[Layout, str], Any]) -> None:
     """Two steps of each layout on :func:`standin`, on the mesh ``parallelize`` will use for
-    it (``mesh_for``: :func:`meshbook.mesh.rank.parallel.mesh_for`, whose process groups are
+    it (``meshes``: :func:`meshbook.mesh.rank.parallel.mesh_for`, whose process groups are
     made once). Building seeds the rank's random state (:func:`probe` restores it)."""
     import gc
 
@@ -102,7 +102,7 @@ def warm_up(device: Any, layouts: Iterable[Layout], mesh_for: Callable[[Layout, 
     rank = dist.get_rank()
     for layout in layouts:
         try:
-            built = parallel.build(partial(standin, layout), layout, mesh_for(layout, device.type), rank, device=device)
+            built = parallel.build(partial(standin, layout), layout, meshes(layout, device.type), rank, device=device)
             tokens = torch.randint(0, VOCAB, (layout.microbatches if layout.pp > 1 else 1, TOKENS)).to(device)
             for _ in range(2):
                 built.step(tokens, tokens)
@@ -114,12 +114,12 @@ def warm_up(device: Any, layouts: Iterable[Layout], mesh_for: Callable[[Layout, 
 
 
 def probe(device: Any, factory: Callable[[], nn.Module], layouts: tuple[Layout, ...],
-          mesh_for: Callable[[Layout, str], Any]) -> dict[str, Any]:
+          meshes: Callable[[Layout, str], Any]) -> dict[str, Any]:
     """What planning needs to know of this rank, measured on it, under the allocator its
     steps will run with (``parallel.settle_allocator``): the bytes the process holds after
     building the model on the meta device (what it imports: transformers alone is ~60 MiB), a
     small training step, an all-reduce and ``layouts`` run on a stand-in (:func:`warm_up`, on
-    ``mesh_for(layout, device_type)``): torch, autograd's threads, the communicator and the
+    ``meshes(layout, device_type)``): torch, autograd's threads, the communicator and the
     code each layout pages in, what no tracker sees; what one more process group costs it; the
     FLOP/s a training step of a small MLP block reaches (its norm, activation and optimizer
     included: a matmul's peak rate would promise too much); the all-reduce bus bandwidth and
@@ -137,7 +137,7 @@ def probe(device: Any, factory: Callable[[], nn.Module], layouts: tuple[Layout, 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # planning draws nothing
         flops = training_rate(device)
         if device.type == "cpu":  # code pages count in RSS only; on CUDA, NCCL would keep a communicator each
-            warm_up(device, layouts, mesh_for)
+            warm_up(device, layouts, meshes)
     world = dist.get_world_size()
     payload = torch.ones(1 << 18, device=device)  # 1 MiB
     dist.all_reduce(payload)

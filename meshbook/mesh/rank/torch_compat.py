@@ -186,16 +186,16 @@ def local_flop_counter() -> Any:
     return LocalFlops(display=False)
 
 
-#: torch's collective ops -> the planner's name, and which argument holds the bytes that cross
-#: the network (output of a gather, input of a reduce-scatter, the tensor of an all-reduce).
+#: torch's collective ops -> the planner's name, which argument holds the bytes that cross the
+#: network (output of a gather, input of a reduce-scatter, the tensor of an all-reduce), and
+#: whether that argument is one rank's part, to multiply by the group's size (the functional
+#: all-gather's arguments are its input, the group's size and the group).
 COLLECTIVES = {
-    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
-    "all_gather_into_tensor": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor": ("reduce_scatter", 0), "allreduce_": ("all_reduce", 0),
-    "all_reduce": ("all_reduce", 0), "send": ("p2p", 0), "recv_": ("p2p", 0),
+    "_allgather_base_": ("all_gather", 0, False), "allgather_": ("all_gather", 0, False),
+    "all_gather_into_tensor": ("all_gather", 0, True), "_reduce_scatter_base_": ("reduce_scatter", 1, False),
+    "reduce_scatter_tensor": ("reduce_scatter", 0, False), "allreduce_": ("all_reduce", 0, False),
+    "all_reduce": ("all_reduce", 0, False), "send": ("p2p", 0, False), "recv_": ("p2p", 0, False),
 }
-#: Functional collectives whose counted argument is one rank's part: (input, group_size, group).
-PER_RANK_INPUT = frozenset({"all_gather_into_tensor"})
 
 
 def collective_counter(observe: Callable[[str, int], None] | None = None) -> Any:
@@ -209,7 +209,7 @@ def collective_counter(observe: Callable[[str, int], None] | None = None) -> Any
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    def kind_of(func: Any) -> tuple[str, int] | None:
+    def kind_of(func: Any) -> tuple[str, int, bool] | None:
         if func.namespace not in ("c10d", "_c10d_functional"):
             return None
         return COLLECTIVES.get(func.__name__.split(".")[0])
@@ -217,23 +217,22 @@ def collective_counter(observe: Callable[[str, int], None] | None = None) -> Any
     class Collectives(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.kinds: dict[Any, tuple[str, int] | None] = {}
+            self.kinds: dict[Any, tuple[str, int, bool] | None] = {}
             self.bytes: Counter[str] = Counter()
             self.calls = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             if func not in self.kinds:
                 self.kinds[func] = kind_of(func)
-            kind = self.kinds[func]
-            if kind is not None and len(args) > kind[1]:
-                size = sum(t.numel() * t.element_size() for t in tree_leaves(args[kind[1]])
-                           if isinstance(t, torch.Tensor))
-                if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in PER_RANK_INPUT:
-                    size *= int(args[1])  # the gathered output, as c10d's own all-gather counts it
-                self.bytes[kind[0]] += size
+            entry = self.kinds[func]
+            if entry is not None and len(args) > entry[1]:
+                kind, at, per_rank = entry
+                size = sum(t.numel() * t.element_size() for t in tree_leaves(args[at]) if isinstance(t, torch.Tensor))
+                size *= int(args[1]) if per_rank else 1
+                self.bytes[kind] += size
                 self.calls += 1
                 if observe is not None:
-                    observe(kind[0], size)
+                    observe(kind, size)
             return func(*args, **(kwargs or {}))
 
     return Collectives()
