@@ -14,7 +14,9 @@ listening on its own loopback address (Linux routes all of 127/8 to loopback), w
   their signature once, and answers the agent operations a remote agent answers (configure,
   ping with its acknowledgement, stop);
 * answers a request for its ranks with one ``RESULT`` per rank, each signed with the mesh
-  key by a :class:`~meshbook.mesh.protocol.wire.Wire` of that rank's own, as a rank signs.
+  key by a :class:`~meshbook.mesh.protocol.wire.Wire` of that rank's own, as a rank signs,
+  and then does what a real agent does with them: checks each and gathers them into one
+  signed bundle with the agent's own :class:`~meshbook.mesh.agent.link.Gatherer`.
   What it sends goes outside the link's numbering (number 0): over loopback nothing is lost,
   so it keeps nothing to send again.
 
@@ -53,6 +55,7 @@ class StandIn:
         self.checker = wire.Wire(key)
         self.host: int | None = None
         self.signers: dict[int, wire.Wire] = {}
+        self.gatherer: link.Gatherer | None = None
         self.stopping = False
         #: The controller that wrote last (its routing identity), and its newest message's number.
         self.peer: link.Peer | None = None
@@ -93,22 +96,25 @@ class StandIn:
         handler(request, body)
 
     def _answer(self, request: wire.Message, ranks: list[int]) -> None:
-        """What each rank sends back for a request that returns None (a no-op)."""
+        """What each rank sends back for a request that returns None (a no-op), gathered."""
         for rank in ranks:
-            self._send(self.signers[rank].pack(
+            self._gather(self.signers[rank].pack(
                 {msg.KIND: msg.RESULT, msg.ID: request.header[msg.ID], msg.RANK: rank,
-                 msg.DURATION: 0.0, msg.HAS_GROUP: True}))
+                 msg.DURATION: 0.0, msg.HAS_GROUP: True, msg.TYPE: "builtins.NoneType"}))
+        self._send_gathered()
 
     def _configure(self, request: wire.Message, body: dict[str, Any]) -> None:
         config = body["config"]
         self.host = config["host"]
         self.signers = {rank: wire.Wire(self.key) for rank in config["ranks"]}
+        self.gatherer = link.Gatherer(self.key, self.host)
         pid = os.getpid()
         self._emit(msg.AGENT, None, {"pid": pid, "hostname": socket.gethostname(), "versions": versions(),
                                      "pids": {rank: pid for rank in self.signers}})
         for rank, signer in self.signers.items():
-            self._send(signer.pack({msg.KIND: msg.READY, msg.ID: None, msg.RANK: rank,
-                                    msg.GENERATION: 0}, {"device": "cpu", "pid": pid}))
+            self._gather(signer.pack({msg.KIND: msg.READY, msg.ID: None, msg.RANK: rank,
+                                      msg.GENERATION: 0}, {"device": "cpu", "pid": pid}))
+        self._send_gathered()
 
     def _ping(self, request: wire.Message, body: dict[str, Any]) -> None:
         self._emit(msg.HOST_BEAT, request.header[msg.ID],
@@ -117,6 +123,16 @@ class StandIn:
     def _stop(self, request: wire.Message, body: dict[str, Any]) -> None:
         self._emit(msg.HOST_BEAT, None, {"stopped": True})
         self.stopping = True
+
+    def _gather(self, frames: list[Any]) -> None:
+        assert self.gatherer is not None  # configured first
+        self.gatherer.add(frames)
+
+    def _send_gathered(self) -> None:
+        assert self.gatherer is not None
+        frames = self.gatherer.take()
+        if frames is not None:
+            self._send(frames)
 
     def _emit(self, kind: str, request: int | None, body: Any) -> None:
         self._send(self.checker.pack({msg.KIND: kind, msg.ID: request, msg.HOST: self.host}, body))

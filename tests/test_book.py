@@ -15,7 +15,7 @@ from meshbook.mesh.controller.core.book import LATE_OUTPUT_RUNS, RankBook
 from meshbook.mesh.controller.core.run import Run
 from meshbook.mesh.protocol import messages as msg
 from meshbook.mesh.protocol.errors import RankFailure
-from meshbook.mesh.protocol.events import Error, Output, Result
+from meshbook.mesh.protocol.events import Error, Output, Result, Results
 from meshbook.mesh.protocol.topology import Topology
 
 
@@ -32,9 +32,18 @@ def run_on(b: RankBook, ranks: list[int], kind: str = msg.EXEC, queued: bool = T
 
 def answer(b: RankBook, run: Run, rank: int, ok: bool = True, lost_group: bool = False):  # type: ignore[no-untyped-def]
     event = Result(rank, rank, 0.0) if ok else Error(rank, RankFailure(rank, "ValueError", "bad"), 0.0)
-    decided = b.answered(run.id, rank, event, lost_group)
+    decided = b.answered(run.id, (rank,), not ok, lost_group)
     run.add_event(event)
-    b.settle(run.id, rank)
+    b.settle(run.id, (rank,))
+    return decided
+
+
+def answer_group(b: RankBook, run: Run, ranks: tuple[int, ...], lost_group: bool = False):  # type: ignore[no-untyped-def]
+    """Results an agent bundled: one event for several ranks."""
+    event = Results(ranks, (None,) * len(ranks), (0.5,) * len(ranks))
+    decided = b.answered(run.id, ranks, False, lost_group)
+    run.add_event(event)
+    b.settle(run.id, ranks)
     return decided
 
 
@@ -152,3 +161,36 @@ def test_any_order_of_answers_ends_the_run_once_and_frees_every_queue(order) -> 
     assert done == [False, False, False, True]
     assert run.id not in b.runs and all(b.queued(r) == 0 for r in range(4))
     assert run.failed_ranks() == {1}
+
+
+def test_a_group_of_results_is_booked_as_each_rank_answering() -> None:
+    b = book(8, per_host=4)
+    for r in range(8):
+        b.ready(r, 0, "cpu", 100 + r, "")
+    run = run_on(b, list(range(8)))
+    first = answer_group(b, run, (0, 1, 2, 3))
+    assert first.run is run and not first.done
+    assert run.pending == [4, 5, 6, 7] and run.first_done_at is not None
+    assert [b.ranks[r].state for r in range(8)] == ["idle"] * 4 + ["busy"] * 4
+    last = answer_group(b, run, (4, 5, 6, 7))
+    assert last.done and not last.check_step and run.done() and run.id not in b.runs
+    assert dict(run.values()) == dict.fromkeys(range(8)) and run.durations == dict.fromkeys(range(8), 0.5)
+    # Readers see one Result per rank, in the group's order.
+    assert [(e.rank, e.value) for e in run.events()] == [(r, None) for r in range(8)]
+
+
+def test_a_group_that_loses_its_process_group_ends_the_run_irregularly() -> None:
+    b = book(4)
+    run = run_on(b, [0, 1, 2, 3])
+    answer(b, run, 0)
+    assert answer_group(b, run, (1, 2, 3), lost_group=True).check_step
+
+
+def test_a_group_keeps_only_the_ranks_that_had_not_answered() -> None:
+    b = book(4)
+    run = run_on(b, [0, 1, 2, 3])
+    answer(b, run, 1, ok=False)  # e.g. its death came first
+    answer_group(b, run, (0, 1, 2))
+    assert run.pending == [3] and set(run.values()) == {0, 2} and run.failed_ranks() == {1}
+    answer_group(b, run, (1, 2))  # nothing new: no event
+    assert sum(1 for _ in run.events_since(0, 0)[0]) == 2

@@ -19,8 +19,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from meshbook.mesh.controller.launch import ssh
 from meshbook.mesh.controller.launch.network import Network
+from meshbook.mesh.protocol import bundle, net, wire
 from meshbook.mesh.protocol import messages as msg
-from meshbook.mesh.protocol import net, wire
 from meshbook.mesh.protocol.bodies import AgentConfig
 from meshbook.mesh.protocol.remote import encode_epoch, encode_seq
 
@@ -66,7 +66,8 @@ class ListeningAgent:
         out, deadline = [], time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             if sock.poll(left * 1000):
-                out.append(self.wire.unpack(sock.recv_multipart()[1:]))  # after the link's number
+                message = self.wire.unpack(sock.recv_multipart()[1:])  # after the link's number
+                out += unbundled(message)
                 if out[-1].kind == until:
                     break
         return out
@@ -75,6 +76,13 @@ class ListeningAgent:
         self.agent.terminate(5.0)
         self.network.close()
         self.ctx.destroy(linger=0)
+
+
+def unbundled(message: wire.Message) -> list[wire.Message]:
+    """The messages an agent gathered from its ranks, as the controller takes them."""
+    if message.kind != msg.BUNDLE:
+        return [message]
+    return [wire.Message.gathered(entry[1], entry[2]) for entry in message.body() if entry[0] == bundle.MESSAGE]
 
 
 @pytest.fixture

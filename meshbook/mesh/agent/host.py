@@ -497,7 +497,7 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
 
     from ..protocol.proc import owned_prefix, remove_stale, runtime_base
     from ..protocol.remote import decode_token
-    from .link import RemoteLink, join, listen
+    from .link import Gatherer, RemoteLink, join, listen
 
     if mode == "listen" and bootstrap_file:
         with open(bootstrap_file) as f:
@@ -540,8 +540,9 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
         remove_stale(runtime_base(), ("mb",))  # what agents killed on this host left behind
         rundir = tempfile.mkdtemp(prefix=owned_prefix("mb"), dir=runtime_base())
         try:
-            agent = Agent(replace(cfg, key=data.key), ctx, RemoteLink(ctx, sock, rundir, peer, seq), rundir,
-                          own_rundir=True, lost_s=lease or data.lost_s, leased=lease is not None)
+            link = RemoteLink(ctx, sock, rundir, peer, seq, Gatherer(bytes.fromhex(data.key), cfg.host))
+            agent = Agent(replace(cfg, key=data.key), ctx, link, rundir, own_rundir=True,
+                          lost_s=lease or data.lost_s, leased=lease is not None)
         except BaseException:  # e.g. host 0 could not bind its store: leave no directory behind
             shutil.rmtree(rundir, ignore_errors=True)
             raise

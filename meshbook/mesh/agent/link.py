@@ -11,8 +11,10 @@ nothing unnoticed.
   host buys nothing, see DESIGN.md "Wire").
 * :class:`RemoteLink`: an agent on another host. One Curve-encrypted TCP connection carries
   everything: requests for its ranks arrive once per host and are fanned out here over ipc,
-  and whatever its ranks send goes back up the same connection, frames untouched (they are
-  signed by the ranks and checked by the controller). The controller pings it every second;
+  and whatever its ranks send goes back up the same connection, checked here and gathered
+  into one signed bundle per drain of the relay (:class:`Gatherer`,
+  :mod:`meshbook.mesh.protocol.bundle`); a message with big buffers goes up as the rank
+  signed it, frames untouched, and the controller checks that one. The controller pings it every second;
   an agent that hears nothing from its controller for the grace period gives up, kills its
   ranks and exits, so a lost notebook leaves nothing running on remote hosts either (a kept
   mesh's grace is its lease, and a new controller may attach with a newer epoch).
@@ -38,6 +40,7 @@ import zmq
 from ..protocol import messages as msg
 from ..protocol import net, wire
 from ..protocol.bodies import AgentConfig, Bootstrap
+from ..protocol.bundle import Bundle
 from ..protocol.ordering import Incoming, Outgoing
 from ..protocol.remote import LISTENING, decode_epoch, decode_route, decode_seq, encode_seq
 from ..protocol.versions import versions
@@ -101,6 +104,30 @@ def unwrap(frames: list[Any], routed: bool) -> tuple[Peer, int, bytes, list[Any]
     return Peer(decode_epoch(epoch.bytes), identity), decode_seq(seq.bytes), route.bytes, message
 
 
+class Gatherer:
+    """Checks this host's ranks' messages as the controller would (signature, replay stamp,
+    header) and gathers them into one bundle, signed as this host's agent: one message up the
+    link per drain of the relay instead of one per rank (see :mod:`~..protocol.bundle`)."""
+
+    def __init__(self, key: bytes, host: int) -> None:
+        self.wire = wire.Wire(key)  # its own receiving window and stream: the relay's thread
+        self.host = host
+        self.bundle = Bundle()
+
+    def add(self, frames: list[Any]) -> None:
+        """A rank's message without buffers; a forged or replayed one is dropped here."""
+        try:
+            self.bundle.add(self.wire.unpack(frames))
+        except wire.BadMessage:
+            pass  # counted in wire.dropped (a replay is logged), as the controller did
+
+    def take(self) -> list[Any] | None:
+        """The bundle's frames, signed (None: nothing gathered)."""
+        if not self.bundle:
+            return None
+        return self.wire.pack({msg.KIND: msg.BUNDLE, msg.ID: None, msg.HOST: self.host}, self.bundle.take())
+
+
 class RemoteLink:
     """One Curve TCP connection to the controller, relaying for this host's ranks.
 
@@ -112,7 +139,8 @@ class RemoteLink:
 
     remote: Literal[True] = True
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, rundir: str, peer: Peer, last_seq: int) -> None:
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, rundir: str, peer: Peer, last_seq: int,
+                 gatherer: Gatherer) -> None:
         self.ctx = ctx
         self.sock = sock
         self.routed = sock.getsockopt(zmq.TYPE) == zmq.ROUTER
@@ -127,6 +155,7 @@ class RemoteLink:
         self.relay = ctx.socket(zmq.PULL)
         self.relay.setsockopt(zmq.RCVHWM, 0)
         self.relay.bind(self.rank_events)
+        self.gatherer = gatherer
         self.down: dict[int, dict[str, zmq.Socket]] = {}
         self.last_heard = time.monotonic()
         #: Controllers of an older epoch that sent something since the agent last looked.
@@ -164,13 +193,9 @@ class RemoteLink:
     def operations(self, sock: zmq.Socket) -> list[list[Any]]:
         """Relay what is ready on ``sock``; return the messages for the agent itself."""
         out: list[list[Any]] = []
-        while True:
-            try:  # cheaper than asking sock.poll(0) before each message (a Poller each time)
-                frames = wire.recv(sock, zmq.NOBLOCK)
-            except zmq.Again:
-                return out
+        for frames in wire.ready(sock):
             if sock is self.relay:
-                self.send(frames)  # up, unchanged: the rank signed it
+                self._relay_up(frames)
                 continue
             peer, seq, route, message = unwrap(frames, self.routed)
             if peer.epoch < self.peer.epoch or \
@@ -183,6 +208,23 @@ class RemoteLink:
             self.last_heard = time.monotonic()
             delivered = [[route, *message]] if seq == 0 else self.incoming.take(seq, [route, *message], self.last_heard)
             out += self.deliver(delivered)
+        if sock is self.relay:
+            self._send_gathered()
+        return out
+
+    def _relay_up(self, frames: list[Any]) -> None:
+        """A rank's message: into the bundle, or, with big buffers, up as the rank signed it
+        (after what was gathered before it, to keep the order)."""
+        if len(frames) == 1:
+            self.gatherer.add(frames)
+            return
+        self._send_gathered()
+        self.send(frames)
+
+    def _send_gathered(self) -> None:
+        frames = self.gatherer.take()
+        if frames is not None:
+            self.send(frames)
 
     def deliver(self, messages: list[list[Any]]) -> list[list[Any]]:
         """Relay what is for the ranks (in order); return what is for the agent itself."""

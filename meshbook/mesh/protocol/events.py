@@ -34,6 +34,20 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Results:
+    """Several ranks' results at once (an agent's bundle, :mod:`.bundle`): booked as one
+    event, with no object per rank. :meth:`Run.events` hands them out one :class:`Result`
+    per rank; renderers take the group as it is."""
+
+    ranks: tuple[int, ...]
+    values: tuple[Any, ...]
+    durations: tuple[float, ...]
+
+    def each(self) -> list[Result]:
+        return [Result(r, v, d) for r, v, d in zip(self.ranks, self.values, self.durations)]
+
+
+@dataclass(frozen=True)
 class Error:
     rank: int
     failure: RankFailure
@@ -55,4 +69,4 @@ class DebugEnd:
     rank: int
 
 
-Event = Union[Output, Display, Result, Error, InputRequest, DebugEnd]
+Event = Union[Output, Display, Result, Results, Error, InputRequest, DebugEnd]

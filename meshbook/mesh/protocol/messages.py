@@ -25,7 +25,9 @@ Who sends what:
   liveness of a host across the network), ``JOIN`` (an agent started by an external launcher
   announces itself), ``FENCED`` (a message came from a controller with an older epoch than
   the newest the agent has seen: another kernel attached the mesh), ``RESEND`` / ``LOST``
-  (messages from the controller went missing on the link; see ``protocol/ordering.py``).
+  (messages from the controller went missing on the link; see ``protocol/ordering.py``),
+  ``BUNDLE`` (an agent on another host: what its ranks sent, checked by the agent and signed
+  once, with a request's identical results as one entry; see ``protocol/bundle.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ FENCED = "fenced"
 COLLECTIVES = "collectives"
 RESEND = "resend"  # agent -> controller: messages went missing on the link, send again
 LOST = "lost"  # agent -> controller: what was asked again is no longer kept
+BUNDLE = "bundle"  # agent -> controller: its ranks' messages, checked there, signed once
 
 #: Requests that run user code: an irregular end of one triggers a step check.
 USER_KINDS = (EXEC, APPLY)

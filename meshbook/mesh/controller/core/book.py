@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...protocol import messages as msg
-from ...protocol.events import Error, Event
+from ...protocol.events import Event
 from .run import Run
 
 #: How many finished runs still get their late output routed to them.
@@ -89,26 +89,29 @@ class RankBook:
                 self.queues[r].append(run.id)
                 self.ranks[r].state = "busy"
 
-    def answered(self, request: int, rank: int, event: Event, lost_group: bool) -> Answer:
-        """``rank`` answered ``request`` (``event``: its Result or Error; ``lost_group``: it no
-        longer has a process group). Call :meth:`settle` once the event was given to the run."""
+    def answered(self, request: int, ranks: Sequence[int], failed: bool, lost_group: bool) -> Answer:
+        """``ranks`` answered ``request`` (one rank, or a group whose results an agent bundled;
+        ``failed``: with an error; ``lost_group``: they no longer have a process group). Call
+        :meth:`settle` once the event was given to the run."""
         run = self.runs.get(request)
         if run is None:
             return Answer(None)
-        if lost_group or isinstance(event, Error):
+        if lost_group or failed:
             run.irregular = True
-        last = run.only_pending(rank)
+        last = run.waits_only_for(ranks)
         check = last and (run.irregular or run.interrupted) and run.kind in msg.USER_KINDS
         return Answer(run, check, last)
 
-    def settle(self, request: int, rank: int) -> None:
-        """``rank`` is done with ``request``: its queue moves on, and a run done is retired."""
-        queue = self.queues[rank]
-        if queue and queue[0] == request:
-            queue.popleft()
-            state = self.ranks[rank]
-            if state.state == "busy" and not queue:
-                state.state = "idle"
+    def settle(self, request: int, ranks: Sequence[int]) -> None:
+        """``ranks`` are done with ``request``: their queues move on, and a run done is retired."""
+        queues, states = self.queues, self.ranks
+        for rank in ranks:
+            queue = queues[rank]
+            if queue and queue[0] == request:
+                queue.popleft()
+                state = states[rank]
+                if state.state == "busy" and not queue:
+                    state.state = "idle"
         run = self.runs.get(request)
         if run is not None and run.done():
             del self.runs[request]

@@ -35,10 +35,10 @@ import weakref
 from collections import Counter
 from typing import Any, Callable
 
+from ...protocol import bundle, wire
 from ...protocol import messages as msg
-from ...protocol import wire
 from ...protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
-from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result
+from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.text import format_ranks
 from ...protocol.topology import Topology
@@ -129,7 +129,8 @@ class Controller:
             msg.ERROR: self._on_answer, msg.EXIT: self._on_exit, msg.HELLO: self._on_hello,
             msg.READY: self._on_ready, msg.INIT_FAILED: self._on_init_failed, msg.AGENT: self._on_agent,
             msg.HOST_BEAT: self._on_host_beat, msg.FENCED: self._on_fenced,
-            msg.COLLECTIVES: self._on_collectives, msg.RESEND: self._on_resend, msg.LOST: self._on_lost}
+            msg.COLLECTIVES: self._on_collectives, msg.RESEND: self._on_resend, msg.LOST: self._on_lost,
+            msg.BUNDLE: self._on_bundle}
         self.transport.start(self._take, self._from_host, self._tick)
         _LIVE.add(self)
 
@@ -426,6 +427,10 @@ class Controller:
             message = self.wire.unpack(frames)
         except wire.BadMessage:
             return
+        self._dispatch(message)
+
+    def _dispatch(self, message: wire.Message) -> None:
+        """A checked message, to the handler of its kind."""
         try:
             handler = self._handlers.get(message.kind)
             if handler is None:
@@ -505,19 +510,36 @@ class Controller:
         try:
             body = message.body()
         except Exception as exc:  # noqa: BLE001 - whatever the payload's unpickling raises
-            succeeded = False
-            what = f"a {header[msg.TYPE]}" if msg.TYPE in header else "it"
-            body = RankFailure(rank, "UnreadableResult", (
-                f"the result ({what}) cannot be unpickled in the notebook: "
-                f"{type(exc).__name__}: {exc}. It stays on the rank as `_`: return plain data instead "
-                f"(tensors moved with .cpu(), .tolist(), numbers, dicts of them), or fetch plain "
-                f"tensors with %mesh pull (mesh.pull)"))
+            succeeded, body = False, _unreadable(rank, header.get(msg.TYPE), exc)
         event = Result(rank, body, duration) if succeeded else Error(rank, body, duration)
-        self._finish(header[msg.ID], rank, event, lost_group=header.get(msg.HAS_GROUP) is False)
+        self._finish(header[msg.ID], (rank,), event, lost_group=header.get(msg.HAS_GROUP) is False)
 
-    def _finish(self, request: int, rank: int, event: Event, lost_group: bool = False) -> None:
+    def _on_bundle(self, message: wire.Message) -> None:
+        """What an agent on another host gathered from its ranks, checked there and signed once
+        (:mod:`~meshbook.mesh.protocol.bundle`): each entry as if its rank had sent it here."""
+        for entry in message.body():
+            if entry[0] == bundle.RESULTS:
+                self._on_results(*entry[1:])
+            else:
+                self._dispatch(wire.Message.gathered(entry[1], entry[2]))
+
+    def _on_results(self, request: int, ranks: list[int], durations: list[float], has_group: bool | None,
+                    type_name: str | None, body: bytes) -> None:
+        """Ranks' identical results, booked as one group. Each rank gets a value of its own
+        (unpickled once per rank), except ``None``, which there is only one of."""
+        try:
+            values = (None,) * len(ranks) if not body else tuple(wire.loads(body) for _ in ranks)
+        except Exception as exc:  # noqa: BLE001 - as in _on_answer: each rank's error
+            for rank, duration in zip(ranks, durations):
+                failure = _unreadable(rank, type_name, exc)
+                self._finish(request, (rank,), Error(rank, failure, duration), lost_group=has_group is False)
+            return
+        group = Results(tuple(ranks), values, tuple(durations))
+        self._finish(request, group.ranks, group, lost_group=has_group is False)
+
+    def _finish(self, request: int, ranks: tuple[int, ...], event: Event, lost_group: bool = False) -> None:
         with self._lock:
-            answer = self.book.answered(request, rank, event, lost_group)
+            answer = self.book.answered(request, ranks, isinstance(event, Error), lost_group)
         run = answer.run
         if run is None:
             return
@@ -526,7 +548,7 @@ class Controller:
             run.step_check = self.on_irregular_end(run)
         run.add_event(event)
         with self._lock:
-            self.book.settle(request, rank)
+            self.book.settle(request, ranks)
 
     def _on_exit(self, message: wire.Message) -> None:
         self._ranks_died([message.header[msg.RANK]], message.body())
@@ -597,7 +619,7 @@ class Controller:
             for rank in ranks:
                 if rank in run.pending:
                     failure = RankFailure(rank, "RankDied", f"rank {rank} died: {cause}", died=cause, detail=detail)
-                    self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
+                    self._finish(run.id, (rank,), Error(rank, failure, time.monotonic() - run.submitted_at))
         for listener in self.death_listeners:
             for rank in ranks:
                 listener(rank, cause)
@@ -663,7 +685,7 @@ class Controller:
                     f"{what} were lost when its connection reset, and were no longer kept to be sent "
                     f"again (a push too big to keep, or too much since): rank {rank}'s part of this run "
                     f"is unknown. Run it again (its ranks keep their variables)"))
-                self._finish(run.id, rank, Error(rank, failure, time.monotonic() - run.submitted_at))
+                self._finish(run.id, (rank,), Error(rank, failure, time.monotonic() - run.submitted_at))
 
     def _on_host_beat(self, message: wire.Message) -> None:
         link = self._link_of(message)
@@ -753,6 +775,16 @@ def live_controllers() -> list[Controller]:
     """This process's controllers that are running or were not stopped long ago (weakly
     held): the test suite checks with it that nothing a test started is left running."""
     return list(_LIVE)
+
+
+def _unreadable(rank: int, type_name: str | None, exc: Exception) -> RankFailure:
+    """A result the notebook cannot unpickle, as that rank's error: what to do instead."""
+    what = f"a {type_name}" if type_name else "it"
+    return RankFailure(rank, "UnreadableResult", (
+        f"the result ({what}) cannot be unpickled in the notebook: "
+        f"{type(exc).__name__}: {exc}. It stays on the rank as `_`: return plain data instead "
+        f"(tensors moved with .cpu(), .tolist(), numbers, dicts of them), or fetch plain "
+        f"tensors with %mesh pull (mesh.pull)"))
 
 
 def _terminal_stdin() -> bool:

@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ...protocol.events import Error, Event, Output, Result
+from ...protocol.events import Error, Event, Output, Result, Results
 from ...protocol.text import format_ranks, group_by_text
 
 Write = Callable[[str, str], None]
@@ -77,6 +77,8 @@ class LineMerger:
                 self._add(event.rank, event.stream, line)
         elif isinstance(event, (Result, Error)):
             self._running.discard(event.rank)
+        elif isinstance(event, Results):
+            self._running.difference_update(event.ranks)
 
     def _add(self, rank: int, stream: str, line: str) -> None:
         nth = self._occurrences[(rank, stream, line)]

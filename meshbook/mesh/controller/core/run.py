@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from ...protocol import messages as msg
 from ...protocol.errors import MeshTimeout, RankFailure, RemoteError
-from ...protocol.events import Display, Error, Event, Output, Result
+from ...protocol.events import Display, Error, Event, Output, Result, Results
 from ...protocol.text import format_ranks
 from ...protocol.topology import Topology
 from ...protocol.values import RankValues
@@ -98,36 +98,58 @@ class Run:
         """An event for this run (the controller's receiver thread)."""
         with self._cond:
             late = not self._pending and isinstance(event, (Output, Display))
-            if isinstance(event, (Result, Error)):
+            first = self.first_done_at is None
+            if isinstance(event, Results):
+                fresh = self._fresh(event)
+                if fresh is None:
+                    return  # every one answered already
+                event = fresh
+                self._pending.difference_update(event.ranks)
+                self._values.update(zip(event.ranks, event.values))
+                self._durations.update(zip(event.ranks, event.durations))
+            elif isinstance(event, (Result, Error)):
                 if event.rank not in self._pending:
                     return  # a second answer (e.g. death after the result): keep the first
                 self._pending.discard(event.rank)
                 self._durations[event.rank] = event.duration
-                if self.first_done_at is None:
-                    self.first_done_at = time.monotonic()
                 if isinstance(event, Result):
                     self._values[event.rank] = event.value
                 else:
                     self._failures[event.rank] = event.failure
+            if first and isinstance(event, (Result, Results, Error)):
+                self.first_done_at = time.monotonic()
             self._events.append(event)
             # Waking the waiting thread costs a GIL hand-off per event, and the results of a
             # many-rank run arrive back to back: wake for what a waiter acts on (output,
             # errors, the first result, which starts straggler clocks, and the last one);
             # the results in between are picked up with the next event.
-            if not isinstance(event, Result) or not self._pending or \
-                    len(self._values) + len(self._failures) == 1:
+            if not isinstance(event, (Result, Results)) or not self._pending or first:
                 self._cond.notify_all()
         if late:
             self.on_late_output(event)
+
+    def _fresh(self, group: Results) -> Results | None:
+        """The part of ``group`` from ranks that had not answered yet (None: no part)."""
+        pending = self._pending
+        if all(r in pending for r in group.ranks):
+            return group
+        keep = [i for i, r in enumerate(group.ranks) if r in pending]
+        if not keep:
+            return None
+        return Results(tuple(group.ranks[i] for i in keep), tuple(group.values[i] for i in keep),
+                       tuple(group.durations[i] for i in keep))
 
     # -- the public face ---------------------------------------------------------------------
 
     def done(self) -> bool:
         return not self._pending
 
-    def only_pending(self, rank: int) -> bool:
-        """``rank`` is the one rank still to answer (no sort: asked once per answer)."""
-        return len(self._pending) == 1 and rank in self._pending
+    def waits_only_for(self, ranks: Sequence[int]) -> bool:
+        """Every rank still to answer is one of ``ranks`` (no sort: asked once per answer)."""
+        pending = self._pending
+        if len(ranks) == 1:
+            return len(pending) == 1 and ranks[0] in pending
+        return len(pending) <= len(ranks) and pending.issubset(ranks)
 
     @property
     def pending(self) -> list[int]:
@@ -144,13 +166,18 @@ class Run:
             return self._cond.wait_for(lambda: not self._pending, timeout)
 
     def events(self) -> Iterator[Event]:
-        """Every event in arrival order, blocking until the run is done."""
+        """Every event in arrival order, blocking until the run is done; results that arrived
+        as a group come one :class:`Result` per rank."""
         index = 0
         while True:
             batch, index = self.events_since(index, None)
             if not batch and self.done():
                 return
-            yield from batch
+            for event in batch:
+                if isinstance(event, Results):
+                    yield from event.each()
+                else:
+                    yield event
 
     def events_since(self, index: int, timeout: float | None) -> tuple[list[Event], int]:
         """Events from position ``index`` on (waiting up to ``timeout`` for one), and the next

@@ -36,8 +36,6 @@ from ...protocol.remote import decode_seq, encode_epoch, encode_seq
 from ...protocol.text import format_ranks
 from ...protocol.versions import mismatch, versions
 
-_HOST = struct.Struct("<I")
-
 
 @dataclass
 class HostLink:
@@ -126,6 +124,7 @@ class Network:
         #: Sent with every message to an agent: a kept mesh's agents refuse older epochs.
         self.epoch = epoch
         self.links: dict[int, HostLink] = {}
+        self._dialled: dict[zmq.Socket, HostLink] = {}  # the links we dialled, by their socket
         self.router: zmq.Socket | None = None  # where joining agents dial in
         self.joined: list[Joined] = []
         self.joined_changed = threading.Condition()
@@ -138,6 +137,9 @@ class Network:
         self._outbox = ctx.socket(zmq.PUSH)
         self._outbox.setsockopt(zmq.SNDHWM, 0)
         self._outbox.connect(f"inproc://outbox-{id(self)}")
+        #: The link sockets the receiver thread sent on since it last looked (a send may take the
+        #: signal that a message arrived: the receiver asks them before it sleeps).
+        self.sent_on: set[zmq.Socket] = set()
         #: Bumped when a socket is added, so the receiver polls it too; ``wake`` tells it now.
         self.version = 0
         self.wake: Callable[[], None] = lambda: None
@@ -199,6 +201,7 @@ class Network:
             if key:
                 self.allowlist.allow(key.encode())
             if self.router is not None:
+                self.sent_on.add(self.router)
                 self.router.send_multipart([identity, encode_epoch(self.epoch), encode_seq(0), b"", *welcome],
                                            copy=False)
             return
@@ -226,7 +229,9 @@ class Network:
         old = self.links.get(link.host)
         if old is not None and old.sock is not None:
             self._retired.append(old.sock)  # the receiver owns it: it closes it
-        self.links[link.host] = link
+        # New dicts, not changed ones: the receiver may be going through the old ones.
+        self.links = {**self.links, link.host: link}
+        self._dialled = {candidate.sock: candidate for candidate in self.links.values() if candidate.sock is not None}
         self.version += 1
         self.wake()
 
@@ -237,14 +242,16 @@ class Network:
 
     # -- sending (any thread, under the controller's send lock) ----------------------------------
 
-    def send(self, host: int, route: bytes, frames: list[Any]) -> zmq.MessageTracker | None:
-        """Queue a message for ``host``'s agent: the receiver thread sends it. With big
-        buffers, returns a tracker, done once they left for the network (wait for it outside
-        the send lock: the receiver may need that lock before it gets to them)."""
-        parts = [_HOST.pack(host), route, *frames]
+    def send(self, routes: dict[int, bytes], frames: list[Any]) -> zmq.MessageTracker | None:
+        """Queue a message for the agents of ``routes``' hosts, each with its route: the
+        receiver thread sends it, one outbox message for all of them (a request to 128 hosts
+        crosses the outbox once). With big buffers, returns a tracker, done once they left for
+        the network (wait for it outside the send lock: the receiver may need that lock before
+        it gets to them)."""
+        parts = [struct.pack(f"<{len(routes)}I", *routes), *routes.values(), *frames]
         if wire.is_big(frames):
             return self._outbox.send_multipart(parts, copy=False, track=True)
-        self._outbox.send_multipart(parts)
+        wire.send(self._outbox, parts)
         return None
 
     # -- the receiver thread's side ------------------------------------------------------------
@@ -257,13 +264,8 @@ class Network:
     def drain(self, sock: zmq.Socket, handle: Callable[[HostLink | None, bytes, list[Any]], None]) -> None:
         """Handle what ``sock`` has ready: forward the outbox, or pass received messages on
         with the link they came up (None: an agent that is joining, known by its routing id)."""
-        # Once per drain, not per message: 1,024 ranks on 128 hosts answer 8 to a link.
-        dialled = next((candidate for candidate in self.links.values() if candidate.sock is sock), None)
-        while True:
-            try:  # cheaper than asking sock.poll(0) before each message (a Poller each time)
-                frames = wire.recv(sock, zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        dialled = self._dialled.get(sock)
+        for frames in wire.ready(sock):
             if sock is self._outbox_in:
                 self._forward(frames)
             elif sock is self.router:
@@ -292,24 +294,29 @@ class Network:
 
     def _forward(self, parts: list[Any]) -> None:
         head = parts[0]
-        (host,) = _HOST.unpack(head.bytes if isinstance(head, zmq.Frame) else head)
-        link = self.links.get(host)
-        if link is None or link.state == "lost":
-            return  # the host is gone: what waited for it has failed
+        head = head.bytes if isinstance(head, zmq.Frame) else head
+        hosts = struct.unpack(f"<{len(head) // 4}I", head)
+        routes, frames = parts[1:1 + len(hosts)], parts[1 + len(hosts):]
         # Kept as a copy: whoever sent a big buffer waits until ZeroMQ lets go of it (to change
         # its tensor), which it would not until the agent acknowledged it.
         kept = [bytes(f.buffer) if isinstance(f, zmq.Frame) and len(f) >= wire.ZERO_COPY_MIN else f
-                for f in parts[1:]]
-        self._send(link, link.outgoing.number(kept), parts[1:])
+                for f in frames]
+        for host, route in zip(hosts, routes):
+            link = self.links.get(host)
+            if link is None or link.state == "lost":
+                continue  # the host is gone: what waited for it has failed
+            self._send(link, link.outgoing.number([route, *kept]), [route, *frames])
 
     def _send(self, link: HostLink, seq: int, parts: list[Any]) -> None:
         """``parts`` (route and message) to ``link``'s agent, as message ``seq`` of the link."""
         frames = [encode_epoch(self.epoch), encode_seq(seq), *parts]
         try:
             if link.sock is not None:
-                link.sock.send_multipart(frames, copy=False)
+                self.sent_on.add(link.sock)
+                wire.send(link.sock, frames)
             elif self.router is not None:
-                self.router.send_multipart([link.identity, *frames], copy=False)
+                self.sent_on.add(self.router)
+                wire.send(self.router, frames, prefix=[link.identity])
         except zmq.ZMQError:
             pass  # EHOSTUNREACH: a joined agent reconnecting; its liveness check decides
 
@@ -339,7 +346,7 @@ class Network:
         """An operation for ``link``'s agent itself, from the receiver thread (``ordered=False``:
         outside the link's numbering, for what must pass a gap: asking for messages again)."""
         if ordered:
-            self._forward([_HOST.pack(link.host), b"", *frames])
+            self._forward([struct.pack("<I", link.host), b"", *frames])
         else:
             self._send(link, 0, [b"", *frames])
 
