@@ -78,7 +78,7 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
     asked.wait(SNAPSHOT_WAIT_S)
     reasons = {}
     for rank, snap in asked.values().items():
-        if snap.request != run.id or not snap.pending:
+        if snap is None or snap.request != run.id or not snap.pending:  # None: nothing to say (a stand-in)
             continue
         collective = snap.pending[-1]
         members = group_members(collective, rank, controller.topology) or []
