@@ -108,35 +108,35 @@ class Transport:
     def _receive(self, on_message: Handler, on_host: HostHandler, on_tick: Callable[[], None]) -> None:
         watch, version = Watch(self._sockets()), -1
         next_tick = 0.0
-        try:
-            while self._running:
+        while self._running:
+            try:  # the receiver must outlive any one failure
                 network = self.network
                 if network is not None and network.version != version:
+                    network.close_retired()
                     watch.close()
                     watch, version = Watch(self._sockets()), network.version
-                    network.close_retired()
                 ready = watch.ready(TICK_S)
                 if self._wake_recv in ready and self._wake_recv.recv() == b"stop":
                     break
                 if self.events in ready:
                     for frames in wire.ready(self.events):
                         on_message(frames)
-                try:
-                    if network is not None:
-                        for sock in network.sockets():
-                            if sock in ready:
-                                network.drain(sock, on_host)
-                        watch.recheck(network.sent_on)  # our own sends may have taken their signal
-                        network.sent_on.clear()
-                    now = time.monotonic()
-                    if now >= next_tick:
-                        next_tick = now + TICK_S
-                        on_tick()
-                except Exception as exc:  # the receiver must outlive any one failure
-                    log(f"receiver: {type(exc).__name__}: {exc}")
-                watch.recheck(ready)
-        finally:
-            watch.close()
+                if network is not None:
+                    for sock in network.sockets():
+                        if sock in ready:
+                            network.drain(sock, on_host)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + TICK_S
+                    on_tick()
+            except Exception as exc:
+                log(f"receiver: {type(exc).__name__}: {exc}")
+                ready = set()
+            watch.recheck(ready)  # our receives, and our sends, may have taken their signals
+            if self.network is not None:
+                watch.recheck(self.network.sent_on)
+                self.network.sent_on.clear()
+        watch.close()
 
     def _sockets(self) -> list[zmq.Socket]:
         return [self.events, self._wake_recv, *(self.network.sockets() if self.network else ())]
@@ -244,6 +244,7 @@ class Watch:
     def __init__(self, sockets: list[zmq.Socket]) -> None:
         self._epoll = select.epoll()
         self._by_fd: dict[int, zmq.Socket] = {}
+        sockets = [sock for sock in sockets if not sock.closed]
         for sock in sockets:
             fd = int(sock.getsockopt(zmq.FD))
             self._by_fd[fd] = sock
@@ -256,7 +257,7 @@ class Watch:
 
     def ready(self, timeout: float) -> set[zmq.Socket]:
         """The sockets with a message to receive, waiting up to ``timeout`` seconds for one."""
-        ready = {sock for sock in self._recheck if _readable(sock)}
+        ready = {sock for sock in self._recheck if not sock.closed and _readable(sock)}
         self._recheck.clear()
         if ready:
             return ready
