@@ -518,10 +518,13 @@ class Controller:
         """What an agent on another host gathered from its ranks, checked there and signed once
         (:mod:`~meshbook.mesh.protocol.bundle`): each entry as if its rank had sent it here."""
         for entry in message.body():
-            if entry[0] == bundle.RESULTS:
-                self._on_results(*entry[1:])
-            else:
+            if entry[0] != bundle.RESULTS:
                 self._dispatch(wire.Message.gathered(entry[1], entry[2]))
+                continue
+            try:  # as _dispatch guards each message: one failing entry loses no other rank's answer
+                self._on_results(*entry[1:])
+            except Exception as exc:
+                log(f"receiver: {type(exc).__name__}: {exc}")
 
     def _on_results(self, request: int, ranks: list[int], durations: list[float], has_group: bool | None,
                     type_name: str | None, body: bytes) -> None:

@@ -109,6 +109,7 @@ class Transport:
         watch, version = Watch(self._sockets()), -1
         next_tick = 0.0
         while self._running:
+            ready: set[zmq.Socket] = set()
             try:  # the receiver must outlive any one failure
                 network = self.network
                 if network is not None and network.version != version:
@@ -116,8 +117,10 @@ class Transport:
                     watch.close()
                     watch, version = Watch(self._sockets()), network.version
                 ready = watch.ready(TICK_S)
-                if self._wake_recv in ready and self._wake_recv.recv() == b"stop":
-                    break
+                if self._wake_recv in ready:
+                    if self._wake_recv.recv() == b"stop":
+                        break
+                    watch.recheck([self._wake_recv])  # one taken: another may wait, its signal taken
                 if self.events in ready:
                     for frames in wire.ready(self.events):
                         on_message(frames)
@@ -131,8 +134,8 @@ class Transport:
                     on_tick()
             except Exception as exc:
                 log(f"receiver: {type(exc).__name__}: {exc}")
-                ready = set()
-            watch.recheck(ready)  # our receives, and our sends, may have taken their signals
+                watch.recheck(ready)  # a drain cut short leaves messages whose signal is taken
+            # A drain ends on the socket's events, which re-arms its signal; a send may take it.
             if self.network is not None:
                 watch.recheck(self.network.sent_on)
                 self.network.sent_on.clear()
@@ -174,8 +177,9 @@ class Transport:
             with self.send_lock:
                 if wire.is_big(frames):  # a tracker per host: a host whose ranks died is not waited for
                     sent = [(by_host[host], network.send({host: route}, frames)) for host, route in routes.items()]
-                else:  # one outbox message for every host
-                    sent = [([], network.send(routes, frames))]
+                else:  # one outbox message for every host: nothing to wait for
+                    network.send(routes, frames)
+                    sent = []
         else:
             with self.send_lock:
                 # A rank that died since the caller checked has no sockets: its death failed the run.
@@ -236,9 +240,10 @@ class Watch:
     about 270 us a call here, and it wakes many times per round trip. This watches the sockets'
     signalling file descriptors with epoll instead, and asks only the ones that fired. ZeroMQ's
     contract for that descriptor: it signals that a socket's state *may* have changed, and any
-    operation on the socket (a receive, a send, asking its events) may consume the signal. So
-    every socket this thread has operated on since it last slept is asked directly
-    (:meth:`recheck`) before it sleeps again.
+    operation on the socket (a receive, a send, asking its events) may consume the signal, and
+    asking the events re-arms it when nothing is left. So a drain ends on asking the events
+    (:func:`~..protocol.wire.ready`), and a socket this thread sent on, or read only part of,
+    is asked directly (:meth:`recheck`) before it sleeps again.
     """
 
     def __init__(self, sockets: list[zmq.Socket]) -> None:
@@ -261,10 +266,8 @@ class Watch:
         self._recheck.clear()
         if ready:
             return ready
-        fired = {self._by_fd[fd] for fd, _ in self._epoll.poll(timeout)}
-        ready = {sock for sock in fired if _readable(sock)}
-        self._recheck.update(fired - ready)  # asked: their signal is consumed
-        return ready
+        # Asking a socket that fired but holds nothing re-arms its signal, as a drain does.
+        return {sock for fd, _ in self._epoll.poll(timeout) if _readable(sock := self._by_fd[fd])}
 
     def close(self) -> None:
         self._epoll.close()
