@@ -24,7 +24,7 @@ from meshbook import (
     TooLargeError,
 )
 from meshbook.mesh.protocol.namespaces import Layout, Namespaces, VarInfo
-from meshbook.mesh.protocol.payload import SHARE_MIN, Lent, pack
+from meshbook.mesh.protocol.payload import SHARE_MIN, Landing, Lent, pack
 
 DTENSOR_SETUP = """
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -256,6 +256,7 @@ def test_a_pull_from_local_ranks_maps_their_shared_memory(mesh4: meshbook.Mesh) 
 
 
 def test_a_lent_file_nobody_claims_is_closed_by_the_next_lend_or_tick() -> None:
+    before = set(lent_files(os.getpid()))  # files a mesh of this process keeps for later pulls
     lent = Lent(keep_s=0.0)
     first = lent.lend(torch.ones(SHARE_MIN), "pull('x')")
     assert first.shared is not None and torch.equal(first.load("pull")["value"], torch.ones(SHARE_MIN))
@@ -263,14 +264,73 @@ def test_a_lent_file_nobody_claims_is_closed_by_the_next_lend_or_tick() -> None:
     second = lent.lend(torch.zeros(SHARE_MIN), "pull('x')")  # the first pull was interrupted
     with pytest.raises(RuntimeError, match="shared memory for this pull is gone"):
         first.load("pull")
-    assert second.shared is not None and lent_files(os.getpid()) == [str(second.shared.fd)]
+    assert second.shared is not None and set(lent_files(os.getpid())) - before == {str(second.shared.fd)}
     lent.release(second.shared.token)
-    assert lent_files(os.getpid()) == []
+    assert set(lent_files(os.getpid())) - before == set()
     assert lent.lend(7, "pull('n')").shared is None, "a small value goes inline"
     lent.lend(torch.ones(SHARE_MIN), "pull('x')")  # never claimed, and no pull comes after it
     time.sleep(0.01)
     lent.expire(time.monotonic())  # the rank's control loop, a tick later
-    assert lent_files(os.getpid()) == []
+    assert set(lent_files(os.getpid())) - before == set()
+
+
+def pull_files(pid: int) -> set[int]:
+    """The inodes of the pulls' shared-memory files process ``pid`` holds open."""
+    return {os.stat(f"/proc/{pid}/fd/{fd}").st_ino for fd in lent_files(pid)}
+
+
+def test_a_later_pull_writes_over_the_files_of_values_nothing_maps_any_more(mesh4: meshbook.Mesh) -> None:
+    landing = mesh4.controller.landing
+    gc.collect()
+    landing.expire(time.monotonic() + landing.idle_s + 1)  # what earlier tests pulled: closed
+    before = pull_files(os.getpid())
+    mesh4.run(f"landed = torch.full(({SHARE_MIN},), float(rank))").result()
+    kept = mesh4.pull("landed")  # still held below: its files must never be written over
+    mesh4.run("landed += 10").result()
+    dropped = mesh4.pull("landed")
+    first_files = pull_files(os.getpid()) - before
+    assert len(first_files) == 8, "the notebook keeps the file of every value it maps"
+    del dropped
+    gc.collect()  # nothing maps the second pull's files now: the third writes over them
+    mesh4.run("landed += 10").result()
+    third = mesh4.pull("landed")
+    assert pull_files(os.getpid()) - before == first_files, "no new file: the freed ones were written over"
+    for rank in range(4):
+        assert torch.equal(kept[rank], torch.full((SHARE_MIN,), float(rank))), "a value held is never overwritten"
+        assert torch.equal(third[rank], torch.full((SHARE_MIN,), rank + 20.0))
+    pids = [state.pid for state in mesh4.status()]
+    assert not any(lent_files(pid) for pid in pids), "a rank that wrote into the notebook's file lent none"
+    del kept, third
+    gc.collect()
+    landing.expire(time.monotonic() + landing.idle_s + 1)
+    assert pull_files(os.getpid()) - before == set(), "a file nothing maps is closed once idle"
+
+
+def test_the_landing_offers_fitting_files_and_closes_what_an_interrupted_pull_offered() -> None:
+    landing, lent = Landing(idle_s=60.0), Lent()  # SHARE_MIN bytes: float32 of a quarter as many
+    try:
+        value = landing.load(lent.lend(torch.ones(SHARE_MIN // 4), "pull('x')"), "pull")["value"]
+        assert torch.equal(value, torch.ones(SHARE_MIN // 4))
+        assert landing.offer({0: SHARE_MIN}) == {}, "the file is mapped: nothing to offer"
+        del value
+        gc.collect()
+        assert landing.offer({0: 8 * SHARE_MIN}) == {}, "too small for this value"
+        assert landing.offer({0: SHARE_MIN // 4}) == {}, "below the size worth sharing"
+        slots = landing.offer({0: SHARE_MIN, 1: SHARE_MIN})
+        assert list(slots) == [0], "one free file, offered once"
+        landed = lent.lend(torch.zeros(SHARE_MIN // 4), "pull('x')", slots[0])
+        assert landed.shared is not None and landed.shared.fd == slots[0].fd and lent_files(os.getpid())
+        assert torch.equal(landing.load(landed, "pull")["value"], torch.zeros(SHARE_MIN // 4))
+        landing.settle(slots, True)
+        gc.collect()
+        slots = landing.offer({0: SHARE_MIN})
+        landing.settle(slots, False)  # an interrupted pull: its rank may still write
+        with pytest.raises(OSError):
+            os.fstat(slots[0].fd)
+        assert landing.offer({0: SHARE_MIN}) == {}
+    finally:
+        landing.close()
+        lent.expire(time.monotonic() + lent.keep_s + 1)
 
 
 class CountsPickling:

@@ -25,7 +25,7 @@ from ..protocol import messages as msg
 from ..protocol.actors import ActorAddress
 from ..protocol.cell import stack_frames
 from ..protocol.namespaces import VarInfo, describe, inventory, local_shard
-from ..protocol.payload import Payload
+from ..protocol.payload import Payload, Slot
 from ..protocol.reports import Collective, GroupPosition, Positions, RankSnapshot
 from .devices import on_device, walk
 from .torch_compat import abort_process_groups, backends, flight_records, is_default_group, issued, process_groups
@@ -315,12 +315,13 @@ def store(worker: Any, payload: Payload) -> None:
     worker.namespace.update(values)  # only once every value arrived: all of them or none
 
 
-def fetch(worker: Any, name: str, share: bool = False) -> Any:
+def fetch(worker: Any, name: str, share: bool = False, slots: dict[int, Slot] | None = None) -> Any:
     """``name``'s value (a DTensor's local shard). With ``share`` (the notebook runs on this
-    machine), a payload whose big buffers this rank lends in shared memory (see
-    :class:`~meshbook.mesh.protocol.payload.Lent`); the notebook maps it, then ``unshare``."""
+    machine), a payload whose big buffers are in shared memory: written into the file the
+    notebook offers this rank in ``slots``, or into one this rank lends (see
+    :class:`~meshbook.mesh.protocol.payload.Lent`; the notebook maps it, then ``unshare``)."""
     value = walk(worker.namespace[name], local_shard)
-    return worker.lent.lend(value, f"pull({name!r})") if share else value
+    return worker.lent.lend(value, f"pull({name!r})", (slots or {}).get(worker.rank)) if share else value
 
 
 @rank_op(channel=msg.CONTROL)

@@ -20,8 +20,10 @@ How the data travels:
   them; a rank that failed is named, with the ranks that did store them.
 * **pull / fetch** first ask every rank for the value's metadata (on the control thread: a
   busy rank answers), so a name missing on some ranks, or a pull larger than ``max_bytes``, is
-  refused before anything moves. Then local ranks write their big buffers into shared memory
-  of their own, which the notebook maps (one copy, on the rank); ranks on other hosts send
+  refused before anything moves. Then local ranks write their big buffers into shared memory,
+  which the notebook maps (one copy, on the rank): into the file of a value pulled before that
+  nothing maps any more, where there is one (written over, its pages are not allocated again),
+  else into a new file of the rank's (the notebook keeps it for later pulls); ranks on other hosts send
   their value straight to the notebook as zero-copy frames. CUDA tensors arrive on the CPU; a
   DTensor arrives as the rank's local shard (``ref.full_tensor()`` assembles the global one).
 
@@ -142,14 +144,22 @@ class DataOps:
         if total > max_bytes:
             raise TooLargeError(_too_large(name, infos, total, max_bytes))
         share = self.controller.agents.same_host and total >= SHARE_MIN
-        run = self.call(ops.fetch, name, share, ranks=chosen, what=f"pull({name!r})")
+        landing = self.controller.landing
+        slots = landing.offer({rank: info.nbytes or 0 for rank, info in infos.items()}) if share else {}
+        run = self.call(ops.fetch, name, share, slots, ranks=chosen, what=f"pull({name!r})")
         if not share:
             return run.result(echo=False)
+        answered = False
         try:
             answers = run.result(echo=False)
-            return answers.replaced({rank: payload.load("pull")["value"] for rank, payload in answers.items()})
-        finally:  # mapped, or never to be: the ranks close their files either way
-            lent = {rank: payload.shared.token for rank, payload in run.values().items() if payload.shared}
+            answered = True
+            return answers.replaced({rank: landing.load(payload, "pull")["value"]
+                                     for rank, payload in answers.items()})
+        finally:  # mapped, or never to be: the ranks close the files they lent either way
+            landing.settle(slots, answered)
+            offered = {slot.token for slot in slots.values()}
+            lent = {rank: payload.shared.token for rank, payload in run.values().items()
+                    if payload.shared and payload.shared.token not in offered}
             if lent:
                 with contextlib.suppress(MeshError):  # a stopped mesh's ranks are gone, files and all
                     self.call(ops.unshare, lent, ranks=sorted(lent), what=f"pull({name!r}): release")

@@ -40,6 +40,7 @@ from ...protocol import messages as msg
 from ...protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
 from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
 from ...protocol.limits import DEFAULT_MAX_BYTES
+from ...protocol.payload import Landing
 from ...protocol.text import format_ranks
 from ...protocol.topology import Topology
 from ...protocol.versions import mismatch, versions
@@ -99,6 +100,8 @@ class Controller:
         self.history = MetricsHistory()
         #: When every rank entered and left each collective: exact waiting, who arrives last.
         self.clock = CollectiveTimes()
+        #: The files pulled values are mapped from, written over by later pulls once unmapped.
+        self.landing = Landing()
         #: Messages of a kind no handler takes, by kind (each is logged too).
         self.unknown_kinds: Counter[str] = Counter()
         #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
@@ -115,7 +118,7 @@ class Controller:
         #: the cell that stops its mesh, not a refresh later, after a batch runner has gone).
         self.stop_listeners: list[Callable[[], None]] = []
         #: Called with the runs in flight at every receiver tick (the run watcher).
-        self.tick_listeners: list[Callable[[list[Run]], None]] = []
+        self.tick_listeners: list[Callable[[list[Run]], None]] = [lambda runs: self.landing.expire()]
         #: A user run ended irregularly (a rank failed or was interrupted): what checks the
         #: ranks are still in step, before anyone sees the run done (the step check).
         self.on_irregular_end: RunHook | None = None
@@ -771,6 +774,7 @@ class Controller:
             if state.state != "dead":
                 state.state, state.cause = "dead", "mesh stopped"
         self.transport.close()
+        self.landing.close()
         _LIVE.discard(self)
 
 
