@@ -198,3 +198,23 @@ def test_a_lost_host_fails_the_cell_and_keeps_the_kernel(tmp_path: object) -> No
     finally:
         mesh.stop()
         outside.wait_all()
+
+
+def test_ranks_that_all_die_say_their_last_words_and_wait_for_a_restart(tmp_path: object) -> None:
+    """Across hosts too, the line a rank printed right before it died arrives; and ranks that
+    all died of their code, under agents that live on, are a restart away: the mesh stays."""
+    mesh, outside = start_joined(tmp_path, hosts=1, per_host=2)
+    try:
+        run = mesh.run("import os\nprint(f'goodbye from {rank}', flush=True)\nos._exit(3)")
+        with pytest.raises(meshbook.RemoteError) as info:
+            run.result(timeout=60, echo=False)
+        assert {f.died for f in info.value.failures.values()} == {"exit code 3"}
+        said = "".join(e.text for e in run.events() if isinstance(e, meshbook.Output))
+        assert "goodbye from 0" in said and "goodbye from 1" in said, said
+        time.sleep(1)  # receiver ticks, at each of which a mesh beyond restart would end
+        assert not mesh.controller.stopped
+        mesh.restart([0, 1])
+        assert dict(mesh.run("rank").result()) == {0: 0, 1: 1}
+    finally:
+        mesh.stop()
+        outside.wait_all()

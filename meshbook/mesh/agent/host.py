@@ -44,6 +44,7 @@ from typing import Any
 from ..protocol import config
 from ..protocol import messages as msg
 from ..protocol.bodies import AgentConfig, Bootstrap
+from ..protocol.lastwords import LastWords
 from ..protocol.proc import Liveness
 from ..protocol.remote import AGENT_READY
 from ..protocol.versions import mismatch, versions
@@ -58,6 +59,7 @@ class RankProcess:
     pid: int
     pipes: dict[str, int]  # stream -> read end, drained after death for the last words
     crash_path: str
+    last_words: LastWords  # its last messages, sent on after its death (what had not left)
     oom_kills: int | None  # the cgroup's OOM-kill count when the rank started
     started: float  # time.monotonic() at the fork
     generation: int  # the process-group generation it was forked into
@@ -122,7 +124,7 @@ class Agent:
             control_addr=rank_address(self.rundir, rank, generation, msg.CONTROL),
             events_addr=self.link.rank_events,
             pipes=pipes, crash_path=crash_path, threads=self.threads, threads_note=self.threads_note,
-            liveness=self.liveness, lost_s=self.lost_s)
+            liveness=self.liveness, lost_s=self.lost_s, last_words=LastWords())
         oom = oom_kills()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -131,8 +133,8 @@ class Agent:
             run_rank(cfg)  # never returns
         for _, write in pipes.values():
             os.close(write)
-        self.procs[rank] = RankProcess(rank, pid, {n: r for n, (r, _) in pipes.items()}, crash_path, oom,
-                                       time.monotonic(), generation)
+        self.procs[rank] = RankProcess(rank, pid, {n: r for n, (r, _) in pipes.items()}, crash_path,
+                                       cfg.last_words, oom, time.monotonic(), generation)
         self.dead.discard(rank)
 
     def reap(self) -> None:
@@ -148,10 +150,12 @@ class Agent:
                 cause = "SIGKILL (killed by the OOM killer)"
             output = {name: _drain(fd) for name, fd in proc.pipes.items()}
             crash = _read_and_remove(proc.crash_path)
+            last = self.link.last_words(proc.last_words.read())  # before EXIT: what it said, first
+            proc.last_words.close()
             del self.procs[proc.rank]
             self.dead.add(proc.rank)
-            self.emit(msg.EXIT, None, {"cause": cause, "pid": pid, "output": output, "crash": crash},
-                      rank=proc.rank)
+            self.emit(msg.EXIT, None, {"cause": cause, "pid": pid, "output": output, "crash": crash,
+                                       "last": last}, rank=proc.rank)
 
     def kill(self, ranks: list[int], sig: int = signal.SIGKILL) -> None:
         for rank in ranks:

@@ -82,6 +82,11 @@ class LocalLink:
     def connect_rank(self, rank: int, generation: int, rundir: str) -> None:
         """Nothing to do: the controller connects to its ranks itself."""
 
+    def last_words(self, kept: list[bytes]) -> list[bytes]:
+        """A dead rank's last messages (:mod:`~..protocol.lastwords`) go up inside its ``EXIT``:
+        the controller, which took the ones that arrived, tells which did not."""
+        return kept
+
     def close(self) -> None:
         for sock in (self.cmd, self.up):
             sock.close(linger=2000)
@@ -220,6 +225,17 @@ class RemoteLink:
             return
         self._send_gathered()
         self.send(frames)
+
+    def last_words(self, kept: list[bytes]) -> list[bytes]:
+        """A dead rank's last messages (:mod:`~..protocol.lastwords`): after what it sent that
+        is here already, the ones that never arrived go up, in order, ahead of its ``EXIT``
+        (this agent checked and relayed the others); nothing is left for the ``EXIT``."""
+        self.operations(self.relay)
+        for message in kept:
+            if not self.gatherer.wire.taken([message]):
+                self.gatherer.add([message])
+        self._send_gathered()
+        return []
 
     def _send_gathered(self) -> None:
         frames = self.gatherer.take()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..protocol import proc, wire
+from ..protocol.lastwords import LastWords
 from ..protocol.topology import Topology
 
 
@@ -50,6 +51,8 @@ class RankConfig:
     #: may go on without: past that its host counts as lost, and the rank stops itself.
     liveness: proc.Liveness
     lost_s: float
+    #: Where this rank keeps its last messages for its agent (should it die before they left).
+    last_words: LastWords
 
 
 class RankContext(Protocol):

@@ -125,6 +125,7 @@ class Worker:
         self._out = self._ctx.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 2000)
         self._out.connect(cfg.events_addr)
+        cfg.last_words.claim()
         self._out_lock = threading.Lock()
         self._process = psutil.Process()
         self._process.cpu_percent()
@@ -147,7 +148,13 @@ class Worker:
              **header: Any) -> None:
         frames = self.wire.pack({msg.KIND: kind, msg.ID: request, msg.RANK: self.rank, **header}, body)
         with self._out_lock:
-            wire.send(self._out, frames, wait=wait)
+            self._send(frames, wait)
+
+    def _send(self, frames: list[Any], wait: bool) -> None:
+        """Up to the controller (under the send lock), kept first for the agent, which sends it
+        on should this rank die before ZeroMQ did (:mod:`~..protocol.lastwords`)."""
+        self.cfg.last_words.keep(frames)
+        wire.send(self._out, frames, wait=wait)
 
     def _output(self, request: int | None, stream: str, text: str) -> None:
         self.emit(msg.OUTPUT, request if request is not None else self.last_request,
@@ -365,7 +372,7 @@ class Worker:
             reply(frames)
             return
         with self._out_lock:
-            wire.send(self._out, frames, wait=True)
+            self._send(frames, True)
 
     def send_collectives(self) -> None:
         """What the collective clock recorded since it was last sent (either thread): taken,
@@ -374,8 +381,8 @@ class Worker:
         with self._out_lock:
             batch = self.clock.take()
             if batch is not None:
-                wire.send(self._out, self.wire.pack({msg.KIND: msg.COLLECTIVES, msg.ID: None, msg.RANK: self.rank},
-                                                    batch))
+                self._send(self.wire.pack({msg.KIND: msg.COLLECTIVES, msg.ID: None, msg.RANK: self.rank}, batch),
+                           False)
 
     def note_once(self, key: str, text: str) -> None:
         """Print ``text`` to the cell once per request (a loop calling init_process_group...)."""

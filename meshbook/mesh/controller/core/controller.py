@@ -557,7 +557,11 @@ class Controller:
             self.book.settle(request, ranks)
 
     def _on_exit(self, message: wire.Message) -> None:
-        self._ranks_died([message.header[msg.RANK]], message.body())
+        body = message.body()
+        for kept in body.get("last", ()):  # what the rank sent before it died: the ones lost, first
+            if not self.wire.taken([kept]):
+                self._take([kept])
+        self._ranks_died([message.header[msg.RANK]], body)
 
     def _on_hello(self, message: wire.Message) -> None:
         body, rank = message.body(), message.header[msg.RANK]
@@ -645,10 +649,13 @@ class Controller:
             self._end_if_beyond_restart()
 
     def _end_if_beyond_restart(self) -> None:
-        """Every rank is dead and no host can be started again (a Slurm job that ended, hosts
-        that joined from elsewhere): the mesh has ended. It stops, its cells say how it ended,
-        and a new start needs no --force."""
+        """Every rank is dead, no agent lives on to restart one, and no host can be started
+        again (a Slurm job that ended, hosts that joined from elsewhere): the mesh has ended.
+        It stops, its cells say how it ended, and a new start needs no --force. (Ranks that
+        all died of their code, under live agents, are a restart away: the mesh stays.)"""
         if self.launcher.relaunchable or any(s.state != "dead" for s in self.ranks.values()):
+            return
+        if len(self.agents.hosts_gone(list(self.ranks))) < len(self.agents.plans):
             return
         causes = sorted({s.cause for s in self.ranks.values()})
         reason = causes[0] if len(causes) == 1 else "every rank died: " + "; ".join(causes)
