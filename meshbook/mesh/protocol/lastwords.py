@@ -50,15 +50,16 @@ class LastWords:
         """The rank, under its send lock, just before it sends ``frames``."""
         if len(frames) != 1 or self._writer != os.getpid():
             return
-        data = memoryview(frames[0]).cast("B")
-        if data.nbytes > SLOT_BYTES:
+        data = frames[0] if isinstance(frames[0], bytes) else memoryview(frames[0]).cast("B")
+        size = len(data)
+        if size > SLOT_BYTES:
             return
         self._count += 1
         slot = self._count % SLOTS
         start = self._header + slot * SLOT_BYTES
         self._numbers[slot] = 0  # a write cut short leaves the slot empty, not half old
-        self._page[start:start + data.nbytes] = data
-        self._lengths[slot] = data.nbytes
+        self._page[start:start + size] = data
+        self._lengths[slot] = size
         self._numbers[slot] = self._count
 
     def read(self) -> list[bytes]:
