@@ -333,6 +333,24 @@ def test_the_landing_offers_fitting_files_and_closes_what_an_interrupted_pull_of
         lent.expire(time.monotonic() + lent.keep_s + 1)
 
 
+def test_the_landing_keeps_no_more_files_than_it_may() -> None:
+    landing, lent = Landing(keep=2), Lent()
+    try:
+        before = set(lent_files(os.getpid()))
+        payloads = [lent.lend(torch.full((SHARE_MIN // 4,), float(i)), "pull('x')") for i in range(3)]
+        values = [landing.load(payload, "pull")["value"] for payload in payloads]
+        assert [v[0].item() for v in values] == [0.0, 1.0, 2.0], "every value arrives"
+        for payload in payloads:
+            assert payload.shared is not None
+            lent.release(payload.shared.token)
+        del values
+        gc.collect()
+        assert len(set(lent_files(os.getpid())) - before) == 2, "the third file went with its mapping"
+        assert len(landing.offer({i: SHARE_MIN for i in range(3)})) == 2
+    finally:
+        landing.close()
+
+
 class CountsPickling:
     count = 0
 

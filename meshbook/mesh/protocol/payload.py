@@ -245,7 +245,9 @@ class Landing:
     own: the rank closes its one), learns when the value's mapping is collected (a finalizer),
     and offers the file to a later pull (:meth:`offer`), whose rank writes over it. A file
     nothing maps holds memory nobody uses: it is closed after ``idle_s`` (:meth:`expire`, at
-    every tick of the controller), and no more than ``keep`` are kept.
+    every tick of the controller). No more than ``keep`` files are kept, mapped or free: a
+    notebook that holds many pulled values holds no more descriptors (the mapping needs none),
+    and the values past that are mapped as before, their files closed at once.
     """
 
     def __init__(self, keep: int = 64, idle_s: float = 5.0) -> None:
@@ -291,8 +293,12 @@ class Landing:
             os.close(fd)
             raise
         with self._lock:
-            self._mapped[fd] = weakref.finalize(mapped, self._unmapped.append, fd)
-            self._mapped[fd].atexit = False
+            if len(self._mapped) + len(self._free) < self.keep:
+                self._mapped[fd] = weakref.finalize(mapped, self._unmapped.append, fd)
+                self._mapped[fd].atexit = False
+                fd = -1
+        if fd >= 0:
+            os.close(fd)  # enough files kept: this one's pages live with its mapping alone
         return wire.loads(payload.body, views)
 
     def settle(self, slots: Mapping[int, Slot], clean: bool) -> None:
