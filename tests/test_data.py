@@ -284,6 +284,15 @@ def test_a_later_pull_writes_over_the_files_of_values_nothing_maps_any_more(mesh
     gc.collect()
     landing.expire(time.monotonic() + landing.idle_s + 1)  # what earlier tests pulled: closed
     before = pull_files(os.getpid())
+    idle, landing.idle_s = landing.idle_s, 600.0  # a slow machine's pulls must not see them expire
+    try:
+        pull_three_times(mesh4, before)
+    finally:
+        landing.idle_s = idle
+
+
+def pull_three_times(mesh4: meshbook.Mesh, before: set[int]) -> None:
+    landing = mesh4.controller.landing
     mesh4.run(f"landed = torch.full(({SHARE_MIN},), float(rank))").result()
     kept = mesh4.pull("landed")  # still held below: its files must never be written over
     mesh4.run("landed += 10").result()
@@ -318,8 +327,10 @@ def test_the_landing_offers_fitting_files_and_closes_what_an_interrupted_pull_of
         assert landing.offer({0: SHARE_MIN // 4}) == {}, "below the size worth sharing"
         slots = landing.offer({0: SHARE_MIN, 1: SHARE_MIN})
         assert list(slots) == [0], "one free file, offered once"
+        files = set(lent_files(os.getpid()))
         landed = lent.lend(torch.zeros(SHARE_MIN // 4), "pull('x')", slots[0])
-        assert landed.shared is not None and landed.shared.fd == slots[0].fd and lent_files(os.getpid())
+        assert landed.shared is not None and landed.shared.fd == slots[0].fd
+        assert set(lent_files(os.getpid())) == files, "written into the offered file: no new one lent"
         assert torch.equal(landing.load(landed, "pull")["value"], torch.zeros(SHARE_MIN // 4))
         landing.settle(slots, True)
         gc.collect()

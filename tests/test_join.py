@@ -211,8 +211,12 @@ def test_ranks_that_all_die_say_their_last_words_and_wait_for_a_restart(tmp_path
         assert {f.died for f in info.value.failures.values()} == {"exit code 3"}
         said = "".join(e.text for e in run.events() if isinstance(e, meshbook.Output))
         assert "goodbye from 0" in said and "goodbye from 1" in said, said
-        time.sleep(1)  # receiver ticks, at each of which a mesh beyond restart would end
-        assert not mesh.controller.stopped
+        ticks: list[int] = []
+        mesh.controller.tick_listeners.append(lambda runs: ticks.append(1))
+        deadline = time.monotonic() + 60
+        while len(ticks) < 3 and time.monotonic() < deadline:  # at each, a mesh beyond restart ends
+            time.sleep(0.05)
+        assert len(ticks) >= 3 and not mesh.controller.stopped
         mesh.restart([0, 1])
         assert dict(mesh.run("rank").result()) == {0: 0, 1: 1}
     finally:

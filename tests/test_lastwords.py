@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from meshbook.mesh.protocol import wire
-from meshbook.mesh.protocol.lastwords import SLOT_BYTES, SLOTS, LastWords
+from meshbook.mesh.protocol.lastwords import BIGGEST, INDEX, RING, LastWords
 
 
 def messages(sender: wire.Wire, count: int) -> list[bytes]:
@@ -15,13 +15,25 @@ def messages(sender: wire.Wire, count: int) -> list[bytes]:
 def test_the_last_messages_are_read_back_oldest_first() -> None:
     kept = LastWords()
     kept.claim()
-    sent = messages(wire.Wire(b"k" * 32), SLOTS + 5)
+    sent = messages(wire.Wire(b"k" * 32), INDEX + 5)
     for message in sent[:3]:
         kept.keep([message])
     assert kept.read() == sent[:3]
     for message in sent[3:]:
         kept.keep([message])
-    assert kept.read() == sent[-SLOTS:], "the oldest are written over"
+    assert kept.read() == sent[-INDEX:], "the oldest entries are written over"
+    kept.close()
+
+
+def test_messages_the_ring_wrote_over_are_not_read_back() -> None:
+    kept = LastWords()
+    kept.claim()
+    big = [bytes([i]) * (BIGGEST - 100) for i in range(40)]
+    for message in big:
+        kept.keep([message])
+    back = kept.read()
+    assert RING // BIGGEST - 1 <= len(back) < RING // (BIGGEST - 100) + 1
+    assert back == big[-len(back):], "whole messages only, the newest ones, in order"
     kept.close()
 
 
@@ -30,7 +42,7 @@ def test_messages_with_buffers_big_ones_and_a_childs_are_not_kept() -> None:
     kept.keep([b"before the rank claimed it"])
     kept.claim()
     kept.keep([b"envelope", b"a buffer"])
-    kept.keep([b"x" * (SLOT_BYTES + 1)])
+    kept.keep([b"x" * (BIGGEST + 1)])
     pid = os.fork()
     if pid == 0:  # a child the rank forks (a data loader worker) writes nothing here
         kept.keep([b"from the child"])

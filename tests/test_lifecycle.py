@@ -74,6 +74,17 @@ def test_rank_that_exits_reports_its_exit_code_and_last_words(mesh2: meshbook.Me
         mesh2.restart([0])
 
 
+def test_a_rank_that_dies_right_after_much_output_loses_none_of_it(mesh2: meshbook.Mesh) -> None:
+    """Hundreds of lines may still wait in ZeroMQ's queue when the rank dies (its I/O thread
+    need not run while the main thread prints): none is lost, none comes twice, in order."""
+    code = "import os\nfor i in range(500):\n    print(f'line {i}', flush=True)\nos._exit(3)"
+    run = mesh2.run(code, ranks=[0])
+    with pytest.raises(RemoteError):
+        run.result(timeout=60, echo=False)
+    said = "".join(e.text for e in run.events() if isinstance(e, meshbook.Output))
+    assert [line for line in said.splitlines() if line.startswith("line ")] == [f"line {i}" for i in range(500)]
+
+
 def test_segfault_is_reported_with_its_signal_and_stack(mesh2: meshbook.Mesh) -> None:
     with pytest.raises(RemoteError) as info:
         mesh2.run("import ctypes\nctypes.string_at(0)", ranks=[1]).result(timeout=30)

@@ -6,16 +6,23 @@ in native code, the OOM killer) takes what was still queued with it, and that is
 line that says why it died: tried as a new user would, ``print("...", flush=True)`` followed
 by ``os._exit(3)`` lost its line 14 times in 15, on one host and across hosts alike.
 
-So a rank first writes each small message it sends into memory it shares with its agent (an
-anonymous shared mapping the agent makes before the fork, like
-:class:`~.proc.Liveness`), in one of :data:`SLOTS` slots taken in turn. When the agent reaps
-the rank it reads the slots back (:meth:`LastWords.read`) and sends them on before the rank's
-``EXIT``. They are the rank's own signed messages, so whoever checks them drops the ones that
-did arrive (:meth:`~.wire.Wire.taken`): each arrives once, in the order the rank sent them.
+So a rank first writes each message it sends (without buffers, up to :data:`BIGGEST`) into
+memory it shares with its agent (an anonymous shared mapping the agent makes before the fork,
+like :class:`~.proc.Liveness`): a ring of :data:`RING` bytes, with an index of the last
+:data:`INDEX` messages. That is room for thousands of lines of output: on a busy 2-core machine a
+rank's ZeroMQ thread may not run at all while its main thread prints hundreds, so a ring of a
+few messages would still lose most of them. When the agent reaps the rank it reads them back
+(:meth:`LastWords.read`) and sends them on ahead of the rank's ``EXIT``, after what reached it
+from the rank before (the agent drains its relay, the controller its socket). They are the
+rank's own signed messages, so whoever checks them drops the ones that did arrive
+(:meth:`~.wire.Wire.taken`): each arrives once, in the order the rank sent them. A message
+still in the dead rank's socket buffer when that drain ran arrives after the ``EXIT``, and is
+refused as a replay if it is older than the last words.
 
-A slot is committed by writing its number last, after its length and bytes: a rank killed in
-the middle of a write leaves a slot numbered 0, which is skipped. Messages with buffers (a
-pulled tensor) or bigger than a slot are not kept; they are not a rank's last words.
+A message is committed by writing its number last, after its place and bytes: a rank killed in
+the middle of a write leaves an index entry numbered 0, which is skipped. Places are absolute
+byte counts, so the reader tells a message that newer bytes wrote over (more than :data:`RING`
+behind the newest end) from one still whole.
 """
 
 from __future__ import annotations
@@ -24,22 +31,27 @@ import mmap
 import os
 from typing import Any
 
-#: How many of a rank's last messages are kept, and how big each may be.
-SLOTS = 32
-SLOT_BYTES = 16 << 10
+#: The last messages kept: how many at most, in how many bytes, and the biggest one kept.
+INDEX = 4096
+RING = 1 << 20
+BIGGEST = 64 << 10
 
 _WORD = 8
 
 
 class LastWords:
-    """The last :data:`SLOTS` small messages of one rank process (made by its agent)."""
+    """The last small messages of one rank process (made by its agent, written by the rank)."""
 
     def __init__(self) -> None:
-        self._header = SLOTS * 2 * _WORD  # per slot: its message's number, then its length
-        self._page = mmap.mmap(-1, self._header + SLOTS * SLOT_BYTES)  # shared, anonymous
-        self._numbers = memoryview(self._page)[:SLOTS * _WORD].cast("q")
-        self._lengths = memoryview(self._page)[SLOTS * _WORD:self._header].cast("q")
+        self._data = INDEX * 3 * _WORD  # per entry: the message's number, place and length
+        self._page = mmap.mmap(-1, self._data + RING)  # shared, anonymous
+        view = memoryview(self._page)
+        self._numbers = view[:INDEX * _WORD].cast("q")
+        self._places = view[INDEX * _WORD:2 * INDEX * _WORD].cast("q")
+        self._lengths = view[2 * INDEX * _WORD:self._data].cast("q")
+        view.release()
         self._count = 0
+        self._end = 0  # where the next message goes, counted in bytes since the first
         self._writer = 0  # the process that writes: the rank, not a child it forks
 
     def claim(self) -> None:
@@ -52,26 +64,35 @@ class LastWords:
             return
         data = frames[0] if isinstance(frames[0], bytes) else memoryview(frames[0]).cast("B")
         size = len(data)
-        if size > SLOT_BYTES:
+        if size > BIGGEST:
             return
+        place = self._end
+        if place % RING + size > RING:  # a message never wraps: it starts the ring again
+            place += RING - place % RING
         self._count += 1
-        slot = self._count % SLOTS
-        start = self._header + slot * SLOT_BYTES
-        self._numbers[slot] = 0  # a write cut short leaves the slot empty, not half old
+        entry = self._count % INDEX
+        self._numbers[entry] = 0  # a write cut short leaves the entry empty, not half old
+        self._places[entry] = place
+        self._lengths[entry] = size
+        start = self._data + place % RING
         self._page[start:start + size] = data
-        self._lengths[slot] = size
-        self._numbers[slot] = self._count
+        self._numbers[entry] = self._count
+        self._end = place + size
 
     def read(self) -> list[bytes]:
         """The agent, once the rank died: the kept messages, oldest first."""
-        kept = sorted((number, slot) for slot, number in enumerate(self._numbers) if number > 0)
+        end = max((place + length for place, length in zip(self._places, self._lengths)), default=0)
+        kept = sorted((number, entry) for entry, number in enumerate(self._numbers)
+                      if number > 0 and self._places[entry] >= end - RING)
         out = []
-        for _, slot in kept:
-            start = self._header + slot * SLOT_BYTES
-            out.append(self._page[start:start + self._lengths[slot]])
+        for _, entry in kept:
+            start = self._data + self._places[entry] % RING
+            out.append(self._page[start:start + self._lengths[entry]])
         return out
 
     def close(self) -> None:
+        """The agent, once it read them: the memory goes (the rank's copy went with it)."""
         self._numbers.release()
+        self._places.release()
         self._lengths.release()
         self._page.close()

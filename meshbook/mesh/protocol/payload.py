@@ -245,9 +245,14 @@ class Landing:
     own: the rank closes its one), learns when the value's mapping is collected (a finalizer),
     and offers the file to a later pull (:meth:`offer`), whose rank writes over it. A file
     nothing maps holds memory nobody uses: it is closed after ``idle_s`` (:meth:`expire`, at
-    every tick of the controller). No more than ``keep`` files are kept, mapped or free: a
-    notebook that holds many pulled values holds no more descriptors (the mapping needs none),
-    and the values past that are mapped as before, their files closed at once.
+    every tick of the controller). No more than ``keep`` files are kept, mapped or free: each
+    costs a descriptor besides the one Python's ``mmap`` keeps of its own, and a notebook that
+    holds many pulled values must not run out of them; past that, a file is closed once
+    mapped, as before.
+
+    A notebook process that forks (``multiprocessing`` with ``fork``) while it holds a pulled
+    value hands its child the mapping: once the parent drops the value, a later pull may write
+    over pages the child still reads. Pass such values to children as copies.
     """
 
     def __init__(self, keep: int = 64, idle_s: float = 5.0) -> None:
@@ -257,6 +262,7 @@ class Landing:
         self._unmapped: collections.deque[int] = collections.deque()  # finalizers append, lock-free
         self._offered: set[int] = set()
         self._lock = threading.Lock()
+        self._closed = False
 
     def offer(self, needs: Mapping[int, int]) -> dict[int, Slot]:
         """A free file for each key that will write ``needs[key]`` bytes: the smallest that is
@@ -270,9 +276,9 @@ class Landing:
                     continue
                 entry = min(fits)
                 self._free.remove(entry)
+                self._offered.add(entry[2])  # first: settle() closes it whatever happens next
                 slots[key] = Slot(os.getpid(), entry[2], secrets.token_bytes(_TOKEN_BYTES))
                 os.pwrite(entry[2], slots[key].token, 0)
-                self._offered.add(entry[2])
         return slots
 
     def load(self, payload: Payload, what: str) -> Any:
@@ -293,7 +299,7 @@ class Landing:
             os.close(fd)
             raise
         with self._lock:
-            if len(self._mapped) + len(self._free) < self.keep:
+            if not self._closed and len(self._mapped) + len(self._free) < self.keep:
                 self._mapped[fd] = weakref.finalize(mapped, self._unmapped.append, fd)
                 self._mapped[fd].atexit = False
                 fd = -1
@@ -325,8 +331,11 @@ class Landing:
                 os.close(entry[2])
 
     def close(self) -> None:
-        """Close every file (the mesh stopped); a value still mapped keeps its pages."""
+        """Close every file (the mesh stopped); a value still mapped keeps its pages. A pull
+        still loading after this keeps no file."""
         with self._lock:
+            self._closed = True
+            self._unmapped.clear()
             for fd, finalizer in self._mapped.items():
                 finalizer.detach()
                 os.close(fd)
@@ -345,6 +354,7 @@ class Landing:
                 self._give_back(fd, now)
 
     def _give_back(self, fd: int, now: float) -> None:
+        """File ``fd`` is free to offer (under the lock); the oldest free one goes past ``keep``."""
         self._free.append((os.fstat(fd).st_size, now, fd))
         self._free.sort()
         while len(self._free) > self.keep:
@@ -408,7 +418,7 @@ def _land(slot: Slot, views: list[memoryview]) -> SharedFile | None:
     """``views`` written into the file the reader offered (``slot``), cut to their size; None
     where it cannot be (the file is gone, or is not that one): a new file is lent then."""
     try:
-        fd = os.open(f"/proc/{slot.pid}/fd/{slot.fd}", os.O_RDWR)
+        fd = os.open(f"/proc/{slot.pid}/fd/{slot.fd}", os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return None
     try:

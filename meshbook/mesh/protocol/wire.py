@@ -220,6 +220,7 @@ class ReplayGuard(threading.local):
         self.newest[sender, stream] = number
 
     def taken(self, sender: bytes, stream: int, number: int) -> bool:
+        """Would :meth:`admit` refuse this number? Asked, not admitted: nothing is recorded."""
         return number <= self.newest.get((sender, stream), 0)
 
 

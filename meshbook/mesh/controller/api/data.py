@@ -144,13 +144,13 @@ class DataOps:
         if total > max_bytes:
             raise TooLargeError(_too_large(name, infos, total, max_bytes))
         share = self.controller.agents.same_host and total >= SHARE_MIN
-        landing = self.controller.landing
-        slots = landing.offer({rank: info.nbytes or 0 for rank, info in infos.items()}) if share else {}
-        run = self.call(ops.fetch, name, share, slots, ranks=chosen, what=f"pull({name!r})")
         if not share:
-            return run.result(echo=False)
-        answered = False
+            return self.call(ops.fetch, name, False, ranks=chosen, what=f"pull({name!r})").result(echo=False)
+        landing = self.controller.landing
+        slots = landing.offer({rank: info.nbytes or 0 for rank, info in infos.items()})
+        run, answered = None, False
         try:
+            run = self.call(ops.fetch, name, True, slots, ranks=chosen, what=f"pull({name!r})")
             answers = run.result(echo=False)
             answered = True
             return answers.replaced({rank: landing.load(payload, "pull")["value"]
@@ -158,7 +158,7 @@ class DataOps:
         finally:  # mapped, or never to be: the ranks close the files they lent either way
             landing.settle(slots, answered)
             offered = {slot.token for slot in slots.values()}
-            lent = {rank: payload.shared.token for rank, payload in run.values().items()
+            lent = {rank: payload.shared.token for rank, payload in (run.values() if run else {}).items()
                     if payload.shared and payload.shared.token not in offered}
             if lent:
                 with contextlib.suppress(MeshError):  # a stopped mesh's ranks are gone, files and all

@@ -421,7 +421,10 @@ class Controller:
         with self._lock:
             runs = list(self.book.runs.values())
         for listener in self.tick_listeners:
-            listener(runs)
+            try:  # one failing must not starve the others, nor the links' pings below
+                listener(runs)
+            except Exception as exc:
+                log(f"a tick listener failed: {type(exc).__name__}: {exc}")
         if self.transport.network is not None:
             self.transport.network.tick(self._op, self._host_lost)
 
@@ -558,9 +561,13 @@ class Controller:
 
     def _on_exit(self, message: wire.Message) -> None:
         body = message.body()
-        for kept in body.get("last", ()):  # what the rank sent before it died: the ones lost, first
-            if not self.wire.taken([kept]):
-                self._take([kept])
+        if body.get("last"):  # a local rank's last words (a remote agent sent them on, in order)
+            # What it sent that is queued here goes first, in order: its last words would make
+            # the replay check refuse what is older than them. Then the ones that never left it.
+            self.transport.take_waiting(self._take)
+            for kept in body["last"]:
+                if not self.wire.taken([kept]):
+                    self._take([kept])
         self._ranks_died([message.header[msg.RANK]], body)
 
     def _on_hello(self, message: wire.Message) -> None:

@@ -141,6 +141,12 @@ class Transport:
                 self.network.sent_on.clear()
         watch.close()
 
+    def take_waiting(self, on_message: Handler) -> None:
+        """Hand on what the ranks' and agent's socket holds now (the receiver thread only, from
+        inside a handler: a rank's ``EXIT`` lets through first what that rank sent before it)."""
+        for frames in wire.ready(self.events):
+            on_message(frames)
+
     def _sockets(self) -> list[zmq.Socket]:
         return [self.events, self._wake_recv, *(self.network.sockets() if self.network else ())]
 
