@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from typing import Any
 
 #: The last messages kept: how many at most, in how many bytes, and the biggest one kept.
@@ -52,15 +53,16 @@ class LastWords:
         view.release()
         self._count = 0
         self._end = 0  # where the next message goes, counted in bytes since the first
-        self._writer = 0  # the process that writes: the rank, not a child it forks
+        self._writing = False  # in the rank, not in the agent nor in a child the rank forks
 
     def claim(self) -> None:
         """The rank, once forked: its messages are the ones kept (not a child's it forks)."""
-        self._writer = os.getpid()
+        self._writing = True
+        _claimed.add(self)
 
     def keep(self, frames: list[Any]) -> None:
         """The rank, under its send lock, just before it sends ``frames``."""
-        if len(frames) != 1 or self._writer != os.getpid():
+        if not self._writing or len(frames) != 1:
             return
         data = frames[0] if isinstance(frames[0], bytes) else memoryview(frames[0]).cast("B")
         size = len(data)
@@ -96,3 +98,16 @@ class LastWords:
         self._places.release()
         self._lengths.release()
         self._page.close()
+
+
+#: Claimed rings of this process: a child it forks writes into none of them (a flag cleared at
+#: the fork, not a ``getpid()`` system call on every message a rank sends).
+_claimed: "weakref.WeakSet[LastWords]" = weakref.WeakSet()
+
+
+def _disown_all() -> None:
+    for kept in list(_claimed):
+        kept._writing = False
+
+
+os.register_at_fork(after_in_child=_disown_all)
