@@ -24,7 +24,7 @@ from meshbook import (
     TooLargeError,
 )
 from meshbook.mesh.protocol.namespaces import Layout, Namespaces, VarInfo
-from meshbook.mesh.protocol.payload import SHARE_MIN, Landing, Lent, pack
+from meshbook.mesh.protocol.payload import SHARE_MIN, FreeFiles, Landing, Lent, pack
 
 DTENSOR_SETUP = """
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -360,6 +360,33 @@ def test_the_landing_keeps_no_more_files_than_it_may() -> None:
         assert len(landing.offer({i: SHARE_MIN for i in range(3)})) == 2
     finally:
         landing.close()
+
+
+def test_free_files_give_the_smallest_fit_and_close_the_oldest_past_their_keep() -> None:
+    """The pool behind both reuses (the landing's pulls, the actors' segments)."""
+    free = FreeFiles(keep=2)
+    fds = [os.memfd_create(f"free-{size}") for size in (300, 100, 200)]
+    for fd, size in zip(fds, (300, 100, 200)):
+        os.ftruncate(fd, size)
+    try:
+        free.put(fds[0], now=1.0)
+        free.put(fds[1], now=2.0)
+        free.put(fds[2], now=3.0)  # one past the keep: the one freed first (300 bytes) is closed
+        with pytest.raises(OSError):
+            os.fstat(fds[0])
+        assert len(free) == 2 and free.take(250) is None, "nothing big enough"
+        assert free.take(150, most=180) is None, "nothing small enough"
+        assert free.take(50) == fds[1], "the smallest that fits"
+        free.put(fds[1], now=10.0)
+        free.expire(now=12.0, idle_s=5.0)  # freed at 3.0: idle long enough
+        with pytest.raises(OSError):
+            os.fstat(fds[2])
+        assert free.take(50) == fds[1] and len(free) == 0
+        free.put(fds[1], now=20.0)
+    finally:
+        free.close()
+    with pytest.raises(OSError):
+        os.fstat(fds[1])
 
 
 class CountsPickling:
