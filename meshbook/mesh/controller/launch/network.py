@@ -125,6 +125,7 @@ class Network:
         self.epoch = epoch
         self.links: dict[int, HostLink] = {}
         self._dialled: dict[zmq.Socket, HostLink] = {}  # the links we dialled, by their socket
+        self._joined: dict[bytes, HostLink] = {}  # the links that joined, by their routing id
         self.router: zmq.Socket | None = None  # where joining agents dial in
         self.joined: list[Joined] = []
         self.joined_changed = threading.Condition()
@@ -232,6 +233,7 @@ class Network:
         # New dicts, not changed ones: the receiver may be going through the old ones.
         self.links = {**self.links, link.host: link}
         self._dialled = {candidate.sock: candidate for candidate in self.links.values() if candidate.sock is not None}
+        self._joined = {candidate.identity: candidate for candidate in self.links.values() if candidate.identity}
         self.version += 1
         self.wake()
 
@@ -270,8 +272,7 @@ class Network:
                 self._forward(frames)
             elif sock is self.router:
                 identity = frames[0].bytes
-                link = next((candidate for candidate in self.links.values() if candidate.identity == identity), None)
-                self._in_order(link, identity, frames[1:], handle)
+                self._in_order(self._joined.get(identity), identity, frames[1:], handle)
             else:
                 self._in_order(dialled, b"", frames, handle)
 
