@@ -32,6 +32,8 @@ class ExternalLauncher:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.announced = ""
         self.token = ""
+        #: What each agent wrote to stderr, read once it exited (see ``wait_all``).
+        self.said: list[str] = []
 
     def announce(self, text: str, launcher: meshbook.Join, hosts: int) -> None:
         self.announced = text
@@ -60,6 +62,7 @@ class ExternalLauncher:
                 proc.wait()
                 codes.append(-9)
             if proc.stderr is not None:
+                self.said.append(proc.stderr.read().decode(errors="replace"))
                 proc.stderr.close()
         return codes
 
@@ -73,7 +76,9 @@ def start_joined(tmp_path: object, hosts: int = 2, per_host: int = 2, token_in_e
     try:
         mesh = meshbook.start(hosts * per_host, launcher=launcher, timeout=120)
     except BaseException:
-        outside.wait_all(5)
+        codes = outside.wait_all(5)
+        for code, said in zip(codes, outside.said):  # pytest shows this beside the failure
+            print(f"joining agent exited {code}; its stderr:\n{said}", file=sys.stderr)
         raise
     return mesh, outside
 
