@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from typing import Iterator
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import meshbook
+from meshbook.mesh.controller.launch.network import Network
 from meshbook.mesh.protocol.remote import TOKEN_ENV
 
 
@@ -68,13 +70,13 @@ class ExternalLauncher:
 
 
 def start_joined(tmp_path: object, hosts: int = 2, per_host: int = 2, token_in_env: bool = False,
-                 **kw: object) -> tuple[meshbook.Mesh, ExternalLauncher]:
+                 timeout: float = 120, **kw: object) -> tuple[meshbook.Mesh, ExternalLauncher]:
     outside = ExternalLauncher(token_in_env)
     launcher = meshbook.Join(hosts=hosts, per_host=per_host, address="127.0.0.1", token_dir=str(tmp_path),
                              **kw)  # type: ignore[arg-type]
     launcher.announce = lambda text: outside.announce(text, launcher, hosts)
     try:
-        mesh = meshbook.start(hosts * per_host, launcher=launcher, timeout=120)
+        mesh = meshbook.start(hosts * per_host, launcher=launcher, timeout=timeout)
     except BaseException:
         codes = outside.wait_all(5)
         for code, said in zip(codes, outside.said):  # pytest shows this beside the failure
@@ -224,6 +226,39 @@ def test_ranks_that_all_die_say_their_last_words_and_wait_for_a_restart(tmp_path
         assert len(ticks) >= 3 and not mesh.controller.stopped
         mesh.restart([0, 1])
         assert dict(mesh.run("rank").result()) == {0: 0, 1: 1}
+    finally:
+        mesh.stop()
+        outside.wait_all()
+
+
+def test_a_router_opened_while_the_receiver_takes_its_sockets_is_watched(tmp_path: object,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver once read the network's version after taking its sockets: a join router
+    opened in between was never watched, and no host could join (a rare start-up failure
+    under load). Here the router opens exactly then, every time."""
+    listed, opened = threading.Event(), threading.Event()
+    real_sockets, real_open_join = Network.sockets, Network.open_join
+
+    def sockets(self: Network) -> list[object]:
+        found = real_sockets(self)
+        if self.router is None and not listed.is_set() and threading.current_thread().name == "meshbook-receiver":
+            listed.set()
+            opened.wait(60)  # the router opens now, while this list lacks it
+        return found
+
+    def open_join(self: Network, *args: object) -> object:
+        listed.wait(60)  # the receiver is taking its sockets
+        try:
+            return real_open_join(self, *args)
+        finally:
+            opened.set()
+
+    monkeypatch.setattr(Network, "sockets", sockets)
+    monkeypatch.setattr(Network, "open_join", open_join)
+    mesh, outside = start_joined(tmp_path, hosts=1, per_host=1, timeout=60)
+    try:
+        assert listed.is_set(), "the receiver took its sockets while the router opened"
+        assert dict(mesh.run("rank").result()) == {0: 0}
     finally:
         mesh.stop()
         outside.wait_all()

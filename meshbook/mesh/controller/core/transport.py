@@ -98,6 +98,7 @@ class Transport:
         """Poll ``network``'s links from now on (the receiver owns their sockets)."""
         self.network = network
         network.wake = self.wake
+        self.wake()
 
     def wake(self) -> None:
         """Make the receiver poll new sockets now (it looks again every ``TICK_S`` anyway)."""
@@ -113,9 +114,13 @@ class Transport:
             try:  # the receiver must outlive any one failure
                 network = self.network
                 if network is not None and network.version != version:
+                    # The version first: a socket added while the list below is taken bumps
+                    # it again, and is watched at the next turn (taken after the list, it
+                    # would be missed until the next change, which may never come).
+                    version = network.version
                     network.close_retired()
                     watch.close()
-                    watch, version = Watch(self._sockets()), network.version
+                    watch = Watch(self._sockets())
                 ready = watch.ready(TICK_S)
                 if self._wake_recv in ready:
                     if self._wake_recv.recv() == b"stop":

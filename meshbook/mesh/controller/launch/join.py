@@ -111,9 +111,11 @@ class Join(Launcher):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     names = ", ".join(j.hostname for j in network.joined) or "none"
+                    allowlist = network.allowlist
                     raise MeshError(f"only {len(network.joined)} of {hosts} host(s) joined in time "
-                                    f"(joined: {names}); pass a larger timeout=, or check that the "
-                                    f"hosts can reach this machine")
+                                    f"(joined: {names}; connections admitted: {sum(allowlist.admitted.values())}, "
+                                    f"refused for a wrong token: {sum(allowlist.refused.values())}); pass "
+                                    f"a larger timeout=, or check that the hosts can reach this machine")
                 network.joined_changed.wait(min(left, 0.25))
             return sorted(network.joined, key=lambda j: (j.hostname, j.address))[:hosts]
 
