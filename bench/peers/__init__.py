@@ -15,11 +15,25 @@ would: meshbook through its Python API, ipyparallel through a ``Cluster`` and a
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 from ..procs import reaped
+
+
+def tolerate_monarch_faults() -> None:
+    """Monarch ends this process's main thread with a KeyboardInterrupt when a process of one
+    of its meshes dies unsupervised, even a mesh stopped minutes before whose stragglers the
+    reaper killed (see :mod:`bench.procs`): that interrupt once cut a full run short in the
+    next workload. A fault is logged here instead; a measurement it breaks fails on its own."""
+    import monarch.actor
+
+    def log(failure: Any) -> None:
+        print(f"[bench] Monarch reported a fault (logged, not raised): {failure}", file=sys.stderr, flush=True)
+
+    monarch.actor.unhandled_fault_hook = log
 
 
 class Handle(Protocol):

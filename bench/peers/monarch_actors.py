@@ -8,6 +8,10 @@ from typing import Any
 
 from monarch.actor import Actor, endpoint
 
+from . import tolerate_monarch_faults
+
+tolerate_monarch_faults()
+
 
 class Ping(Actor):
     @endpoint

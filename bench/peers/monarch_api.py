@@ -12,13 +12,16 @@ from monarch.actor import Actor, current_rank, endpoint, this_host
 
 from meshbook.mesh.controller.core.agents import free_port
 
-from . import rank_side
+from . import rank_side, tolerate_monarch_faults
 
 NAME = "Monarch"
 DISPATCH = "endpoint.call().get()"
 #: Procs are fresh interpreters that import torch themselves.
 RANKS_FORKED = False
 DATA_API = "endpoint argument/return"
+
+
+tolerate_monarch_faults()
 
 
 class Rank(Actor):
