@@ -99,6 +99,16 @@ class Allowlist:
         with self._lock:
             return key in self.keys
 
+    def count(self, peer: str, admitted: bool) -> None:
+        """A handshake from ``peer`` was admitted (or refused): the ZAP handler's thread."""
+        with self._lock:
+            (self.admitted if admitted else self.refused)[peer] += 1
+
+    def tally(self) -> tuple[int, int]:
+        """How many handshakes were admitted and refused so far (any thread)."""
+        with self._lock:
+            return sum(self.admitted.values()), sum(self.refused.values())
+
     def serve(self, ctx: zmq.Context) -> "ZapHandler":
         """Start answering ZAP requests of ``ctx`` (before any Curve server socket binds)."""
         return ZapHandler(ctx, self)
@@ -145,7 +155,7 @@ class ZapHandler:
         admitted = (mechanism == b"CURVE" and len(credentials) == 1
                     and self.allowlist.decide(z85.encode(credentials[0])))
         peer = address.decode(errors="replace")
-        (self.allowlist.admitted if admitted else self.allowlist.refused)[peer] += 1
+        self.allowlist.count(peer, admitted)
         status = (b"200", b"OK") if admitted else (b"400", b"not one of this mesh's keys")
         self._sock.send_multipart([*envelope, version, request_id, *status, b"", b""])
 

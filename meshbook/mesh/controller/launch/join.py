@@ -111,10 +111,10 @@ class Join(Launcher):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     names = ", ".join(j.hostname for j in network.joined) or "none"
-                    allowlist = network.allowlist
+                    admitted, refused = network.allowlist.tally()
                     raise MeshError(f"only {len(network.joined)} of {hosts} host(s) joined in time "
-                                    f"(joined: {names}; connections admitted: {sum(allowlist.admitted.values())}, "
-                                    f"refused for a wrong token: {sum(allowlist.refused.values())}); pass "
+                                    f"(joined: {names}; connections admitted: {admitted}, refused for a "
+                                    f"key this mesh does not know, such as an old token: {refused}); pass "
                                     f"a larger timeout=, or check that the hosts can reach this machine")
                 network.joined_changed.wait(min(left, 0.25))
             return sorted(network.joined, key=lambda j: (j.hostname, j.address))[:hosts]

@@ -125,7 +125,7 @@ class Network:
         self.epoch = epoch
         self.links: dict[int, HostLink] = {}
         self._dialled: dict[zmq.Socket, HostLink] = {}  # the links we dialled, by their socket
-        self._joined: dict[bytes, HostLink] = {}  # the links that joined, by their routing id
+        self._by_identity: dict[bytes, HostLink] = {}  # the links that joined, by their routing id
         self.router: zmq.Socket | None = None  # where joining agents dial in
         self.joined: list[Joined] = []
         self.joined_changed = threading.Condition()
@@ -233,7 +233,7 @@ class Network:
         # New dicts, not changed ones: the receiver may be going through the old ones.
         self.links = {**self.links, link.host: link}
         self._dialled = {candidate.sock: candidate for candidate in self.links.values() if candidate.sock is not None}
-        self._joined = {candidate.identity: candidate for candidate in self.links.values() if candidate.identity}
+        self._by_identity = {candidate.identity: candidate for candidate in self.links.values() if candidate.identity}
         self.version += 1
         self.wake()
 
@@ -272,7 +272,7 @@ class Network:
                 self._forward(frames)
             elif sock is self.router:
                 identity = frames[0].bytes
-                self._in_order(self._joined.get(identity), identity, frames[1:], handle)
+                self._in_order(self._by_identity.get(identity), identity, frames[1:], handle)
             else:
                 self._in_order(dialled, b"", frames, handle)
 
