@@ -45,11 +45,12 @@ class Outgoing:
         #: The newest number that is no longer kept although unacknowledged (0: none).
         self.let_go = 0
 
-    def number(self, frames: list[Any]) -> int:
-        """The number of a message about to be sent; it is kept for sending again."""
+    def number(self, frames: list[Any], nbytes: int | None = None) -> int:
+        """The number of a message about to be sent; it is kept for sending again. ``nbytes``:
+        its size, where the caller knows it (one request fanned out to many links)."""
         seq = self.next
         self.next += 1
-        nbytes = size(frames)
+        nbytes = size(frames) if nbytes is None else nbytes
         if nbytes > self.keep_bytes:
             self.let_go = seq
             return seq

@@ -335,13 +335,15 @@ def is_big(frames: Sequence[Any]) -> bool:
     return any(memoryview(_buffer(f)).nbytes >= ZERO_COPY_MIN for f in frames[1:])
 
 
-def send(sock: zmq.Socket, frames: list[Any], prefix: Sequence[bytes] = (), wait: bool = False) -> None:
-    """Send frames, big buffers without a copy.
+def send(sock: zmq.Socket, frames: list[Any], prefix: Sequence[bytes] = (), wait: bool = False,
+         big: bool | None = None) -> None:
+    """Send frames, big buffers without a copy (``big``: whether there are any, where the
+    caller knows already).
 
     With ``wait=True`` the call returns only once ZeroMQ has released the big buffers, so the
     caller may mutate the tensors it sent (and a failure leaves nothing half-sent).
     """
-    if not is_big(frames):
+    if not (is_big(frames) if big is None else big):
         _send_parts(sock, [*prefix, *frames], copy=True)
         return
     tracker = sock.send_multipart([*prefix, *frames], copy=False, track=wait)

@@ -33,6 +33,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...protocol import bundle, wire
@@ -104,6 +105,7 @@ class Controller:
         self.landing = Landing()
         #: Messages of a kind no handler takes, by kind (each is logged too).
         self.unknown_kinds: Counter[str] = Counter()
+        self._held: _Held | None = None  # results of hosts' bundles not booked yet (see _hold)
         #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
         #: replaces this with "does this cell allow stdin").
         self.stdin_probe: Callable[[], bool] = _terminal_stdin
@@ -134,7 +136,7 @@ class Controller:
             msg.HOST_BEAT: self._on_host_beat, msg.FENCED: self._on_fenced,
             msg.COLLECTIVES: self._on_collectives, msg.RESEND: self._on_resend, msg.LOST: self._on_lost,
             msg.BUNDLE: self._on_bundle}
-        self.transport.start(self._take, self._from_host, self._tick)
+        self.transport.start(self._take, self._from_host, self._book_held, self._tick)
         _LIVE.add(self)
 
     # -- what the parts know, read through the facade ----------------------------------------------
@@ -437,6 +439,8 @@ class Controller:
 
     def _dispatch(self, message: wire.Message) -> None:
         """A checked message, to the handler of its kind."""
+        if self._held is not None and message.kind != msg.BUNDLE:
+            self._book_held()  # results before it are booked before it (a bundle's entries see to it)
         try:
             handler = self._handlers.get(message.kind)
             if handler is None:
@@ -527,10 +531,34 @@ class Controller:
             if entry[0] != bundle.RESULTS:
                 self._dispatch(wire.Message.gathered(entry[1], entry[2]))
                 continue
-            try:  # as _dispatch guards each message: one failing entry loses no other rank's answer
-                self._on_results(*entry[1:])
-            except Exception as exc:
-                log(f"receiver: {type(exc).__name__}: {exc}")
+            self._hold(*entry[1:])
+
+    def _hold(self, request: int, ranks: list[int], durations: list[float], has_group: bool | None,
+              type_name: str | None, body: bytes) -> None:
+        """Ranks' identical results, from one host's bundle: held, and joined by the same
+        results of the next hosts' bundles, until anything else comes or the receiver has
+        drained what was ready. A request to 128 hosts then books one group, not 128 (each
+        costs two locks, the run's condition and an event). Only consecutive results join, so
+        every rank's messages keep their order."""
+        held = self._held
+        if held is not None and held.joins(request, has_group, type_name, body):
+            held.ranks += ranks
+            held.durations += durations
+            return
+        if held is not None:
+            self._book_held()
+        self._held = _Held(request, has_group, type_name, body, list(ranks), list(durations))
+
+    def _book_held(self) -> None:
+        """Book the results held (the receiver thread, before any other message and once it
+        drained what was ready)."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        try:  # as _dispatch guards each message: one failing group loses no other rank's answer
+            self._on_results(held.request, held.ranks, held.durations, held.has_group, held.type_name, held.body)
+        except Exception as exc:
+            log(f"receiver: {type(exc).__name__}: {exc}")
 
     def _on_results(self, request: int, ranks: list[int], durations: list[float], has_group: bool | None,
                     type_name: str | None, body: bytes) -> None:
@@ -790,6 +818,22 @@ class Controller:
         self.transport.close()
         self.landing.close()
         _LIVE.discard(self)
+
+
+@dataclass
+class _Held:
+    """Identical results of one request from consecutive bundles, booked as one group."""
+
+    request: int
+    has_group: bool | None
+    type_name: str | None
+    body: bytes
+    ranks: list[int]
+    durations: list[float]
+
+    def joins(self, request: int, has_group: bool | None, type_name: str | None, body: bytes) -> bool:
+        return (request == self.request and has_group is self.has_group and type_name == self.type_name
+                and body == self.body)
 
 
 def live_controllers() -> list[Controller]:

@@ -5,8 +5,9 @@ requests straight to the rank (see :func:`~meshbook.mesh.protocol.wire.rank_addr
 for what it asks of the agent on this host (signals, re-forks), and a PULL on which the ranks
 and that agent send everything back. Agents on other hosts are reached over the links of a
 :class:`~..launch.network.Network`, once per host. The receiver thread reads the PULL socket
-and the links and hands each message on (``on_message``, ``on_host``); every
-``TICK_S`` it calls ``on_tick`` (agents' liveness, pings, the run watcher).
+and the links and hands each message on (``on_message``, ``on_host``), calls ``on_drained``
+once it took what every ready socket held (before it sleeps), and every ``TICK_S`` calls
+``on_tick`` (agents' liveness, pings, the run watcher).
 
 A ZeroMQ socket belongs to one thread at a time: the receiver owns the PULL socket and the
 links; the rank sockets and the ROUTER are used under ``send_lock`` by whichever thread sends.
@@ -85,8 +86,9 @@ class Transport:
 
     # -- the receiver thread -------------------------------------------------------------------
 
-    def start(self, on_message: Handler, on_host: HostHandler, on_tick: Callable[[], None]) -> None:
-        self._receiver = threading.Thread(target=self._receive, args=(on_message, on_host, on_tick),
+    def start(self, on_message: Handler, on_host: HostHandler, on_drained: Callable[[], None],
+              on_tick: Callable[[], None]) -> None:
+        self._receiver = threading.Thread(target=self._receive, args=(on_message, on_host, on_drained, on_tick),
                                           name="meshbook-receiver", daemon=True)
         self._receiver.start()
 
@@ -106,7 +108,8 @@ class Transport:
             if self._running:
                 self._wake_send.send(b"poll")
 
-    def _receive(self, on_message: Handler, on_host: HostHandler, on_tick: Callable[[], None]) -> None:
+    def _receive(self, on_message: Handler, on_host: HostHandler, on_drained: Callable[[], None],
+                 on_tick: Callable[[], None]) -> None:
         watch, version = Watch(self._sockets()), -1
         next_tick = 0.0
         while self._running:
@@ -133,6 +136,7 @@ class Transport:
                     for sock in network.sockets():
                         if sock in ready:
                             network.drain(sock, on_host)
+                on_drained()
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + TICK_S

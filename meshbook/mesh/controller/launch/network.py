@@ -302,22 +302,27 @@ class Network:
         # its tensor), which it would not until the agent acknowledged it.
         kept = [bytes(f.buffer) if isinstance(f, zmq.Frame) and len(f) >= wire.ZERO_COPY_MIN else f
                 for f in frames]
+        # Measured once for every link: a request to 128 hosts is one message, sent 128 times.
+        nbytes, big = wire.size(kept), wire.is_big([b"", *frames])  # behind a route: the envelope too
         for host, route in zip(hosts, routes):
             link = self.links.get(host)
             if link is None or link.state == "lost":
                 continue  # the host is gone: what waited for it has failed
-            self._send(link, link.outgoing.number([route, *kept]), [route, *frames])
+            route = route.bytes if isinstance(route, zmq.Frame) else route
+            self._send(link, link.outgoing.number([route, *kept], nbytes + len(route)), [route, *frames], big)
 
-    def _send(self, link: HostLink, seq: int, parts: list[Any]) -> None:
-        """``parts`` (route and message) to ``link``'s agent, as message ``seq`` of the link."""
+    def _send(self, link: HostLink, seq: int, parts: list[Any], big: bool | None = None) -> None:
+        """``parts`` (route and message) to ``link``'s agent, as message ``seq`` of the link
+        (``big``: whether they carry big buffers, where the caller knows)."""
         frames = [encode_epoch(self.epoch), encode_seq(seq), *parts]
+        big = wire.is_big(parts) if big is None else big
         try:
             if link.sock is not None:
                 self.sent_on.add(link.sock)
-                wire.send(link.sock, frames)
+                wire.send(link.sock, frames, big=big)
             elif self.router is not None:
                 self.sent_on.add(self.router)
-                wire.send(self.router, frames, prefix=[link.identity])
+                wire.send(self.router, frames, prefix=[link.identity], big=big)
         except zmq.ZMQError:
             pass  # EHOSTUNREACH: a joined agent reconnecting; its liveness check decides
 
