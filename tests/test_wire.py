@@ -226,3 +226,50 @@ def test_a_stream_delivered_in_any_order_runs_each_message_at_most_once(order: l
             assert i > newest
             newest = i
     assert taken == sorted(set(taken)) and receiver.replayed == len(order) - len(taken)
+
+
+def _queued_big_then_small(tmp_path, send) -> None:
+    """A message whose big buffer is followed by a small frame (a bias after a weight): its
+    tracker is done only once ZeroMQ let go of the big buffer, not when the small one left."""
+    import zmq
+
+    ctx = zmq.Context()
+    address = f"ipc://{tmp_path}/peer"
+    push = ctx.socket(zmq.PUSH)
+    push.connect(address)  # no one bound yet: the message waits in the queue
+    weight = bytearray(1 << 20)
+    try:
+        tracker = send(ctx, push, [b"envelope", weight, b"0123456789"])
+        assert not tracker.done, "done while the big buffer was still queued"
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(address)
+        assert len(pull.recv_multipart(copy=False)) == 3
+        tracker.wait(10)  # released once taken
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_fan_out_is_done_only_once_its_big_buffers_left(tmp_path) -> None:
+    from meshbook.mesh.protocol import wire
+
+    _queued_big_then_small(tmp_path, lambda ctx, sock, frames: wire.fan_out([sock], frames)[0])
+
+
+def test_a_send_to_hosts_is_done_only_once_its_big_buffers_left(tmp_path) -> None:
+    """Through the network's outbox, as a request to ranks on other hosts goes: the receiver
+    thread (here: the test) takes the outbox's message and sends it on."""
+    import zmq
+
+    from meshbook.mesh.controller.launch.network import Network
+    from meshbook.mesh.protocol import wire
+
+    def send(ctx, sock, frames):
+        network = Network(ctx, b"k" * 32)
+        tracker = network.send({0: b""}, frames)
+        assert tracker is not None and not tracker.done, "done while the outbox held the big buffer"
+        # What the receiver does with it: take it from the outbox and send it on.
+        (outbox,) = [s for s in network.sockets() if s.getsockopt(zmq.TYPE) == zmq.PULL]
+        wire.send(sock, wire.recv(outbox)[2:])
+        return tracker
+
+    _queued_big_then_small(tmp_path, send)

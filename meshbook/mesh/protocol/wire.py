@@ -346,9 +346,29 @@ def send(sock: zmq.Socket, frames: list[Any], prefix: Sequence[bytes] = (), wait
     if not (is_big(frames) if big is None else big):
         _send_parts(sock, [*prefix, *frames], copy=True)
         return
-    tracker = sock.send_multipart([*prefix, *frames], copy=False, track=wait)
-    if wait and tracker is not None:
-        tracker.wait()
+    if not wait:
+        sock.send_multipart([*prefix, *frames], copy=False)
+        return
+    send_tracked(sock, [*prefix, *frames]).wait()
+
+
+def send_tracked(sock: zmq.Socket, frames: list[Any]) -> zmq.MessageTracker:
+    """Send frames, each big buffer by reference, and return a tracker that is done once
+    ZeroMQ released *every* one of them.
+
+    Not ``send_multipart(track=True)``: that returns the last frame's tracker only, and pyzmq
+    copies a last frame under its copy threshold (64 KiB: a bias, BatchNorm's step count),
+    whose tracker is done at once, while the big buffers before it are still queued. A caller
+    that then changed its tensor would send the changed bytes.
+    """
+    parts, tracked = [], []
+    for frame in frames:
+        if memoryview(_buffer(frame)).nbytes >= ZERO_COPY_MIN:
+            frame = zmq.Frame(_buffer(frame), track=True)
+            tracked.append(frame)
+        parts.append(frame)
+    sock.send_multipart(parts, copy=False)
+    return zmq.MessageTracker(*tracked)
 
 
 def fan_out(socks: Sequence[zmq.Socket], frames: list[Any]) -> list[zmq.MessageTracker]:
@@ -361,12 +381,7 @@ def fan_out(socks: Sequence[zmq.Socket], frames: list[Any]) -> list[zmq.MessageT
         for sock in socks:
             _send_parts(sock, frames, copy=True)
         return []
-    trackers = []
-    for sock in socks:
-        tracker = sock.send_multipart(frames, copy=False, track=True)
-        assert tracker is not None  # track=True with copy=False always returns one
-        trackers.append(tracker)
-    return trackers
+    return [send_tracked(sock, frames) for sock in socks]
 
 
 def recv(sock: zmq.Socket, flags: int = 0) -> list[Any]:

@@ -151,8 +151,7 @@ class ActorHost:
         note = self._released.pop(message.header[msg.ID], None)
         if note is not None:
             sock.send_multipart(note)
-        tracker = sock.send_multipart(frames, copy=False, track=True)
-        assert tracker is not None  # track=True with copy=False always returns one
+        tracker = wire.send_tracked(sock, frames)
         # The caller may change the tensors it gets: wait until ZeroMQ let go of ours, unless
         # the caller died meanwhile (then nothing will ever take them).
         while not tracker.done and pid_alive(pid):

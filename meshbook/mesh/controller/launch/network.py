@@ -252,7 +252,7 @@ class Network:
         it gets to them)."""
         parts = [struct.pack(f"<{len(routes)}I", *routes), *routes.values(), *frames]
         if wire.is_big(frames):
-            return self._outbox.send_multipart(parts, copy=False, track=True)
+            return wire.send_tracked(self._outbox, parts)
         wire.send(self._outbox, parts)
         return None
 
