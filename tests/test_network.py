@@ -1,4 +1,5 @@
-"""The network wire's defences, against a real agent listening on TCP with CurveZMQ.
+"""The network wire's defences, and the order an agent keeps, against a real agent listening
+on TCP with CurveZMQ.
 
 The agent is started exactly as the ssh launcher starts one (``python -m meshbook.mesh.agent
 listen``, the bootstrap on its stdin), without ssh in between; the test plays the controller
@@ -8,8 +9,11 @@ with the keys a real controller would make.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import psutil
@@ -22,7 +26,7 @@ from meshbook.mesh.controller.launch.network import Network
 from meshbook.mesh.protocol import bundle, net, wire
 from meshbook.mesh.protocol import messages as msg
 from meshbook.mesh.protocol.bodies import AgentConfig
-from meshbook.mesh.protocol.remote import encode_epoch, encode_seq
+from meshbook.mesh.protocol.remote import encode_epoch, encode_route, encode_seq
 
 
 class ListeningAgent:
@@ -47,8 +51,16 @@ class ListeningAgent:
 
     def op(self, sock: zmq.Socket, frames: list[Any], epoch: int = 0) -> None:
         """An operation, numbered on its own link as a controller numbers them."""
+        self.send(sock, self.number(sock), frames, epoch=epoch)
+
+    def number(self, sock: zmq.Socket) -> int:
+        """The next number on ``sock``'s link (for a message the test sends out of order)."""
         self.sent[sock] = self.sent.get(sock, 0) + 1
-        sock.send_multipart([encode_epoch(epoch), encode_seq(self.sent[sock]), b"", *frames])
+        return self.sent[sock]
+
+    def send(self, sock: zmq.Socket, seq: int, frames: list[Any], route: bytes = b"", epoch: int = 0) -> None:
+        """Message ``seq``: an operation, or with ``route``, a request the agent relays to its ranks."""
+        sock.send_multipart([encode_epoch(epoch), encode_seq(seq), route, *frames])
 
     def configure(self, sock: zmq.Socket, epoch: int = 0) -> None:
         """Configure the agent with one rank and wait until it is ready."""
@@ -79,10 +91,18 @@ class ListeningAgent:
 
 
 def unbundled(message: wire.Message) -> list[wire.Message]:
-    """The messages an agent gathered from its ranks, as the controller takes them."""
+    """The messages an agent gathered from its ranks, as the controller takes them (a group of
+    results: one ``RESULT`` per rank)."""
     if message.kind != msg.BUNDLE:
         return [message]
-    return [wire.Message.gathered(entry[1], entry[2]) for entry in message.body() if entry[0] == bundle.MESSAGE]
+    return [m for entry in message.body() for m in gathered(entry)]
+
+
+def gathered(entry: list[Any]) -> list[wire.Message]:
+    if entry[0] == bundle.MESSAGE:
+        return [wire.Message.gathered(entry[1], entry[2])]
+    _, request, ranks, _, _, _, value = entry
+    return [wire.Message.gathered({msg.KIND: msg.RESULT, msg.ID: request, msg.RANK: rank}, value) for rank in ranks]
 
 
 @pytest.fixture
@@ -169,3 +189,63 @@ def test_secrets_never_appear_on_a_command_line(listening: ListeningAgent) -> No
         seen += "meshbook.mesh.agent" in line
         assert not any(secret in line for secret in secrets), f"a secret on the command line of {proc.pid}"
     assert seen, "the agent was among the processes looked at"
+
+
+def test_an_operation_runs_before_the_requests_the_link_delivers_after_it(listening: ListeningAgent) -> None:
+    """A re-fork and a request for the new rank, delivered together (the request arrived first
+    and waited for the gap before it): the request reaches the new rank, not the dead one's
+    socket, which the re-fork closes."""
+    sock = listening.client(listening.network.me, listening.network.server.public)
+    sock.connect(listening.address)
+    listening.configure(sock)
+    listening.op(sock, listening.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: [0]},
+                                           {"op": msg.AgentOp.SIGNAL, "sig": signal.SIGKILL}))
+    assert [m for m in listening.replies(sock, 10, until=msg.EXIT) if m.kind == msg.EXIT], "the rank died"
+    spawn = listening.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: [0]},
+                                {"op": msg.AgentOp.SPAWN, "generation": 1})
+    request = listening.wire.pack({msg.KIND: msg.EXEC, msg.ID: 42}, {"code": "6 * 7"})
+    spawn_seq, request_seq = listening.number(sock), listening.number(sock)
+    listening.send(sock, request_seq, request, route=encode_route(msg.MAIN, [0]))
+    listening.send(sock, spawn_seq, spawn)
+    results = [m for m in listening.replies(sock, 12, until=msg.RESULT) if m.kind == msg.RESULT]
+    assert [(m.header[msg.ID], m.body()) for m in results] == [(42, 42)], "the new rank ran the request"
+    sock.close(linger=0)
+
+
+@pytest.fixture
+def py_spy_gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """A stand-in py-spy, first on the PATH of the agents started meanwhile, that dumps a stack
+    only once the test writes a line to the descriptor this yields (it reads a FIFO)."""
+    fifo = tmp_path / "release"
+    os.mkfifo(fifo)
+    fake = tmp_path / "py-spy"
+    fake.write_text(f'#!/bin/sh\nread line < "{fifo}"\necho "stack of $3"\n')
+    fake.chmod(0o700)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    gate = os.open(fifo, os.O_RDWR)  # never blocks, and py-spy's read waits for a line
+    yield gate
+    os.close(gate)
+
+
+def test_the_agent_answers_while_py_spy_dumps_a_rank(py_spy_gate: int) -> None:
+    """py-spy may take seconds per rank: meanwhile the agent goes on answering its controller
+    (a blocked agent stops hearing it, and its ranks stop themselves as if it were gone)."""
+    listening = ListeningAgent()
+    try:
+        sock = listening.client(listening.network.me, listening.network.server.public)
+        sock.connect(listening.address)
+        listening.configure(sock)
+        listening.op(sock, listening.wire.pack({msg.KIND: msg.OP, msg.ID: 9, msg.RANKS: [0]},
+                                               {"op": msg.AgentOp.PYSPY}))
+        listening.op(sock, listening.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []},
+                                               {"op": msg.AgentOp.PING, "sent": 1.0}))
+        answers = [m.kind for m in listening.replies(sock, 12, until=msg.HOST_BEAT)
+                   if m.kind in (msg.HOST_BEAT, msg.RESULT)]
+        assert answers == [msg.HOST_BEAT], "the ping was answered while py-spy still ran"
+        os.write(py_spy_gate, b"go\n")
+        dumps = [m for m in listening.replies(sock, 10, until=msg.RESULT) if m.kind == msg.RESULT]
+        assert [(m.header[msg.ID], m.header[msg.RANK]) for m in dumps] == [(9, 0)]
+        assert dumps[0].body().startswith("stack of "), "py-spy's output is the answer"
+        sock.close(linger=0)
+    finally:
+        listening.close()

@@ -32,14 +32,13 @@ import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import IO, Any
 
 from ..protocol import config
 from ..protocol import messages as msg
@@ -63,6 +62,32 @@ class RankProcess:
     oom_kills: int | None  # the cgroup's OOM-kill count when the rank started
     started: float  # time.monotonic() at the fork
     generation: int  # the process-group generation it was forked into
+
+
+#: How long py-spy may take to dump one rank's stack.
+PYSPY_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Dump:
+    """A py-spy run taking one rank's stack, beside the agent's loop, which answers with it
+    when the run ends (:meth:`Agent.reap`) or runs out of time (:meth:`Agent.expire_dumps`)."""
+
+    pid: int
+    rank: int
+    request: int
+    out: IO[bytes]  # its stdout and stderr: files, since a pipe that fills would stall it
+    err: IO[bytes]
+    deadline: float
+
+    def output(self) -> str:
+        """What it printed: the stack, or why there is none."""
+        out, err = (_read_and_close(f) for f in (self.out, self.err))
+        return out or err
+
+    def close(self) -> None:
+        self.out.close()
+        self.err.close()
 
 
 class Agent:
@@ -100,6 +125,8 @@ class Agent:
         #: Host 0 of a mesh across hosts keeps the store where its ranks meet (a rank could be
         #: restarted; the agent lives as long as the mesh).
         self.store = _serve_store(cfg) if cfg.serve_store else None
+        #: py-spy runs under way, by pid.
+        self.dumps: dict[int, Dump] = {}
 
     # -- ranks -------------------------------------------------------------------------------
 
@@ -138,10 +165,15 @@ class Agent:
         self.dead.discard(rank)
 
     def reap(self) -> None:
-        """Collect dead ranks and tell the controller how each died."""
+        """Collect dead ranks and tell the controller how each died; send the stacks of the
+        py-spy runs that ended."""
         from ..protocol.proc import describe_status, exited_children
 
         for pid, status in exited_children():
+            dump = self.dumps.pop(pid, None)
+            if dump is not None:
+                self._answer_dump(dump.rank, dump.request, dump.output())
+                continue
             proc = next((p for p in self.procs.values() if p.pid == pid), None)
             if proc is None:
                 continue
@@ -220,9 +252,28 @@ class Agent:
             self.spawn(rank, body["generation"])
 
     def _pyspy(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        """Start py-spy on every rank at once, without waiting: a dump can take seconds, and an
+        agent that waited, rank after rank, would stop hearing its controller (and refreshing
+        the page its ranks read): its ranks would stop themselves as if it were gone."""
         for rank in ranks:
-            header: dict[str, Any] = {msg.RANK: rank}  # a header field, not emit's option
-            self.emit(msg.RESULT, request, _pyspy(self.procs.get(rank)), **header)
+            dump = _start_pyspy(rank, request, self.procs.get(rank))
+            if isinstance(dump, Dump):
+                self.dumps[dump.pid] = dump
+            else:
+                self._answer_dump(rank, request, dump)
+
+    def expire_dumps(self) -> None:
+        """Stop the py-spy runs that are past their time (:meth:`reap` collects them), saying so."""
+        now = time.monotonic()
+        for dump in [d for d in self.dumps.values() if d.deadline <= now]:
+            del self.dumps[dump.pid]
+            os.kill(dump.pid, signal.SIGKILL)
+            dump.close()
+            self._answer_dump(dump.rank, dump.request, f"py-spy failed: no stack within {PYSPY_TIMEOUT_S:g} s")
+
+    def _answer_dump(self, rank: int, request: int, text: str) -> None:
+        header: dict[str, Any] = {msg.RANK: rank}  # a header field, not emit's option
+        self.emit(msg.RESULT, request, text, **header)
 
     def _ping(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """The controller's heartbeat: answer with ours (it times the round trip, and sets its
@@ -241,8 +292,7 @@ class Agent:
         """What the controller sent up to ``upto`` is gone for good: go on from there (the
         controller fails what it was for)."""
         link = self.remote_link
-        for frames in link.deliver(link.incoming.give_up(body["upto"])):
-            self._operate_frames(frames)
+        link.deliver(link.incoming.give_up(body["upto"]), self._operate_frames)
 
     def _attach(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """A new controller took over this (kept) mesh: what it needs to know of our ranks."""
@@ -302,12 +352,12 @@ class Agent:
                 if signal.SIGTERM in signals:
                     return
                 self.reap()
+            self.expire_dumps()
             if watch_stdin and sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
                 return  # EOF: the controller (or the ssh session it started us through) is gone
             for sock in self.link.sockets():
                 if sock in ready:
-                    for frames in self.link.operations(sock):
-                        self._operate_frames(frames)
+                    self.link.drain(sock, self._operate_frames)
             if self.link.remote:
                 self.refuse_stale()
                 missing = self.link.incoming.ask(time.monotonic())
@@ -374,6 +424,12 @@ def _drain(fd: int) -> str:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
+def _read_and_close(f: IO[bytes]) -> str:
+    with f:
+        f.seek(0)
+        return f.read().decode("utf-8", "replace")
+
+
 def _read_and_remove(path: str) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -384,19 +440,24 @@ def _read_and_remove(path: str) -> str:
         return ""
 
 
-def _pyspy(proc: RankProcess | None) -> str:
-    """A native+Python stack of a rank whose own control thread cannot answer."""
+def _start_pyspy(rank: int, request: int, proc: RankProcess | None) -> Dump | str:
+    """py-spy started on a rank whose own control thread cannot answer (for its native+Python
+    stack), or why it could not be. Spawned, not a ``subprocess.Popen``: the agent reaps every
+    child it has (it is a subreaper), behind a Popen's back."""
     if proc is None:
         return "the rank is not running"
     exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(exe):
         return "py-spy is not installed (pip install py-spy) so no native stack could be taken"
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     try:
-        done = subprocess.run([exe, "dump", "--pid", str(proc.pid)], capture_output=True,
-                              text=True, timeout=10)
-        return done.stdout or done.stderr
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        pid = os.posix_spawn(exe, [exe, "dump", "--pid", str(proc.pid)], os.environ, file_actions=[
+            (os.POSIX_SPAWN_DUP2, out.fileno(), 1), (os.POSIX_SPAWN_DUP2, err.fileno(), 2)])
+    except OSError as exc:
+        out.close()
+        err.close()
         return f"py-spy failed: {exc}"
+    return Dump(pid, rank, request, out, err, time.monotonic() + PYSPY_TIMEOUT_S)
 
 
 def main() -> None:

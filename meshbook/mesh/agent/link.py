@@ -32,6 +32,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,6 +48,9 @@ from ..protocol.versions import versions
 
 #: How long a send up a link may wait for its connection.
 SEND_TIMEOUT_MS = 1000
+
+#: The agent's handler for a message for itself (its frames), called as the link drains.
+Operate = Callable[[list[Any]], None]
 
 
 class LocalLink:
@@ -71,13 +75,11 @@ class LocalLink:
     def send(self, frames: list[Any]) -> None:
         wire.send(self.up, frames)
 
-    def operations(self, sock: zmq.Socket) -> list[list[Any]]:
-        """The messages for the agent itself that ``sock`` has ready."""
-        out = []
+    def drain(self, sock: zmq.Socket, operate: Operate) -> None:
+        """Hand each message for the agent itself that ``sock`` has ready to ``operate``."""
         while sock.poll(0):
             route, *frames = wire.recv(sock)
-            out.append(frames)
-        return out
+            operate(frames)
 
     def connect_rank(self, rank: int, generation: int, rundir: str) -> None:
         """Nothing to do: the controller connects to its ranks itself."""
@@ -195,13 +197,13 @@ class RemoteLink:
         for seq, frames in again:
             self._send(seq, frames)
 
-    def operations(self, sock: zmq.Socket) -> list[list[Any]]:
-        """Relay what is ready on ``sock``; return the messages for the agent itself."""
-        out: list[list[Any]] = []
+    def drain(self, sock: zmq.Socket, operate: Operate) -> None:
+        """Relay what is ready on ``sock``, and hand each message for the agent itself to
+        ``operate`` in its place in the link's order (see :meth:`deliver`)."""
+        if sock is self.relay:
+            self._drain_relay()
+            return
         for frames in wire.ready(sock):
-            if sock is self.relay:
-                self._relay_up(frames)
-                continue
             peer, seq, route, message = unwrap(frames, self.routed)
             if peer.epoch < self.peer.epoch or \
                     (peer.epoch == self.peer.epoch and self.routed and peer.identity != self.peer.identity):
@@ -212,10 +214,13 @@ class RemoteLink:
             self.peer = peer
             self.last_heard = time.monotonic()
             delivered = [[route, *message]] if seq == 0 else self.incoming.take(seq, [route, *message], self.last_heard)
-            out += self.deliver(delivered)
-        if sock is self.relay:
-            self._send_gathered()
-        return out
+            self.deliver(delivered, operate)
+
+    def _drain_relay(self) -> None:
+        """What this host's ranks sent: up the link, gathered."""
+        for frames in wire.ready(self.relay):
+            self._relay_up(frames)
+        self._send_gathered()
 
     def _relay_up(self, frames: list[Any]) -> None:
         """A rank's message: into the bundle, or, with big buffers, up as the rank signed it
@@ -230,7 +235,7 @@ class RemoteLink:
         """A dead rank's last messages (:mod:`~..protocol.lastwords`): after what it sent that
         is here already, the ones that never arrived go up, in order, ahead of its ``EXIT``
         (this agent checked and relayed the others); nothing is left for the ``EXIT``."""
-        self.operations(self.relay)
+        self._drain_relay()
         for message in kept:
             if not self.gatherer.wire.taken([message]):
                 self.gatherer.add([message])
@@ -242,16 +247,18 @@ class RemoteLink:
         if frames is not None:
             self.send(frames)
 
-    def deliver(self, messages: list[list[Any]]) -> list[list[Any]]:
-        """Relay what is for the ranks (in order); return what is for the agent itself."""
-        out = []
+    def deliver(self, messages: list[list[Any]], operate: Operate) -> None:
+        """Relay what is for the ranks and hand what is for the agent itself to ``operate``,
+        one after the other in the link's order: a re-fork must point a rank's sockets at its
+        new process before the requests sent after it are relayed (the old process's socket
+        is closed, and what it held is dropped), and a signal must reach the ranks before the
+        cell sent after it."""
         for route, *message in messages:
             route = route.bytes if isinstance(route, zmq.Frame) else route
             if not route:
-                out.append(message)
+                operate(message)
             else:
                 self._relay_down(route, message)
-        return out
 
     def _relay_down(self, route: bytes, frames: list[Any]) -> None:
         channel, ranks = decode_route(route)
