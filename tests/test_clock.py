@@ -1,9 +1,17 @@
-"""The controller's book of collectives, on its own: batches in, waiting and lateness out."""
+"""The controller's book of collectives, on its own: batches in, waiting and lateness out; and
+the rank's clock that fills the batches."""
 
 from __future__ import annotations
 
+import time
+from typing import Iterator
+
+import pytest
+import torch.distributed as dist
+
 from meshbook.mesh.controller.insight.clock import CollectiveTimes
 from meshbook.mesh.controller.insight.stragglers import straggler_report
+from meshbook.mesh.rank.collectives import CollectiveClock
 
 S = 1_000_000_000  # nanoseconds in a second
 WORLD = (0, "0", (0, 1, 2))
@@ -91,3 +99,38 @@ def test_the_window_shows_the_newest_request() -> None:
     request, arrivals = times.recent() or (None, None)
     assert request == 5 and arrivals is not None and arrivals.last == {2: 10}
     assert abs(arrivals.waiting_s[0] - 1.51) < 1e-6
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A process group of this process alone: the rank's clock names the groups it meets."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_collective_an_interrupt_cuts_short_keeps_its_number(world_of_one: None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGINT that arrives while a collective runs is raised once it returns, maybe in the
+    clock's own code after it. The collective ran all the same: this rank's next one pairs with
+    the other members' second, so it must be numbered 2, whatever became of the first's entry."""
+    clock = CollectiveClock(lambda: 5)
+    ran: list[int] = []
+    pending = [KeyboardInterrupt()]  # the SIGINT, raised at the first call after the collective
+    real = time.time_ns
+
+    def time_ns() -> int:
+        if ran and pending:
+            raise pending.pop()
+        return real()
+
+    def barrier(group: object = None, async_op: bool = False) -> None:
+        ran.append(1)
+
+    monkeypatch.setattr(time, "time_ns", time_ns)
+    timed = clock.wrap(barrier)
+    with pytest.raises(KeyboardInterrupt):
+        timed()
+    timed()
+    taken = clock.take()
+    assert taken is not None and [entry[2] for entry in taken["entries"]][-1:] == [2]

@@ -24,7 +24,7 @@ from meshbook import (
     TooLargeError,
 )
 from meshbook.mesh.protocol.namespaces import Layout, Namespaces, VarInfo
-from meshbook.mesh.protocol.payload import SHARE_MIN, FreeFiles, Landing, Lent, pack
+from meshbook.mesh.protocol.payload import SHARE_MIN, FreeFiles, Landing, Lent, Segments, pack, pickled
 
 DTENSOR_SETUP = """
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -387,6 +387,58 @@ def test_free_files_give_the_smallest_fit_and_close_the_oldest_past_their_keep()
         free.close()
     with pytest.raises(OSError):
         os.fstat(fds[1])
+
+
+def meshbook_files() -> set[str]:
+    """The descriptors of meshbook's shared-memory files (pushes, pulls, calls) this process holds."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:meshbook-"):
+                found.add(fd)
+    return found
+
+
+def test_a_write_cut_short_by_an_interrupt_leaves_no_file_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during a big push, or a targeted interrupt during a pull (the rank writes as user
+    code), stops the write into a shared file before anyone else knows the file: nothing would
+    ever close it then, so the writer must."""
+    body, views, _ = pickled({"x": torch.ones(SHARE_MIN)}, "call")
+    pool = Segments(keep=1)
+    reused = pool.share(body, views)[1]
+    pool.give_back(reused, True)  # written over by the next call
+    before = meshbook_files()
+
+    def interrupted(*args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "pwrite", interrupted)
+    with pytest.raises(KeyboardInterrupt), pack({"x": torch.ones(SHARE_MIN)}, shared=True):
+        pass
+    with pytest.raises(KeyboardInterrupt):
+        Lent().lend(torch.ones(SHARE_MIN), "pull('x')")
+    with pytest.raises(KeyboardInterrupt):
+        Segments().share(body, views)  # a new segment
+    with pytest.raises(KeyboardInterrupt):
+        pool.share(body, views)  # the free one
+    assert meshbook_files() == before - {str(reused)}
+
+
+def test_a_pull_still_being_written_is_not_expired(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control thread expires lent files every tick, while the main thread may still be
+    writing a big pull into one: closed then, the write would go on into whatever file took
+    its number next."""
+    lent, pwrite = Lent(keep_s=0.0), os.pwrite
+
+    def amid_a_tick(fd: int, data: memoryview, offset: int) -> int:
+        lent.expire(time.monotonic() + 1)
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", amid_a_tick)
+    payload = lent.lend(torch.ones(SHARE_MIN), "pull('x')")
+    monkeypatch.undo()
+    assert payload.shared is not None and torch.equal(payload.load("pull")["value"], torch.ones(SHARE_MIN))
+    lent.release(payload.shared.token)
 
 
 class CountsPickling:

@@ -1,9 +1,12 @@
-"""Merging of rank output lines (pure logic, driven by a fake clock)."""
+"""Merging of rank output lines (pure logic, driven by a fake clock), and a rank's streams."""
 
 from __future__ import annotations
 
+import threading
+
 from meshbook.mesh.controller.core.output import LineMerger, OrderedCollector
 from meshbook.mesh.protocol.events import Output, Result
+from meshbook.mesh.rank.streams import RankStream
 
 
 class Clock:
@@ -108,3 +111,27 @@ def test_per_rank_lines_come_out_in_rank_order_once_every_rank_printed_its_own()
     assert written[1:] == [("stdout", "[0] loss of rank 0\n[1] loss of rank 1\n[2] loss of rank 2\n")]
     merger.close()
     assert written[2:] == [("stdout", "[0] next 0\n[2] next 2\n")]
+
+
+def test_a_partial_line_the_control_thread_flushes_leaves_before_the_result() -> None:
+    """The control thread flushes a partial line every tick; the main thread flushes before it
+    sends its result. The main thread's flush must not find the line gone and send the result
+    while the control thread is still sending that line."""
+    sent: list[str] = []
+    finished = threading.Event()
+
+    def main_thread_finishes() -> None:  # what Worker._finish does
+        stream.flush()
+        sent.append("result")
+        finished.set()
+
+    def sink(request: int | None, name: str, text: str) -> None:
+        threading.Thread(target=main_thread_finishes).start()  # while this flush still sends the line
+        finished.wait(0.5)  # it must wait for the line: the timeout is the passing case
+        sent.append(text)
+
+    stream = RankStream("stdout", 1, sink, lambda: 7)
+    stream.write("no newline yet")
+    stream.flush()  # the control thread's tick
+    assert finished.wait(10)
+    assert sent == ["no newline yet", "result"]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import mmap
 import os
 import pickle
@@ -212,7 +213,7 @@ class Segments:
         if fd is None:
             shared, fd = in_new_file("meshbook-call", views)
             return Payload(body, shared=shared), fd
-        return Payload(body, shared=_write(fd, views)), fd
+        return Payload(body, shared=_write_or_close(fd, views)), fd
 
     def give_back(self, fd: int, reusable: bool) -> None:
         """Done with segment ``fd``: kept if every reader released it, else closed (the
@@ -248,9 +249,17 @@ class Lent:
         if slot is not None and (landed := _land(slot, views)) is not None:
             return Payload(body, shared=landed)
         self.expire(time.monotonic())
-        shared, fd = in_new_file("meshbook-pull", views)
-        with self._lock:
-            self._open[shared.token] = (fd, time.monotonic())
+        token = secrets.token_bytes(_TOKEN_BYTES)
+        with self._lock:  # known before a byte is written: release() closes it whatever happens next
+            fd = os.memfd_create("meshbook-pull", os.MFD_CLOEXEC)
+            self._open[token] = (fd, math.inf)  # not lent yet: expire() must not close it under the write
+        try:
+            shared = _write(fd, views, token)
+            with self._lock:
+                self._open[token] = (fd, time.monotonic())
+        except BaseException:  # the pull was interrupted (the rank writes as user code): no reader comes
+            self.release(token)
+            raise
         return Payload(body, shared=shared)
 
     def expire(self, now: float) -> None:
@@ -409,7 +418,18 @@ def worth_sharing(views: list[memoryview]) -> bool:
 def in_new_file(name: str, views: list[memoryview]) -> tuple[SharedFile, int]:
     """``views`` written into a new memfd named ``name``: where they are, and the file's fd."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    return _write(fd, views), fd
+    return _write_or_close(fd, views), fd
+
+
+def _write_or_close(fd: int, views: list[memoryview]) -> SharedFile:
+    """:func:`_write`, closing ``fd`` should it fail: a long write cut short by an interrupt
+    (Ctrl-C during a big push) or a full ``/dev/shm`` happens before anyone else knows the
+    file, so nothing else would ever close it."""
+    try:
+        return _write(fd, views)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _layout(views: list[memoryview]) -> tuple[list[tuple[int, int]], int]:

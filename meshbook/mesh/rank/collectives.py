@@ -76,7 +76,7 @@ class CollectiveClock:
             fn = getattr(c10d, name, None)
             if fn is None:
                 continue
-            timed = self._wrap(fn)
+            timed = self.wrap(fn)
             for module in (dist, c10d):
                 if getattr(module, name, None) is fn:
                     setattr(module, name, timed)
@@ -97,7 +97,8 @@ class CollectiveClock:
 
     # -- recording (main thread) -------------------------------------------------------------
 
-    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, a collective of ``torch.distributed``, timed when the main thread calls it."""
         params = list(inspect.signature(fn).parameters)
         group_at = params.index("group") if "group" in params else None
         async_at = params.index("async_op") if "async_op" in params else None
@@ -105,8 +106,11 @@ class CollectiveClock:
         def collective(*args: Any, **kwargs: Any) -> Any:
             if self.call is not None or threading.get_ident() != self._main:
                 return fn(*args, **kwargs)
-            group = _argument(args, kwargs, "group", group_at)
             waits = not _argument(args, kwargs, "async_op", async_at) and not (self._enqueues and _on_gpu(args))
+            # Numbered first: a SIGINT that came during the call is raised once it returns, maybe
+            # in the finally below; the call counts all the same, or the next pairs with the
+            # members' one after it. Its entry is what such an interrupt may lose.
+            number = self._number(_argument(args, kwargs, "group", group_at))
             self._entered += 1
             entered = time.time_ns()
             try:  # set inside: an interrupt can never leave the clock thinking it is in a call
@@ -114,18 +118,20 @@ class CollectiveClock:
                 return fn(*args, **kwargs)
             finally:
                 self.call = None
-                self._record(group, entered, time.time_ns() if waits else 0)
+                if number is not None:
+                    self._entries.append((self._request(), *number, entered, time.time_ns() if waits else 0))
 
         self.codes.add(collective.__code__)
         return functools.wraps(fn)(collective)
 
-    def _record(self, group: Any, entered: int, left: int) -> None:
+    def _number(self, group: Any) -> tuple[int, int] | None:
+        """The key of ``group`` and this call's number in it; None for a group torch does not know."""
         try:
             key = self._key(group)
-        except Exception:  # noqa: BLE001 - a group torch no longer knows: leave it untimed
-            return
+        except Exception:  # noqa: BLE001 - a group torch does not know: leave it untimed
+            return None
         self._counts[key] += 1
-        self._entries.append((self._request(), key, self._counts[key], entered, left))
+        return key, self._counts[key]
 
     def _key(self, group: Any) -> int:
         import torch.distributed as dist

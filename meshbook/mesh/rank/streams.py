@@ -62,7 +62,8 @@ class RankStream(io.TextIOBase):
         self._fd = fd
         self._sink = sink
         self._current = current_request
-        self._lock = threading.Lock()
+        # Re-entrant: a signal handler that prints runs on the main thread, maybe while it sends.
+        self._lock = threading.RLock()
         self._partial: dict[int | None, str] = {}
         self.buffer = RankBytes(self)
 
@@ -83,21 +84,23 @@ class RankStream(io.TextIOBase):
         if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         request = request_of(threading.current_thread(), self._current())
-        with self._lock:
+        with self._lock:  # sent under it too: see flush()
             pending = self._partial.get(request, "") + text
             cut = pending.rfind("\n") + 1
             self._partial[request] = pending[cut:]
-            complete = pending[:cut]
-        if complete:
-            self._sink(request, self.name, complete)
+            if cut:
+                self._sink(request, self.name, pending[:cut])
         return len(text)
 
     def flush(self) -> None:
+        """Send the partial lines. Taken and sent under the lock (as :class:`FdPump` does): the
+        main thread's flush before its result must wait for a line the control thread's flush
+        took but has not sent yet, else that line arrives after the result."""
         with self._lock:
             pending, self._partial = self._partial, {}
-        for request, text in pending.items():
-            if text:
-                self._sink(request, self.name, text)
+            for request, text in pending.items():
+                if text:
+                    self._sink(request, self.name, text)
 
 
 class RankBytes(io.RawIOBase):

@@ -1,14 +1,16 @@
 """The rank process: a persistent namespace that runs what the controller sends.
 
-A rank is forked by its host agent (see :mod:`meshbook.mesh.agent.host`) and runs three threads:
+A rank is forked by its host agent (see :mod:`meshbook.mesh.agent.host`) and runs four threads:
 
 * the **main thread** takes requests from the controller in order and runs them: cell code
   (``EXEC``, the value of a last expression is the result), notebook functions (``APPLY``) and
   meshbook's own operations (``CALL``, :mod:`.ops`). It is the only thread that runs user
   code, and the one SIGINT interrupts;
 * the **control thread** answers control calls (stacks, ports) while the main thread is busy
-  (torch.distributed releases the GIL while it waits), sends heartbeats, flushes partial output
-  lines, and exits the rank if its agent is gone;
+  (torch.distributed releases the GIL while it waits), sends heartbeats and flushes partial
+  output lines;
+* the **watchdog** exits the rank if its agent is gone or its host is declared lost: it takes
+  no lock and sends nothing, so no send stuck on a stopped agent can hold it up;
 * the **fd pump** forwards C-level output (see :mod:`meshbook.mesh.rank.streams`).
 
 Every reply and every output line leaves through one PUSH socket straight to the controller,
@@ -19,6 +21,7 @@ it has no handler for is counted in ``unknown_kinds`` and logged.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -127,6 +130,7 @@ class Worker:
         self._out.connect(cfg.events_addr)
         cfg.last_words.claim()
         self._out_lock = threading.Lock()
+        self._next_beat = 0.0  # when the control thread sends the next heartbeat
         self._process = psutil.Process()
         self._process.cpu_percent()
         #: Extra fields for heartbeats, filled by other rooms (e.g. straggler sampling).
@@ -183,6 +187,7 @@ class Worker:
         self._requests = self._listen(cfg.request_addr)
         self._control_requests = self._listen(cfg.control_addr)  # handed to the control thread
         threading.Thread(target=self._control_loop, name="meshbook-control", daemon=True).start()
+        threading.Thread(target=self._watch, name="meshbook-watchdog", daemon=True).start()
         self.emit(msg.HELLO, None, {"pid": os.getpid(), "host": socket.gethostname(), "versions": versions()})
         self.reinit(cfg.generation)
 
@@ -315,10 +320,14 @@ class Worker:
     def note_unknown(self, kind: str, channel: str) -> None:
         """Count and log a message no handler takes (a controller of another version?)."""
         self.unknown_kinds[kind] += 1
+        self._log(f"has no handler for {kind!r} messages on its {channel} channel "
+                  f"({self.unknown_kinds[kind]} so far)")
+
+    def _log(self, text: str) -> None:
+        """``meshbook: rank N <text>`` on the rank's own stderr (the notebook shows it)."""
         stderr = sys.__stderr__
         assert stderr is not None  # a rank inherits its agent's
-        stderr.write(f"meshbook: rank {self.rank} has no handler for {kind!r} messages on its "
-                     f"{channel} channel ({self.unknown_kinds[kind]} so far)\n")
+        stderr.write(f"meshbook: rank {self.rank} {text}\n")
         stderr.flush()
 
     def _rebind(self, fn: FunctionType) -> FunctionType:
@@ -425,27 +434,44 @@ class Worker:
     # -- the control thread ----------------------------------------------------------------
 
     def _control_loop(self) -> None:
-        sock = self._control_requests
-        next_beat = 0.0
+        """Tick after tick; an error in one (a message that does not unpickle, a file closed
+        already, a result that does not pickle) is logged, and the next tick comes: heartbeats,
+        interrupts and answers while the main thread is busy would end with this thread."""
         while True:
-            if sock.poll(int(TICK_S * 1000)):
-                try:
-                    message = self.wire.unpack(wire.recv(sock))
-                except wire.BadMessage:
-                    continue
-                self._control(message)
+            try:
+                self._control_tick()
+            except BaseException:  # noqa: BLE001 - nothing may end this thread
+                self._log(f"failed a tick of its control thread:\n{traceback.format_exc()}")
+
+    def _control_tick(self) -> None:
+        """Answer what came (waiting a tick for it), flush partial lines, sample the main thread,
+        close what no pull claimed, and send a heartbeat when one is due."""
+        sock = self._control_requests
+        if sock.poll(int(TICK_S * 1000)):
+            try:
+                message = self.wire.unpack(wire.recv(sock))
+            except wire.BadMessage:
+                return
+            self._control(message)
+        self.stdout.flush()
+        self.stderr.flush()
+        now = time.monotonic()
+        self.sampler.tick(now)
+        self.lent.expire(now)  # what an interrupted pull never claimed
+        if now >= self._next_beat:
+            self._next_beat = now + HEARTBEAT_S
+            self.emit(msg.HEARTBEAT, None, self.metrics())
+            self.send_collectives()
+
+    def _watch(self) -> None:
+        """The watchdog thread. Not a part of the control thread, whose sends wait for the send
+        lock: a send to a stopped agent (a big result, output past the high-water mark) holds
+        that as long as the agent stays stopped, and the host is declared lost meanwhile."""
+        while True:
             if os.getppid() != self.cfg.agent_pid:
                 os._exit(1)  # the agent is gone: never outlive it
             self.check_alive()
-            self.stdout.flush()
-            self.stderr.flush()
-            now = time.monotonic()
-            self.sampler.tick(now)
-            self.lent.expire(now)  # what an interrupted pull never claimed
-            if now >= next_beat:
-                next_beat = now + HEARTBEAT_S
-                self.emit(msg.HEARTBEAT, None, self.metrics())
-                self.send_collectives()
+            time.sleep(TICK_S)
 
     def check_alive(self) -> None:
         """Stop this rank (and what it started) when its agent has not heard the controller for
@@ -456,7 +482,8 @@ class Worker:
         if silence > max(1.0, self.cfg.lost_s - LOST_MARGIN_S):
             # Said in the crash file: its agent sends it with the death, so the error says why
             # this rank died of SIGKILL (the signal it sends itself, to take its children too).
-            with open(self.cfg.crash_path, "a") as crash:
+            # Said if it can be: a full disk must not keep the rank from stopping.
+            with contextlib.suppress(OSError), open(self.cfg.crash_path, "a") as crash:
                 crash.write(f"meshbook: rank {self.rank} stopped itself: its agent had not heard the "
                             f"controller for {silence:.1f} s (the host is lost after {self.cfg.lost_s:g} s)\n")
             os.killpg(0, signal.SIGKILL)
