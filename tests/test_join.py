@@ -207,6 +207,25 @@ def test_a_lost_host_fails_the_cell_and_keeps_the_kernel(tmp_path: object) -> No
         outside.wait_all()
 
 
+def test_an_agent_that_stops_on_its_own_fails_what_waited_on_its_ranks(tmp_path: object) -> None:
+    """A joined agent that is terminated kills its ranks and says so on its way out: its link
+    never goes silent for long enough to be lost, so that is how the notebook learns it."""
+    mesh, outside = start_joined(tmp_path, hosts=2, per_host=1)
+    try:
+        run = mesh.run("import time\nif rank == 1:\n    time.sleep(600)\nrank")
+        os.kill(mesh.hosts()[1].agent_pid, signal.SIGTERM)
+        with pytest.raises(meshbook.RemoteError) as info:
+            run.result(timeout=30, echo=False)
+        assert "stopped (terminated by SIGTERM): ranks 1" in str(info.value), str(info.value)
+        assert dict(info.value.partial) == {0: 0}
+        with pytest.raises(meshbook.MeshError, match="degraded"):
+            mesh.run("rank")
+        assert dict(mesh.run("rank", ranks=[0]).result()) == {0: 0}
+    finally:
+        mesh.stop()
+        outside.wait_all()
+
+
 def test_ranks_that_all_die_say_their_last_words_and_wait_for_a_restart(tmp_path: object) -> None:
     """Across hosts too, the line a rank printed right before it died arrives; and ranks that
     all died of their code, under agents that live on, are a restart away: the mesh stays."""
@@ -259,6 +278,35 @@ def test_a_router_opened_while_the_receiver_takes_its_sockets_is_watched(tmp_pat
     try:
         assert listed.is_set(), "the receiver took its sockets while the router opened"
         assert dict(mesh.run("rank").result()) == {0: 0}
+    finally:
+        mesh.stop()
+        outside.wait_all()
+
+
+def test_a_watch_that_cannot_be_built_leaves_the_receiver_working(tmp_path: object,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver rebuilds its watch when the hosts' sockets change. One that cannot be
+    built (no file descriptors left) once closed the old watch first and left the receiver
+    with nothing to wait on: every later turn failed, and no answer ever came."""
+    from meshbook.mesh.controller.core import transport
+
+    mesh, outside = start_joined(tmp_path, hosts=1, per_host=1, timeout=60)
+    real, failed = transport.Watch, threading.Event()
+
+    def watch(sockets: list[object]) -> object:
+        if not failed.is_set():
+            failed.set()
+            raise OSError(24, "Too many open files")
+        return real(sockets)
+
+    try:
+        monkeypatch.setattr(transport, "Watch", watch)
+        network = mesh.controller.transport.network
+        assert network is not None
+        network.version += 1  # as when a link is replaced
+        mesh.controller.transport.wake()
+        assert dict(mesh.run("rank").result(timeout=30)) == {0: 0}
+        assert failed.is_set()
     finally:
         mesh.stop()
         outside.wait_all()

@@ -109,6 +109,33 @@ def test_attaching_fences_the_first_controller_off() -> None:
         (second or first).stop()
 
 
+def test_a_run_the_old_kernel_left_busy_keeps_its_number_to_itself(tmp_path) -> None:
+    """Ranks tell requests apart by number. A kernel attaching a kept mesh numbers past the
+    old kernel's requests: a run the old kernel left busy sends its output and result under
+    its own number, which none of the new kernel's runs may take."""
+    from meshbook.mesh.protocol.events import Output
+
+    gate = tmp_path / "gate"
+    first = meshbook.start(1, keep="10m", name="first")
+    second = None
+    try:
+        for _ in range(3):
+            first.run("pass").result()
+        busy = first.run(f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.05)\n"
+                         f"print('the old kernel asked for this')")
+        first.controller.stop("this process lets go of it", detach=True)  # as when the kernel exits
+        second = meshbook.attach(first.controller.lease.id, name="second")
+        # Queued behind the busy run; counting from 1 again, one of them would share its number.
+        runs = [second.run("print('new'); 7") for _ in range(busy.id + 2)]
+        gate.touch()
+        for run in runs:
+            assert dict(run.result()) == {0: 7}
+            texts = [e.text for e in run.events() if isinstance(e, Output)]
+            assert texts == ["new\n"], texts
+    finally:
+        (second or first).stop()
+
+
 def test_keep_takes_durations_and_says_what_it_wants() -> None:
     assert parse_duration("8h") == 8 * 3600 and parse_duration("1h30m") == 5400 and parse_duration(90) == 90
     for bad in ("soon", "8x", "0", "-1"):

@@ -59,6 +59,37 @@ def test_rank_killed_mid_request_fails_the_run_and_keeps_other_results(mesh2: me
     assert dict(mesh2.run("'alive'", ranks=[0]).result()) == {0: "alive"}
 
 
+class _Meanwhile:
+    """An argument whose pickling does ``act`` first: what happens while a big argument of a
+    request is pickled, between the mesh's first check and the run being booked."""
+
+    def __init__(self, act) -> None:
+        self.act = act
+
+    def __reduce__(self):
+        self.act()
+        return (int, (0,))
+
+
+def test_a_rank_that_dies_while_a_request_is_pickled_fails_the_request(mesh2: meshbook.Mesh) -> None:
+    victim = [s.pid for s in mesh2.status()][1]
+
+    def die() -> None:
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while mesh2.status()[1].state != "dead" and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    with pytest.raises(MeshError, match=r"degraded \(rank 1: SIGKILL\)"):
+        mesh2.apply(lambda x: x, _Meanwhile(die)).result(timeout=30)
+
+
+def test_a_stop_while_a_request_is_pickled_fails_the_request() -> None:
+    mesh = meshbook.start(2)
+    with pytest.raises(MeshStoppedError, match="stopped"):
+        mesh.apply(lambda x: x, _Meanwhile(mesh.stop)).result(timeout=30)
+
+
 def test_rank_that_exits_reports_its_exit_code_and_last_words(mesh2: meshbook.Mesh) -> None:
     """The line printed right before an abrupt exit arrives, before the death: it still sat in
     ZeroMQ's queue when the rank died (lost 14 times in 15 before its agent sent it on)."""

@@ -22,11 +22,12 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from meshbook.mesh.controller.launch import ssh
-from meshbook.mesh.controller.launch.network import Network
+from meshbook.mesh.controller.launch.network import HostLink, Network
 from meshbook.mesh.protocol import bundle, net, wire
 from meshbook.mesh.protocol import messages as msg
 from meshbook.mesh.protocol.bodies import AgentConfig
-from meshbook.mesh.protocol.remote import encode_epoch, encode_route, encode_seq
+from meshbook.mesh.protocol.ordering import Outgoing
+from meshbook.mesh.protocol.remote import decode_seq, encode_epoch, encode_route, encode_seq
 
 
 class ListeningAgent:
@@ -210,6 +211,44 @@ def test_an_operation_runs_before_the_requests_the_link_delivers_after_it(listen
     results = [m for m in listening.replies(sock, 12, until=msg.RESULT) if m.kind == msg.RESULT]
     assert [(m.header[msg.ID], m.body()) for m in results] == [(42, 42)], "the new rank ran the request"
     sock.close(linger=0)
+
+
+def test_a_loss_asked_about_again_fails_the_runs_once() -> None:
+    """Each side asks again while a gap waits (the answer may queue behind a big transfer): the
+    agent is told of the loss and sent what is kept each time (the answer may be lost too), but
+    only a loss not reported before fails the runs on its ranks (a re-run is not failed)."""
+    ctx = zmq.Context()
+    network = Network(ctx, b"k" * 32)
+    agent, sock = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    agent.bind("inproc://agent")
+    sock.connect("inproc://agent")
+    link = HostLink(1, "h", "10.0.0.1", [1], sock=sock, outgoing=Outgoing(keep_bytes=10))
+    signer, reader = wire.Wire(network.key), wire.Wire(network.key)
+
+    def op(body: dict[str, Any]) -> list[Any]:
+        return signer.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []}, body)
+
+    def answer() -> tuple[Any, int, list[bytes]]:
+        assert agent.poll(5000), "the agent is told"
+        told = agent.recv_multipart()
+        assert agent.poll(5000), "what is kept comes again"
+        again = agent.recv_multipart()
+        return reader.unpack(told[3:]).body()["lost"], decode_seq(again[1]), again[2:]
+
+    try:
+        kept, big = link.outgoing.number([b"", b"kept"]), link.outgoing.number([b"", b"x" * 11])
+        assert network.resend(link, kept, op), "a new loss"
+        assert answer() == ([(big, big)], kept, [b"", b"kept"])
+        assert not network.resend(link, kept, op), "asked again: the same loss"
+        assert answer() == ([(big, big)], kept, [b"", b"kept"])
+        newer = link.outgoing.number([b"", b"y" * 11])
+        assert network.resend(link, kept, op), "a newer loss"
+        assert answer() == ([(big, newer)], kept, [b"", b"kept"])
+    finally:
+        agent.close(linger=0)
+        sock.close(linger=0)
+        network.close()
+        ctx.destroy(linger=0)
 
 
 @pytest.fixture

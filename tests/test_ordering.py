@@ -28,18 +28,46 @@ def test_a_gap_holds_what_follows_until_it_is_filled() -> None:
 def test_what_the_sender_no_longer_keeps_is_lost_and_the_rest_goes_on() -> None:
     out = Outgoing(keep_messages=3)
     sent = [out.number([bytes([n])]) for n in range(1, 6)]
-    assert sent == [1, 2, 3, 4, 5] and out.kept == 3 and out.let_go == 2
-    assert out.since(2) is None, "message 2 is gone"
-    assert [n for n, _ in out.since(3) or []] == [3, 4, 5]
-    out.acknowledged(4)
-    assert [n for n, _ in out.since(5) or []] == [5]
+    assert sent == [1, 2, 3, 4, 5] and out.kept == 3
+    assert out.gone(2) == [(2, 2)] and [n for n, _ in out.since(2)] == [3, 4, 5], "message 2 is gone"
+    assert out.gone(3) == []
     incoming = Incoming(expected=2)
     incoming.take(5, [b"5"], 0.0)
-    assert incoming.give_up(out.let_go) == [] and incoming.lost == [(2, 2)]
+    assert incoming.give_up(out.gone(2)) == [] and incoming.newest_lost == 2
     assert incoming.take(3, [b"3"], 0.0) == [[b"3"]] and incoming.take(4, [b"4"], 0.0) == [[b"4"], [b"5"]]
+    out.acknowledged(4)
+    assert [n for n, _ in out.since(5)] == [5]
 
 
 def test_a_message_too_big_to_keep_is_sent_but_not_kept() -> None:
     out = Outgoing(keep_bytes=10)
-    assert out.number([b"x" * 11]) == 1 and out.kept == 0 and out.let_go == 1
-    assert out.number([b"small"]) == 2 and out.since(2) is not None and out.since(1) is None
+    assert out.number([b"x" * 11]) == 1 and out.kept == 0
+    assert out.number([b"small"]) == 2 and out.gone(2) == [] and out.gone(1) == [(1, 1)]
+
+
+def test_what_came_is_delivered_although_its_sender_let_it_go() -> None:
+    """A pull's result too big to keep arrived after a gap (an output line lost in a reset):
+    the line is still kept, so it comes again, and the result is not thrown away."""
+    out = Outgoing(keep_bytes=10)
+    line, result, after = out.number([b"line"]), out.number([b"x" * 11]), out.number([b"exit"])
+    incoming = Incoming()
+    assert incoming.take(result, [b"result"], 0.0) == [] and incoming.take(after, [b"exit"], 0.0) == []
+    asked = incoming.ask(ASK_AGAIN_S)
+    assert asked == line and out.gone(asked) == [(result, result)], "only the result is not kept"
+    assert [n for n, _ in out.since(asked)] == [line, after], "what is kept comes again"
+    assert incoming.give_up(out.gone(asked)) == [] and incoming.newest_lost == 0, "the result came: nothing lost"
+    assert incoming.take(line, [b"line"], 1.0) == [[b"line"], [b"result"], [b"exit"]]
+
+
+def test_a_loss_skips_what_never_came_and_delivers_what_did_in_its_place() -> None:
+    """The sender no longer keeps 2, 5 and 6; 3 and 5 came after the gap at 1, which is sent
+    again, and so is 4. Told twice (each side asks again while a gap waits), it is no news."""
+    incoming = Incoming()
+    incoming.take(3, [b"3"], 0.0)
+    incoming.take(5, [b"5"], 0.0)
+    assert incoming.give_up([(2, 2), (5, 6)]) == [] and incoming.newest_lost == 6, "1 is still to come"
+    assert incoming.give_up([[2, 2], [5, 6]]) == [] and incoming.newest_lost == 6, "no news"
+    assert incoming.take(1, [b"1"], 1.0) == [[b"1"], [b"3"]], "2 skipped, 3 in its place"
+    assert incoming.take(4, [b"4"], 1.0) == [[b"4"], [b"5"]], "5 came: delivered, and 6 skipped"
+    assert incoming.acknowledged == 6 and incoming.ask(9.0) is None
+    assert incoming.give_up([(5, 6)]) == [] and incoming.newest_lost == 6, "told again, late: no news"

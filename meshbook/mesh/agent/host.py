@@ -199,14 +199,16 @@ class Agent:
                 except ProcessLookupError:
                     pass
 
-    def shutdown(self, controller_done: bool) -> None:
+    def shutdown(self, controller_done: bool, why: str = "") -> None:
         """Kill every rank and whatever they started; remove the runtime directory when the
-        controller no longer needs it (after a crash it may still read our log there)."""
+        controller no longer needs it (after a crash it may still read our log there). A remote
+        agent says it stopped, and ``why``: what the controller's stop waits for, and, when the
+        agent stops on its own, how the controller learns that its ranks are gone."""
         from ..protocol.proc import kill_descendants
 
         kill_descendants(5.0)
         if self.link.remote:
-            self.emit(msg.HOST_BEAT, None, {"stopped": True})  # what the controller's stop waits for
+            self.emit(msg.HOST_BEAT, None, {"stopped": True, "why": why})
         self.link.close()
         if controller_done or self.own_rundir:
             shutil.rmtree(self.rundir, ignore_errors=True)
@@ -286,13 +288,13 @@ class Agent:
 
     def _resend(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """The controller missed what we sent from ``from`` on (its connection reset)."""
-        self.remote_link.resend(body["from"], lambda upto: self.emit(msg.LOST, None, {"upto": upto}, ordered=False))
+        self.remote_link.resend(body["from"], lambda gone: self.emit(msg.LOST, None, {"lost": gone}, ordered=False))
 
     def _lost(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
-        """What the controller sent up to ``upto`` is gone for good: go on from there (the
-        controller fails what it was for)."""
+        """What the controller sent under the numbers ``lost`` (ranges) is gone for good: skip
+        what never came (the controller fails what it was for) and deliver what did."""
         link = self.remote_link
-        link.deliver(link.incoming.give_up(body["upto"]), self._operate_frames)
+        link.deliver(link.incoming.give_up(body["lost"]), self._operate_frames)
 
     def _attach(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """A new controller took over this (kept) mesh: what it needs to know of our ranks."""
@@ -315,8 +317,8 @@ class Agent:
         """The controller stops a remote agent (a local one sees its stdin close instead)."""
         self.stopping = True
 
-    def serve(self, watch_stdin: bool = True) -> None:
-        """Fork the ranks, then serve until the controller is gone or stops us."""
+    def serve(self, watch_stdin: bool = True) -> str:
+        """Fork the ranks, then serve until the controller is gone or stops us; returns why."""
         import zmq
 
         rfd, wfd = os.pipe()
@@ -345,16 +347,16 @@ class Agent:
                 what = "the lease of" if self.leased else "nothing from the controller for"
                 print(f"meshbook agent {self.host}: {what} {lost_s:g} s ran out: stopping this "
                       f"host's ranks", file=sys.stderr, flush=True)
-                return
+                return f"{what} {lost_s:g} s ran out"
             self.liveness.beat(self.link.last_heard if self.link.remote else time.monotonic())
             if rfd in ready:
                 signals = os.read(rfd, 4096)
                 if signal.SIGTERM in signals:
-                    return
+                    return "terminated by SIGTERM"
                 self.reap()
             self.expire_dumps()
             if watch_stdin and sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
-                return  # EOF: the controller (or the ssh session it started us through) is gone
+                return "its controller's session closed"  # the controller (or its ssh session) is gone
             for sock in self.link.sockets():
                 if sock in ready:
                     self.link.drain(sock, self._operate_frames)
@@ -363,6 +365,7 @@ class Agent:
                 missing = self.link.incoming.ask(time.monotonic())
                 if missing is not None:  # messages from the controller went missing: ask again
                     self.emit(msg.RESEND, None, {"from": missing}, ordered=False)
+        return "its controller stopped it"
 
     def _operate_frames(self, frames: list[Any]) -> None:
         """An operation for the agent itself: verified, then handled."""
@@ -543,14 +546,17 @@ def _run(log: str | None) -> None:
 
 
 def _serve(agent: Agent, watch_stdin: bool) -> None:
-    done = False
+    done, why = False, ""
     try:
-        agent.serve(watch_stdin)
+        why = agent.serve(watch_stdin)
         done = True  # the controller is gone or stops us: nobody reads the runtime directory
-    except SystemExit:
-        done = True
+    except SystemExit as exc:
+        done, why = True, f"it exited ({exc.code})"
+    except BaseException as exc:
+        why = f"it failed: {type(exc).__name__}: {exc}"
+        raise
     finally:
-        agent.shutdown(done)
+        agent.shutdown(done, why)
 
 
 def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = None,

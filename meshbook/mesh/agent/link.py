@@ -188,13 +188,12 @@ class RemoteLink:
             self.dropped += 1
 
     def resend(self, since: int, lost: Any) -> None:
-        """The controller missed what this agent sent from ``since`` on: send it again; what is
-        no longer kept is lost, and ``lost(upto)`` says so first."""
-        again = self.outgoing.since(since)
-        if again is None:
-            lost(self.outgoing.let_go)
-            again = self.outgoing.since(self.outgoing.let_go + 1) or []
-        for seq, frames in again:
+        """The controller missed what this agent sent from ``since`` on: send again what is
+        kept; what is not is lost, and ``lost(ranges)`` says which numbers first."""
+        gone = self.outgoing.gone(since)
+        if gone:
+            lost(gone)
+        for seq, frames in self.outgoing.since(since):
             self._send(seq, frames)
 
     def drain(self, sock: zmq.Socket, operate: Operate) -> None:

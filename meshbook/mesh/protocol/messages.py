@@ -77,7 +77,7 @@ class AgentOp:
     ATTACH = "attach"  # a new controller took over a kept mesh: report the ranks (pids, generations)
     WELCOME = "welcome"  # a joining agent's own key is admitted: come back with it
     RESEND = "resend"  # a link missed messages: send again from number ``from`` (either way)
-    LOST = "lost"  # what was asked again is no longer kept: skip up to number ``upto``
+    LOST = "lost"  # what was asked again is no longer kept: skip the numbers in ``lost`` (ranges)
 
 
 # -- channels: a rank binds one socket per channel -------------------------------------------

@@ -9,8 +9,9 @@ acknowledges it: every ping and its answer carry the newest number taken in orde
 receiving side (:class:`Incoming`) delivers in order; a number beyond the next one expected
 means messages went missing: the ones after the gap are held, and the sender is asked to send
 again from the first missing. What it no longer keeps (a gigabyte push is not kept) cannot
-come again: the receiver is told, fails the work it waited for on that host, saying which
-messages were lost, and goes on from what comes next.
+come again: the receiver is told which numbers those are, skips the ones that never came
+(and fails the work it waited for on that host, saying which messages were lost), delivers
+the ones that did come in their place, and takes what is kept as it comes again.
 
 Pure state, no sockets: tested on its own (tests/test_ordering.py).
 """
@@ -18,7 +19,7 @@ Pure state, no sockets: tested on its own (tests/test_ordering.py).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +43,6 @@ class Outgoing:
         self.next = 1
         self._kept: deque[tuple[int, list[Any], int]] = deque()
         self._bytes = 0
-        #: The newest number that is no longer kept although unacknowledged (0: none).
-        self.let_go = 0
 
     def number(self, frames: list[Any], nbytes: int | None = None) -> int:
         """The number of a message about to be sent; it is kept for sending again. ``nbytes``:
@@ -52,14 +51,11 @@ class Outgoing:
         self.next += 1
         nbytes = size(frames) if nbytes is None else nbytes
         if nbytes > self.keep_bytes:
-            self.let_go = seq
             return seq
         self._kept.append((seq, frames, nbytes))
         self._bytes += nbytes
         while len(self._kept) > self.keep_messages or self._bytes > self.keep_bytes:
-            old, _, old_bytes = self._kept.popleft()
-            self._bytes -= old_bytes
-            self.let_go = max(self.let_go, old)
+            self._bytes -= self._kept.popleft()[2]
         return seq
 
     def acknowledged(self, seq: int) -> None:
@@ -67,11 +63,22 @@ class Outgoing:
         while self._kept and self._kept[0][0] <= seq:
             self._bytes -= self._kept.popleft()[2]
 
-    def since(self, seq: int) -> list[tuple[int, list[Any]]] | None:
-        """Every message from ``seq`` on, to send again; None if some of them are gone."""
-        if self.let_go >= seq:
-            return None
+    def since(self, seq: int) -> list[tuple[int, list[Any]]]:
+        """Every message from ``seq`` on that is still kept, to send again."""
         return [(n, frames) for n, frames, _ in self._kept if n >= seq]
+
+    def gone(self, seq: int) -> list[tuple[int, int]]:
+        """The numbers from ``seq`` on that are no longer kept (too big, or let go for room), as
+        ranges (first, last): they cannot come again. ``seq`` is what the other side asked for:
+        none from it on was acknowledged, so every number missing from what is kept is gone."""
+        ranges: list[tuple[int, int]] = []
+        for n, _, _ in self._kept:
+            if n > seq:
+                ranges.append((seq, n - 1))
+            seq = max(seq, n + 1)
+        if seq < self.next:
+            ranges.append((seq, self.next - 1))
+        return ranges
 
     @property
     def kept(self) -> int:
@@ -87,8 +94,10 @@ class Incoming:
     #: Since when a gap waits (monotonic seconds), and when it was last asked for.
     gap_since: float | None = None
     asked_at: float = 0.0
-    #: Numbers that were lost for good (what the sender could not send again), for reports.
-    lost: list[tuple[int, int]] = field(default_factory=list)
+    #: Numbers ahead that the sender no longer keeps and that never came: skipped when reached.
+    gone: set[int] = field(default_factory=set)
+    #: The newest number lost for good (0: none): a loss told again is no news.
+    newest_lost: int = 0
 
     @property
     def acknowledged(self) -> int:
@@ -99,18 +108,10 @@ class Incoming:
         """A message arrived: what can be delivered now, in order (maybe nothing)."""
         if seq < self.expected or seq in self.held:
             return []  # sent again, and already here
-        if seq > self.expected:
-            self.held[seq] = frames
-            if self.gap_since is None:
-                self.gap_since = now
-            return []
-        out = [frames]
-        self.expected += 1
-        while self.expected in self.held:
-            out.append(self.held.pop(self.expected))
-            self.expected += 1
-        if not self.held:
-            self.gap_since = None
+        self.held[seq] = frames
+        out = self._go_on()
+        if self.held and self.gap_since is None:
+            self.gap_since = now
         return out
 
     def ask(self, now: float) -> int | None:
@@ -120,18 +121,23 @@ class Incoming:
         self.asked_at = now
         return self.expected
 
-    def give_up(self, upto: int) -> list[list[Any]]:
-        """The sender no longer keeps messages up to ``upto``: they are lost; deliver what
-        comes after them."""
-        if upto < self.expected:
-            return []
-        self.lost.append((self.expected, upto))
-        self.expected = upto + 1
+    def give_up(self, gone: Iterable[Sequence[int]]) -> list[list[Any]]:
+        """The sender no longer keeps these numbers (ranges first, last): those that never came
+        are lost, and skipped; those that did come are delivered in their place. What can be
+        delivered now, in order (what is before a gap waits for it)."""
+        for first, last in gone:
+            lost = set(range(max(first, self.expected), last + 1)).difference(self.held)
+            self.gone |= lost
+            self.newest_lost = max(self.newest_lost, max(lost, default=0))
+        return self._go_on()
+
+    def _go_on(self) -> list[list[Any]]:
+        """Deliver what is held from the number expected on, skipping what is lost."""
         out = []
-        for seq in sorted(n for n in self.held if n <= upto):
-            del self.held[seq]
-        while self.expected in self.held:
-            out.append(self.held.pop(self.expected))
+        while self.expected in self.held or self.expected in self.gone:
+            if self.expected in self.held:
+                out.append(self.held.pop(self.expected))
+            self.gone.discard(self.expected)
             self.expected += 1
         if not self.held:
             self.gap_since = None

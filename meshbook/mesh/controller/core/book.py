@@ -79,6 +79,17 @@ class RankBook:
         self.request_ids = itertools.count(1)
         self._late: OrderedDict[int, Callable[[Event], None]] = OrderedDict()
 
+    #: Request numbers one controller uses at most: an attaching controller of a later epoch
+    #: numbers its requests past all of them (see :meth:`number_from`).
+    IDS_PER_EPOCH = 1 << 40
+
+    def number_from(self, epoch: int) -> None:
+        """Number requests past any that an older controller of this (kept) mesh sent. Ranks
+        and agents tell requests apart by number: an interrupt names one, and a run the old
+        kernel left busy on a rank sends its output and result under its own. Counting from 1
+        again, a new kernel's run would take those, and interrupting it would stop the old run."""
+        self.request_ids = itertools.count(epoch * self.IDS_PER_EPOCH + 1)
+
     # -- requests ------------------------------------------------------------------------------
 
     def open(self, run: Run, queued: bool) -> None:

@@ -221,6 +221,9 @@ class Controller:
         for the answers."""
         try:
             self.agents.attach(timeout)
+            network = self.transport.network
+            assert network is not None  # a kept mesh's agents are dialled, like remote ones
+            self.book.number_from(network.epoch)
             self.agent_op(msg.AgentOp.ATTACH, list(self.ranks))
             deadline = time.monotonic() + timeout
             with self._changed:
@@ -263,6 +266,10 @@ class Controller:
         except Exception as exc:
             raise SendError(f"{what}: cannot send {wire.describe_unpicklable(body, exc)}") from None
         with self._lock:
+            # Again, under the lock that deaths and stops take: pickling a big argument takes
+            # a while, and a run opened after a rank's death or the stop was booked would never
+            # be failed by either (nor answered by the dead rank).
+            self.check_usable(ranks)
             run = self._new_run(ranks, what, kind)
             self.book.open(run, queued=channel == msg.MAIN)
         for listener in self.run_listeners:
@@ -291,6 +298,8 @@ class Controller:
         run = None
         if op == msg.AgentOp.PYSPY:
             with self._lock:
+                if self.stopped:  # as in submit: a stop booked before the run would never fail it
+                    raise MeshStoppedError(f"the mesh is stopped ({self.stop_reason})")
                 run = self._new_run(ranks, f"native stacks of rank(s) {ranks}", msg.OP)
                 self.book.open(run, queued=False)
             request = run.id
@@ -701,22 +710,23 @@ class Controller:
 
     def _on_resend(self, message: wire.Message) -> None:
         """An agent missed messages we sent on its link (the connection reset): send them again;
-        what is no longer kept (a big push) is lost, and the work it was for fails now."""
-        link = self._link_of(message)
-        if link is not None and self.transport.network is not None:
-            lost = self.transport.network.resend(link, message.body()["from"], self._op)
-            if lost is not None:
-                self._link_lost(link, f"requests to host {link.name}")
+        what is no longer kept (a big push) is lost, and the work it was for fails now (once:
+        the agent asks again while its gap waits)."""
+        link, network = self._link_of(message), self.transport.network
+        if link is not None and network is not None and network.resend(link, message.body()["from"], self._op):
+            self._link_lost(link, f"requests to host {link.name}")
 
     def _on_lost(self, message: wire.Message) -> None:
-        """An agent no longer keeps messages we missed from it: go on without them, and fail the
-        work they answered."""
+        """An agent no longer keeps messages we missed from it: go on without those that never
+        came, and fail the work they answered (once: it tells again each time we ask)."""
         link = self._link_of(message)
         if link is None:
             return
-        for frames in link.incoming.give_up(message.body()["upto"]):
+        newest = link.incoming.newest_lost
+        for frames in link.incoming.give_up(message.body()["lost"]):
             self._take(frames)
-        self._link_lost(link, f"messages from host {link.name}")
+        if link.incoming.newest_lost > newest:
+            self._link_lost(link, f"messages from host {link.name}")
 
     def _link_of(self, message: wire.Message) -> HostLink | None:
         network = self.transport.network
@@ -742,6 +752,8 @@ class Controller:
         body = message.body()
         if body.get("stopped"):
             link.state = "stopped"
+            if not self.stopped:  # not by our stop (that one reads its own answers): on its own
+                self._agent_stopped(link, body.get("why") or "no reason given")
         elif "sent" in body:
             link.rtt = time.monotonic() - body["sent"]
             link.outgoing.acknowledged(body.get("ack", 0))
@@ -764,6 +776,13 @@ class Controller:
                        f"(meshbook.attach({mesh_id!r}))")
         self._mark_stopped(self.fenced)
         threading.Thread(target=self.stop, args=(self.fenced,), kwargs={"detach": True}, daemon=True).start()
+
+    def _agent_stopped(self, link: HostLink, why: str) -> None:
+        """``link``'s agent stopped on its own (terminated, or failed), and killed its ranks on
+        its way out: they are dead, though the link was never silent long enough to be lost."""
+        self._ranks_died([r for r in link.ranks if self.ranks[r].state != "dead"],
+                         {"cause": f"the agent of host {link.name} stopped ({why}): ranks {format_ranks(link.ranks)}",
+                          "lost_hosts": [link.address]})
 
     def _host_lost(self, link: HostLink) -> None:
         """Nothing heard from ``link``'s agent for the loss timeout: its ranks are gone."""

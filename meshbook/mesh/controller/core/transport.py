@@ -62,6 +62,7 @@ class Transport:
         self._down: dict[int, dict[str, zmq.Socket]] = {}
         self._receiver: threading.Thread | None = None
         self._running = True
+        self._closed = False  # close() ran: nothing is sent any more
 
     def _bind(self) -> None:
         self.cmd = self.ctx.socket(zmq.ROUTER)
@@ -117,13 +118,7 @@ class Transport:
             try:  # the receiver must outlive any one failure
                 network = self.network
                 if network is not None and network.version != version:
-                    # The version first: a socket added while the list below is taken bumps
-                    # it again, and is watched at the next turn (taken after the list, it
-                    # would be missed until the next change, which may never come).
-                    version = network.version
-                    network.close_retired()
-                    watch.close()
-                    watch = Watch(self._sockets())
+                    watch, version = self._rewatch(watch, version, network)
                 ready = watch.ready(TICK_S)
                 if self._wake_recv in ready:
                     if self._wake_recv.recv() == b"stop":
@@ -149,6 +144,25 @@ class Transport:
                 watch.recheck(self.network.sent_on)
                 self.network.sent_on.clear()
         watch.close()
+
+    def _rewatch(self, watch: "Watch", version: int, network: Network) -> tuple["Watch", int]:
+        """A watch of the sockets as they are now, and the network's version it saw.
+
+        The version is read first: a socket added while the list is taken bumps it again, and
+        is watched at the next turn (read after the list, it would be missed until the next
+        change, which may never come). The new watch is built before the old one is closed:
+        one that cannot be built (no descriptors left) leaves the old one working, and is
+        tried again at the next turn, where closing first left nothing to wait on, for ever.
+        """
+        seen = network.version
+        try:
+            fresh = Watch(self._sockets())
+        except Exception as exc:  # noqa: BLE001 - whatever epoll or ZeroMQ raise
+            log(f"receiver: cannot watch the hosts' new sockets yet ({type(exc).__name__}: {exc})")
+            return watch, version
+        watch.close()
+        network.close_retired()
+        return fresh, seen
 
     def take_waiting(self, on_message: Handler) -> None:
         """Hand on what the ranks' and agent's socket holds now (the receiver thread only, from
@@ -190,6 +204,8 @@ class Transport:
             assert network is not None
             routes = {host: encode_route(channel, ranks) for host, ranks in by_host.items()}
             with self.send_lock:
+                if self._closed:
+                    return  # the mesh stopped meanwhile, and failed the runs that waited
                 if wire.is_big(frames):  # a tracker per host: a host whose ranks died is not waited for
                     sent = [(by_host[host], network.send({host: route}, frames)) for host, route in routes.items()]
                 else:  # one outbox message for every host: nothing to wait for
@@ -211,6 +227,8 @@ class Transport:
     def send_to_agents(self, frames: list[Any], hosts: list[int]) -> None:
         """An operation for the agents of ``hosts``: over their links, or to this host's agent."""
         with self.send_lock:
+            if self._closed:
+                return  # as in send_to_ranks
             if self.network is not None:
                 self.network.send(dict.fromkeys(hosts, b""), frames)  # small: an operation for the agents
                 return
@@ -238,12 +256,17 @@ class Transport:
             self._receiver.join(5)
 
     def close(self) -> None:
-        """Close every socket and the context, and remove the runtime directory."""
-        if self.network is not None:
-            self.network.close()
-        rank_socks = [sock for socks in self._down.values() for sock in socks.values()]
-        for sock in (self.cmd, self.events, self._wake_send, self._wake_recv, *rank_socks):
-            sock.close(linger=0)
+        """Close every socket and the context, and remove the runtime directory. Under the
+        send lock: a thread sending meanwhile (a request whose run the stop failed) finds
+        nothing to send on, not a closed socket."""
+        with self.send_lock:
+            self._closed = True
+            if self.network is not None:
+                self.network.close()
+            rank_socks = [sock for socks in self._down.values() for sock in socks.values()]
+            self._down.clear()
+            for sock in (self.cmd, self.events, self._wake_send, self._wake_recv, *rank_socks):
+                sock.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.rundir, ignore_errors=True)
 

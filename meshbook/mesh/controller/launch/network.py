@@ -63,6 +63,8 @@ class HostLink:
     #: What this side sent and the agent has not acknowledged; what it sent, in order.
     outgoing: Outgoing = field(default_factory=Outgoing)
     incoming: Incoming = field(default_factory=Incoming)
+    #: The newest of our numbers the agent was told are lost (the runs on its ranks failed then).
+    told_lost: int = 0
 
     def clocked(self, sent_ns: int, agent_ns: int, back_ns: int) -> None:
         """A ping's answer: the agent read its clock ``agent_ns`` between our ``sent_ns`` and
@@ -281,17 +283,20 @@ class Network:
         """Pass a link's messages on in the order the agent sent them; hold what comes after a
         gap until it is sent again (see ``tick``)."""
         seq = decode_seq(frames[0].bytes if isinstance(frames[0], zmq.Frame) else frames[0])
+        # Heard, whether or not it can be passed on yet: an agent whose answers wait behind a
+        # gap (a resend queued behind a big transfer) is alive all the same.
+        self._heard(link)
         if link is None or seq == 0:  # an agent not placed yet (joining), or outside the order
-            handle(self._heard(link), identity, frames[1:])
+            handle(link, identity, frames[1:])
             return
         for message in link.incoming.take(seq, frames[1:], time.monotonic()):
-            handle(self._heard(link), identity, message)
+            handle(link, identity, message)
 
-    def _heard(self, link: HostLink | None) -> HostLink | None:
+    @staticmethod
+    def _heard(link: HostLink | None) -> None:
         if link is not None:
             link.last_heard = time.monotonic()
             link.state = "ok" if link.state == "suspect" else link.state
-        return link
 
     def _forward(self, parts: list[Any]) -> None:
         head = parts[0]
@@ -306,7 +311,7 @@ class Network:
         nbytes, big = wire.size(kept), wire.is_big([b"", *frames])  # behind a route: the envelope too
         for host, route in zip(hosts, routes):
             link = self.links.get(host)
-            if link is None or link.state == "lost":
+            if link is None or link.state in ("lost", "stopped"):
                 continue  # the host is gone: what waited for it has failed
             route = route.bytes if isinstance(route, zmq.Frame) else route
             self._send(link, link.outgoing.number([route, *kept], nbytes + len(route)), [route, *frames], big)
@@ -356,19 +361,21 @@ class Network:
         else:
             self._send(link, 0, [b"", *frames])
 
-    def resend(self, link: HostLink, since: int, op: Callable[[dict[str, Any]], list[Any]]) -> int | None:
-        """The agent missed what this side sent from ``since`` on: send it again (receiver
-        thread). What is no longer kept is lost: the agent is told to skip it, and the newest
-        lost number is returned (the caller fails the work that waited on that host)."""
-        again = link.outgoing.since(since)
-        lost = None
-        if again is None:
-            lost = link.outgoing.let_go
-            self.operate(link, op({"op": msg.AgentOp.LOST, "upto": lost}), ordered=False)
-            again = link.outgoing.since(lost + 1) or []
-        for seq, parts in again:
+    def resend(self, link: HostLink, since: int, op: Callable[[dict[str, Any]], list[Any]]) -> bool:
+        """The agent missed what this side sent from ``since`` on: send again what is kept
+        (receiver thread). What is not is lost: the agent is told which numbers to skip, every
+        time it asks (the telling may be lost too). True when a loss is newer than those told
+        before: the caller fails the work that waited on that host once, not on every ask."""
+        gone = link.outgoing.gone(since)
+        if gone:
+            self.operate(link, op({"op": msg.AgentOp.LOST, "lost": gone}), ordered=False)
+        for seq, parts in link.outgoing.since(since):
             self._send(link, seq, parts)
-        return lost
+        newest = gone[-1][1] if gone else 0
+        if newest <= link.told_lost:
+            return False
+        link.told_lost = newest
+        return True
 
     def stop_agents(self, signer: wire.Wire, timeout: float) -> None:
         """Tell every remote agent to stop its ranks and exit, and wait for each to confirm
