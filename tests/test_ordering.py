@@ -71,3 +71,13 @@ def test_a_loss_skips_what_never_came_and_delivers_what_did_in_its_place() -> No
     assert incoming.take(4, [b"4"], 1.0) == [[b"4"], [b"5"]], "5 came: delivered, and 6 skipped"
     assert incoming.acknowledged == 6 and incoming.ask(9.0) is None
     assert incoming.give_up([(5, 6)]) == [] and incoming.newest_lost == 6, "told again, late: no news"
+
+
+def test_an_ask_that_crossed_an_acknowledgement_names_nothing_lost() -> None:
+    """A resend asked from a number the other side acknowledged since (the ask and the ping
+    crossed) must not report what it has as lost."""
+    out = Outgoing()
+    for n in range(1, 7):
+        out.number([bytes([n])])
+    out.acknowledged(6)
+    assert out.gone(3) == [] and out.since(3) == []

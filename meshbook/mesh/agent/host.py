@@ -82,7 +82,8 @@ class Dump:
 
     def output(self) -> str:
         """What it printed: the stack, or why there is none."""
-        out, err = (_read_and_close(f) for f in (self.out, self.err))
+        with self.out, self.err:
+            out, err = (_read(f) for f in (self.out, self.err))
         return out or err
 
     def close(self) -> None:
@@ -427,10 +428,9 @@ def _drain(fd: int) -> str:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
-def _read_and_close(f: IO[bytes]) -> str:
-    with f:
-        f.seek(0)
-        return f.read().decode("utf-8", "replace")
+def _read(f: IO[bytes]) -> str:
+    f.seek(0)
+    return f.read().decode("utf-8", "replace")
 
 
 def _read_and_remove(path: str) -> str:
@@ -452,13 +452,16 @@ def _start_pyspy(rank: int, request: int, proc: RankProcess | None) -> Dump | st
     exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(exe):
         return "py-spy is not installed (pip install py-spy) so no native stack could be taken"
-    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    try:
+    files: list[IO[bytes]] = []
+    try:  # no descriptors or disk left: this rank's answer says so, and the agent goes on
+        for _ in range(2):
+            files.append(tempfile.TemporaryFile())
+        out, err = files
         pid = os.posix_spawn(exe, [exe, "dump", "--pid", str(proc.pid)], os.environ, file_actions=[
             (os.POSIX_SPAWN_DUP2, out.fileno(), 1), (os.POSIX_SPAWN_DUP2, err.fileno(), 2)])
     except OSError as exc:
-        out.close()
-        err.close()
+        for f in files:
+            f.close()
         return f"py-spy failed: {exc}"
     return Dump(pid, rank, request, out, err, time.monotonic() + PYSPY_TIMEOUT_S)
 

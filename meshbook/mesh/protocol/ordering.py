@@ -10,7 +10,7 @@ receiving side (:class:`Incoming`) delivers in order; a number beyond the next o
 means messages went missing: the ones after the gap are held, and the sender is asked to send
 again from the first missing. What it no longer keeps (a gigabyte push is not kept) cannot
 come again: the receiver is told which numbers those are, skips the ones that never came
-(and fails the work it waited for on that host, saying which messages were lost), delivers
+(and fails the work it waited for on that host, saying that messages were lost), delivers
 the ones that did come in their place, and takes what is kept as it comes again.
 
 Pure state, no sockets: tested on its own (tests/test_ordering.py).
@@ -43,6 +43,7 @@ class Outgoing:
         self.next = 1
         self._kept: deque[tuple[int, list[Any], int]] = deque()
         self._bytes = 0
+        self._acknowledged = 0  # the newest number the other side has
 
     def number(self, frames: list[Any], nbytes: int | None = None) -> int:
         """The number of a message about to be sent; it is kept for sending again. ``nbytes``:
@@ -60,6 +61,7 @@ class Outgoing:
 
     def acknowledged(self, seq: int) -> None:
         """The other side has everything up to ``seq``: let it go."""
+        self._acknowledged = max(self._acknowledged, seq)
         while self._kept and self._kept[0][0] <= seq:
             self._bytes -= self._kept.popleft()[2]
 
@@ -69,8 +71,10 @@ class Outgoing:
 
     def gone(self, seq: int) -> list[tuple[int, int]]:
         """The numbers from ``seq`` on that are no longer kept (too big, or let go for room), as
-        ranges (first, last): they cannot come again. ``seq`` is what the other side asked for:
-        none from it on was acknowledged, so every number missing from what is kept is gone."""
+        ranges (first, last): they cannot come again. ``seq`` is what the other side asked for;
+        past what it acknowledged (an ask that crossed an acknowledgement names numbers it has),
+        every number missing from what is kept is gone."""
+        seq = max(seq, self._acknowledged + 1)
         ranges: list[tuple[int, int]] = []
         for n, _, _ in self._kept:
             if n > seq:

@@ -62,7 +62,8 @@ class RankStream(io.TextIOBase):
         self._fd = fd
         self._sink = sink
         self._current = current_request
-        # Re-entrant: a signal handler that prints runs on the main thread, maybe while it sends.
+        # Re-entrant: a signal handler that prints runs on the main thread, maybe inside write()
+        # or flush(); it must not deadlock here (its line may land amid the outer one's).
         self._lock = threading.RLock()
         self._partial: dict[int | None, str] = {}
         self.buffer = RankBytes(self)

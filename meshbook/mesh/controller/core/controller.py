@@ -734,7 +734,10 @@ class Controller:
         return network.links.get(host) if network is not None and host is not None else None
 
     def _link_lost(self, link: HostLink, what: str) -> None:
-        """Fail what runs on ``link``'s ranks: part of it was lost when the connection reset."""
+        """Fail what runs on ``link``'s ranks: part of it was lost when the connection reset.
+        Results held (what came before the loss, and was delivered with it) are booked first:
+        those ranks did answer."""
+        self._book_held()
         with self._lock:
             runs = self.book.pending_on(link.ranks)
         for run in runs:

@@ -63,6 +63,7 @@ class Transport:
         self._receiver: threading.Thread | None = None
         self._running = True
         self._closed = False  # close() ran: nothing is sent any more
+        self._rewatch_failed = False  # the receiver could not build its latest watch (said once)
 
     def _bind(self) -> None:
         self.cmd = self.ctx.socket(zmq.ROUTER)
@@ -158,8 +159,12 @@ class Transport:
         try:
             fresh = Watch(self._sockets())
         except Exception as exc:  # noqa: BLE001 - whatever epoll or ZeroMQ raise
-            log(f"receiver: cannot watch the hosts' new sockets yet ({type(exc).__name__}: {exc})")
+            if not self._rewatch_failed:  # said once, not at every turn while it lasts
+                log(f"receiver: cannot watch the hosts' new sockets yet ({type(exc).__name__}: {exc}); "
+                    f"trying again")
+            self._rewatch_failed = True
             return watch, version
+        self._rewatch_failed = False
         watch.close()
         network.close_retired()
         return fresh, seen
@@ -180,6 +185,8 @@ class Transport:
         is sent before the rank has bound its sockets, so a request never waits for, or races
         with, the rank's start-up."""
         with self.send_lock:
+            if self._closed:
+                return  # a restart racing a stop: its sockets would keep the context from ending
             self._disconnect(rank)
             self._down[rank] = wire.connect_rank(self.ctx, self.rundir, rank, generation)
 
@@ -197,20 +204,22 @@ class Transport:
                       alive: Callable[[list[int]], bool]) -> None:
         """One message per rank straight to its socket (on this host: relaying through the agent
         would cost a process hop and a copy per request, and buy nothing), or one per host, which
-        its agent fans out (``by_host``). Returns once big buffers left, so the caller may change
-        its tensors; ranks that died meanwhile (``alive`` says) never take them."""
+        its agent fans out (``by_host``). Returns once big buffers left (for other hosts: once
+        the receiver copied them, see ``Network.send``), so the caller may change its tensors;
+        ranks that died meanwhile (``alive`` says) never take them."""
         if isinstance(by_host, dict):
             network = self.network
             assert network is not None
             routes = {host: encode_route(channel, ranks) for host, ranks in by_host.items()}
+            if not routes:
+                return  # every rank it was for died: nothing to copy for no one
             with self.send_lock:
                 if self._closed:
                     return  # the mesh stopped meanwhile, and failed the runs that waited
-                if wire.is_big(frames):  # a tracker per host: a host whose ranks died is not waited for
-                    sent = [(by_host[host], network.send({host: route}, frames)) for host, route in routes.items()]
-                else:  # one outbox message for every host: nothing to wait for
-                    network.send(routes, frames)
-                    sent = []
+                # One outbox message for every host; with big buffers, done once the receiver
+                # took its copy (what the links send and keep), whichever hosts are alive.
+                tracker = network.send(routes, frames)
+                sent = [([r for ranks in by_host.values() for r in ranks], tracker)]
         else:
             with self.send_lock:
                 # A rank that died since the caller checked has no sockets: its death failed the run.
@@ -288,10 +297,14 @@ class Watch:
         self._epoll = select.epoll()
         self._by_fd: dict[int, zmq.Socket] = {}
         sockets = [sock for sock in sockets if not sock.closed]
-        for sock in sockets:
-            fd = int(sock.getsockopt(zmq.FD))
-            self._by_fd[fd] = sock
-            self._epoll.register(fd, select.EPOLLIN)
+        try:
+            for sock in sockets:
+                fd = int(sock.getsockopt(zmq.FD))
+                self._by_fd[fd] = sock
+                self._epoll.register(fd, select.EPOLLIN)
+        except BaseException:
+            self._epoll.close()  # not one more descriptor lost when descriptors run out
+            raise
         self._recheck: set[zmq.Socket] = set(sockets)  # messages may be waiting already
 
     def recheck(self, sockets: Iterable[zmq.Socket]) -> None:

@@ -249,9 +249,9 @@ class Network:
     def send(self, routes: dict[int, bytes], frames: list[Any]) -> zmq.MessageTracker | None:
         """Queue a message for the agents of ``routes``' hosts, each with its route: the
         receiver thread sends it, one outbox message for all of them (a request to 128 hosts
-        crosses the outbox once). With big buffers, returns a tracker, done once they left for
-        the network (wait for it outside the send lock: the receiver may need that lock before
-        it gets to them)."""
+        crosses the outbox once). With big buffers, returns a tracker, done once the receiver
+        copied them (see ``_forward``; wait for it outside the send lock: the receiver may need
+        that lock before it gets to them)."""
         parts = [struct.pack(f"<{len(routes)}I", *routes), *routes.values(), *frames]
         if wire.is_big(frames):
             return wire.send_tracked(self._outbox, parts)
@@ -303,18 +303,20 @@ class Network:
         head = head.bytes if isinstance(head, zmq.Frame) else head
         hosts = struct.unpack(f"<{len(head) // 4}I", head)
         routes, frames = parts[1:1 + len(hosts)], parts[1 + len(hosts):]
-        # Kept as a copy: whoever sent a big buffer waits until ZeroMQ lets go of it (to change
-        # its tensor), which it would not until the agent acknowledged it.
+        # Big buffers are copied once, here, and the copy is what every link sends and keeps
+        # (for sending again): whoever sent them may change its tensor as soon as this thread
+        # let go of them, whatever the hosts do, and a push to 16 hosts is one copy, not 16.
         kept = [bytes(f.buffer) if isinstance(f, zmq.Frame) and len(f) >= wire.ZERO_COPY_MIN else f
                 for f in frames]
         # Measured once for every link: a request to 128 hosts is one message, sent 128 times.
-        nbytes, big = wire.size(kept), wire.is_big([b"", *frames])  # behind a route: the envelope too
+        nbytes, big = wire.size(kept), wire.is_big([b"", *kept])  # behind a route: the envelope too
         for host, route in zip(hosts, routes):
             link = self.links.get(host)
             if link is None or link.state in ("lost", "stopped"):
                 continue  # the host is gone: what waited for it has failed
             route = route.bytes if isinstance(route, zmq.Frame) else route
-            self._send(link, link.outgoing.number([route, *kept], nbytes + len(route)), [route, *frames], big)
+            message = [route, *kept]
+            self._send(link, link.outgoing.number(message, nbytes + len(route)), message, big)
 
     def _send(self, link: HostLink, seq: int, parts: list[Any], big: bool | None = None) -> None:
         """``parts`` (route and message) to ``link``'s agent, as message ``seq`` of the link
