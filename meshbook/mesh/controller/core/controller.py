@@ -106,6 +106,8 @@ class Controller:
         #: Messages of a kind no handler takes, by kind (each is logged too).
         self.unknown_kinds: Counter[str] = Counter()
         self._held: _Held | None = None  # results of hosts' bundles not booked yet (see _hold)
+        #: Agents that said they stopped on their own, not by our stop: when, and why.
+        self._stopped_alone: dict[int, tuple[HostLink, float, str]] = {}
         #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
         #: replaces this with "does this cell allow stdin").
         self.stdin_probe: Callable[[], bool] = _terminal_stdin
@@ -689,6 +691,7 @@ class Controller:
             reason = f"host agent {host} died ({agent.exit_reason()})"
             self._ranks_died(ranks, {"cause": reason})
             self._mark_stopped(reason)
+        self._report_stopped_alone()
         if self.remote and not self.stopped:
             self._end_if_beyond_restart()
 
@@ -756,7 +759,8 @@ class Controller:
         if body.get("stopped"):
             link.state = "stopped"
             if not self.stopped:  # not by our stop (that one reads its own answers): on its own
-                self._agent_stopped(link, body.get("why") or "no reason given")
+                with self._lock:
+                    self._stopped_alone[link.host] = (link, time.monotonic(), body.get("why") or "no reason given")
         elif "sent" in body:
             link.rtt = time.monotonic() - body["sent"]
             link.outgoing.acknowledged(body.get("ack", 0))
@@ -780,9 +784,24 @@ class Controller:
         self._mark_stopped(self.fenced)
         threading.Thread(target=self.stop, args=(self.fenced,), kwargs={"detach": True}, daemon=True).start()
 
+    def _report_stopped_alone(self) -> None:
+        """Agents that stopped on their own (terminated, or failed) killed their ranks on their way
+        out: their ranks are dead, though their links were never silent long enough to be lost.
+        Said with the launcher's reason where it comes within its ``notice_s`` (``gone()``
+        reported those: "job 12 ended: CANCELLED"), else with the agent's own."""
+        now = time.monotonic()
+        with self._lock:
+            due = [(host, link, why) for host, (link, since, why) in self._stopped_alone.items()
+                   if now - since >= self.agents.handles[host].notice_s or not self.agents.handles[host].alive()]
+            for host, _, _ in due:
+                del self._stopped_alone[host]
+        network = self.transport.network
+        for _, link, why in due:
+            if network is not None and network.links.get(link.host) is link:  # not replaced since
+                self._agent_stopped(link, why)
+
     def _agent_stopped(self, link: HostLink, why: str) -> None:
-        """``link``'s agent stopped on its own (terminated, or failed), and killed its ranks on
-        its way out: they are dead, though the link was never silent long enough to be lost."""
+        """``link``'s agent stopped on its own: its ranks that are not dead yet die with it."""
         self._ranks_died([r for r in link.ranks if self.ranks[r].state != "dead"],
                          {"cause": f"the agent of host {link.name} stopped ({why}): ranks {format_ranks(link.ranks)}",
                           "lost_hosts": [link.address]})

@@ -53,6 +53,10 @@ class AgentHandle(abc.ABC):
     #: The GPUs its ranks see, as the agent counted them (an agent on another host says so on
     #: its link, which the controller reads instead).
     gpus: int = 0
+    #: How long after its agent ended :meth:`alive` may take to say so (a batch job's state is
+    #: polled). An agent that says it stopped on its own is reported with :meth:`exit_reason`
+    #: (it knows more: "job 12 ended: CANCELLED") if that comes within this time.
+    notice_s: float = 0.0
 
     def configure(self, config: AgentConfig) -> None:
         """Hand an agent on this host its configuration (its stdin). An agent on another host

@@ -570,6 +570,7 @@ class SlurmAgent(AgentHandle):
         self.job = job
         self.host = host
         self.released = False
+        self.notice_s = 2 * job.launcher.poll_s  # squeue is asked every poll_s
 
     def alive(self) -> bool:
         return self.job.ended is None
