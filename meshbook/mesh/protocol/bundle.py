@@ -49,17 +49,24 @@ class Bundle:
             self._open = None
             self.entries.append([MESSAGE, header, body])
             return
-        request, rank = header[msg.ID], header[msg.RANK]
-        duration, group, kind = header.get(msg.DURATION, 0.0), header.get(msg.HAS_GROUP), header.get(msg.TYPE)
-        entry = self._open
-        if entry is not None and entry[1] == request and entry[4] == group and entry[5] == kind and entry[6] == body:
-            entry[2].append(rank)
-            entry[3].append(duration)
-            return
-        self._open = [RESULTS, request, [rank], [duration], group, kind, body]
-        self.entries.append(self._open)
+        entry = [RESULTS, header[msg.ID], [header[msg.RANK]], [header.get(msg.DURATION, 0.0)],
+                 header.get(msg.HAS_GROUP), header.get(msg.TYPE), body]
+        if self._open is None or not join(self._open, entry):
+            self._open = entry
+            self.entries.append(entry)
 
     def take(self) -> list[list[Any]]:
         """The entries gathered, in order; the bundle starts empty again."""
         entries, self.entries, self._open = self.entries, [], None
         return entries
+
+
+def join(entry: list[Any], other: list[Any]) -> bool:
+    """Add ``other``'s ranks to ``entry`` if both are the same results (one request, one
+    value, the same group flag and type); say whether it did. The agent gathers its ranks'
+    results with it, and the controller the hosts' (consecutive entries only: order is kept)."""
+    if entry[1] != other[1] or entry[4] is not other[4] or entry[5] != other[5] or entry[6] != other[6]:
+        return False
+    entry[2] += other[2]
+    entry[3] += other[3]
+    return True

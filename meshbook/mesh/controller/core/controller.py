@@ -33,7 +33,6 @@ import threading
 import time
 import weakref
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...protocol import bundle, wire
@@ -105,7 +104,7 @@ class Controller:
         self.landing = Landing()
         #: Messages of a kind no handler takes, by kind (each is logged too).
         self.unknown_kinds: Counter[str] = Counter()
-        self._held: _Held | None = None  # results of hosts' bundles not booked yet (see _hold)
+        self._held: list[Any] | None = None  # a results entry of hosts' bundles not booked yet (see _hold)
         #: Agents that said they stopped on their own, not by our stop: when, and why.
         self._stopped_alone: dict[int, tuple[HostLink, float, str]] = {}
         #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
@@ -542,23 +541,18 @@ class Controller:
             if entry[0] != bundle.RESULTS:
                 self._dispatch(wire.Message.gathered(entry[1], entry[2]))
                 continue
-            self._hold(*entry[1:])
+            self._hold(entry)
 
-    def _hold(self, request: int, ranks: list[int], durations: list[float], has_group: bool | None,
-              type_name: str | None, body: bytes) -> None:
+    def _hold(self, entry: list[Any]) -> None:
         """Ranks' identical results, from one host's bundle: held, and joined by the same
         results of the next hosts' bundles, until anything else comes or the receiver has
         drained what was ready. A request to 128 hosts then books one group, not 128 (each
         costs two locks, the run's condition and an event). Only consecutive results join, so
         every rank's messages keep their order."""
-        held = self._held
-        if held is not None and held.joins(request, has_group, type_name, body):
-            held.ranks += ranks
-            held.durations += durations
+        if self._held is not None and bundle.join(self._held, entry):
             return
-        if held is not None:
-            self._book_held()
-        self._held = _Held(request, has_group, type_name, body, list(ranks), list(durations))
+        self._book_held()
+        self._held = entry
 
     def _book_held(self) -> None:
         """Book the results held (the receiver thread, before any other message and once it
@@ -567,7 +561,7 @@ class Controller:
         if held is None:
             return
         try:  # as _dispatch guards each message: one failing group loses no other rank's answer
-            self._on_results(held.request, held.ranks, held.durations, held.has_group, held.type_name, held.body)
+            self._on_results(*held[1:])
         except Exception as exc:
             log(f"receiver: {type(exc).__name__}: {exc}")
 
@@ -859,22 +853,6 @@ class Controller:
         self.transport.close()
         self.landing.close()
         _LIVE.discard(self)
-
-
-@dataclass
-class _Held:
-    """Identical results of one request from consecutive bundles, booked as one group."""
-
-    request: int
-    has_group: bool | None
-    type_name: str | None
-    body: bytes
-    ranks: list[int]
-    durations: list[float]
-
-    def joins(self, request: int, has_group: bool | None, type_name: str | None, body: bytes) -> bool:
-        return (request == self.request and has_group is self.has_group and type_name == self.type_name
-                and body == self.body)
 
 
 def live_controllers() -> list[Controller]:
