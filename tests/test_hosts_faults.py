@@ -71,6 +71,28 @@ def test_a_tcp_reset_on_a_hosts_link_loses_nothing(ssh_hosts: sshd.Sshd) -> None
         mesh.stop()
 
 
+def test_a_pull_slower_than_the_loss_window_keeps_its_host(ssh_hosts: sshd.Sshd) -> None:
+    """A 64 MiB pull from h2 over a link limited to 64 Mbit/s takes 8 s, longer than the 6 s
+    after which a silent host is lost. It comes up in fragments, each heard as it arrives, so
+    the host stays and the value arrives whole (as one message, h2 was lost and the pull failed)."""
+    import torch
+
+    need(netns.rate_missing)
+    mesh = ssh_mesh(ssh_hosts, suspect_s=2, lost_s=6)
+    try:
+        mesh.run("big = torch.arange(16 << 20, dtype=torch.float32) + rank").result(timeout=60)
+        ssh_hosts.hosts.limit_rate("h2", 64)
+        try:
+            pulled = mesh.pull("big", ranks=[2])
+        finally:
+            ssh_hosts.hosts.limit_rate("h2", 0)
+        assert torch.equal(pulled[2], torch.arange(16 << 20, dtype=torch.float32) + 2)
+        assert [h.state for h in mesh.hosts()] == ["ok", "ok"]
+        assert dict(mesh.run("rank").result(timeout=60)) == {0: 0, 1: 1, 2: 2, 3: 3}
+    finally:
+        mesh.stop()
+
+
 def test_a_stopped_agent_never_runs_what_came_for_its_lost_host(tmp_path: Path) -> None:
     """SIGSTOP h2's agent mid-cell: its host is lost, its ranks are re-formed on h3. The old
     ranks stop on their own before the host is declared lost, and when the old agent resumes

@@ -128,6 +128,21 @@ def test_a_big_push_travels_in_pieces_and_arrives_whole(joined: tuple[meshbook.M
     assert torch.equal(mesh.pull("half", ranks=[2])[2], bf16)
 
 
+def test_big_messages_cross_the_network_in_fragments_both_ways(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
+    """A call with a 40 MiB argument goes down in fragments, and a 40 MiB pull comes up in
+    them (so that each link stays heard, tests/test_hosts_faults.py); both arrive whole."""
+    mesh, _ = joined
+    data = torch.randint(0, 1 << 20, (5 << 20,))  # int64: sums are exact in any order
+    weights = {"w": torch.arange(1 << 16), "b": torch.ones(3)}  # frames of all sizes
+    sums = mesh.apply(lambda t, state: (int(t.sum()), int(state["w"].sum()), tuple(state["b"].tolist())), data, weights)
+    assert set(sums.result().values()) == {(int(data.sum()), int(weights["w"].sum()), (1.0, 1.0, 1.0))}
+    mesh.run("big = torch.arange(10 << 20, dtype=torch.float32) * rank\nsmall = [torch.ones(2)] * 5").result()
+    pulled = mesh.pull("big", ranks=[1, 3])
+    assert torch.equal(pulled[3], torch.arange(10 << 20, dtype=torch.float32) * 3)
+    assert torch.equal(pulled[1], torch.arange(10 << 20, dtype=torch.float32))
+    assert [h.state for h in mesh.hosts()] == ["ok", "ok"]
+
+
 def test_status_shows_each_host(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
     mesh, outside = joined
     deadline = time.monotonic() + 10

@@ -1,8 +1,13 @@
 """A link's numbering on its own: in order, gaps held and filled, nothing twice, and what is
-no longer kept reported as lost (protocol/ordering.py)."""
+no longer kept reported as lost (protocol/ordering.py); and big messages cut into fragments
+and put together again (protocol/fragments.py)."""
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshbook.mesh.protocol.fragments import Assembly, split
 from meshbook.mesh.protocol.ordering import ASK_AGAIN_S, Incoming, Outgoing
 
 
@@ -81,3 +86,50 @@ def test_an_ask_that_crossed_an_acknowledgement_names_nothing_lost() -> None:
         out.number([bytes([n])])
     out.acknowledged(6)
     assert out.gone(3) == [] and out.since(3) == []
+
+
+# -- a big message in fragments (protocol/fragments.py) -------------------------------------------
+
+frame_sizes = st.lists(st.integers(min_value=0, max_value=40), min_size=0, max_size=6)
+
+
+@given(sizes=frame_sizes, piece=st.integers(min_value=1, max_value=16), at=st.integers(min_value=0, max_value=2))
+def test_a_message_in_fragments_comes_out_whole(sizes: list[int], piece: int, at: int) -> None:
+    """Any frames, any piece size: the fragments and what is left put the message together
+    again, byte for byte, and none carries much more than a piece."""
+    frames = [b"envelope", *(bytes(range(n)) for n in sizes)]
+    pieces, rest = split(frames, at=at, piece=piece)
+    route = [b"r"] * at
+    if sum(map(len, frames)) < 2 * piece:
+        assert pieces == [] and rest == frames, "a small message travels as it is"
+    assert all(sum(memoryview(p).nbytes for p in fragment[2:]) <= piece for fragment in pieces)
+    assembly = Assembly()
+    assert all(assembly.take(fragment) is None for fragment in pieces)
+    whole = assembly.take([*route, *rest])
+    assert whole is not None and [bytes(f) for f in whole] == [*route, *frames]
+
+
+def test_a_message_whose_fragment_was_lost_is_dropped_and_the_next_comes_whole() -> None:
+    first = [b"envelope", bytes(100), bytes(range(50))]
+    second = [b"envelope", bytes(range(60))]
+    pieces, rest = split(first, piece=16)
+    assembly = Assembly()
+    for fragment in pieces[:2] + pieces[3:]:  # the third never came (a reset lost it)
+        assembly.take(fragment)
+    assert assembly.take(rest) is None and assembly.dropped == 1
+    pieces, rest = split(second, piece=16)
+    for fragment in pieces[:-1]:
+        assembly.take(fragment)
+    # The message after the second's fragments was lost, and a third message starts: the
+    # second's fragments go, and the third's come whole.
+    pieces, rest = split(first, piece=16)
+    for fragment in pieces:
+        assembly.take(fragment)
+    whole = assembly.take(rest)
+    assert whole is not None and [bytes(f) for f in whole] == first and assembly.dropped == 1
+
+
+def test_a_small_message_between_messages_passes_as_it_is() -> None:
+    assembly = Assembly()
+    assert assembly.take([b"", b"op"]) == [b"", b"op"], "an empty route (an operation) is no fragment"
+    assert assembly.take([b"x\x01\x00\x00\x00", b"a"]) == [b"x\x01\x00\x00\x00", b"a"]

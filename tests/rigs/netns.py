@@ -81,15 +81,28 @@ def firewall_missing() -> str | None:
 
 def delay_missing() -> str | None:
     """Why :meth:`Hosts.delay` cannot work here (a kernel built without netem), or ``None``."""
+    return _qdisc_missing(["netem", "delay", "1ms"], "CONFIG_NET_SCH_NETEM")
+
+
+def rate_missing() -> str | None:
+    """Why :meth:`Hosts.limit_rate` cannot work here (a kernel built without tbf), or ``None``."""
+    return _qdisc_missing([*_TBF, "8mbit"], "CONFIG_NET_SCH_TBF")
+
+
+#: A token bucket: 64 KiB bursts, packets wait up to a second (TCP then slows to the rate).
+_TBF = ["tbf", "burst", "64kb", "latency", "1s", "rate"]
+
+
+def _qdisc_missing(qdisc: list[str], config: str) -> str | None:
     probe = f"mb-probe-{os.getpid()}"
     sh(["ip", "netns", "add", probe])
     try:
-        tried = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo",
-                                "root", "netem", "delay", "1ms"], capture_output=True, text=True)
+        tried = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", *qdisc],
+                               capture_output=True, text=True)
     finally:
         quiet(["ip", "netns", "del", probe])
     return None if tried.returncode == 0 else \
-        f"this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM): {tried.stderr.strip()}"
+        f"this kernel has no {qdisc[0]} qdisc ({config}): {tried.stderr.strip()}"
 
 
 def sh(argv: Sequence[str], timeout: float = 30) -> str:
@@ -345,6 +358,16 @@ class Hosts(Rig):
         inside = ["ip", "netns", "exec", self.host(host).ns, "tc", "qdisc"]
         if ms:
             sh([*inside, "replace", "dev", "eth0", "root", "netem", "delay", f"{ms}ms"])
+        else:
+            quiet([*inside, "del", "dev", "eth0", "root"])
+
+
+    def limit_rate(self, host: Host | str, mbit: float) -> None:
+        """What ``host`` sends leaves at ``mbit`` Mbit/s at most (a token bucket: it replaces
+        a :meth:`delay`); ``mbit=0`` removes the limit."""
+        inside = ["ip", "netns", "exec", self.host(host).ns, "tc", "qdisc"]
+        if mbit:
+            sh([*inside, "replace", "dev", "eth0", "root", *_TBF, f"{mbit}mbit"])
         else:
             quiet([*inside, "del", "dev", "eth0", "root"])
 

@@ -38,8 +38,8 @@ from typing import Any, Literal
 
 import zmq
 
+from ..protocol import fragments, net, wire
 from ..protocol import messages as msg
-from ..protocol import net, wire
 from ..protocol.bodies import AgentConfig, Bootstrap
 from ..protocol.bundle import Bundle
 from ..protocol.ordering import Incoming, Outgoing
@@ -156,6 +156,7 @@ class RemoteLink:
         #: order (``last_seq``: the configuration's number, taken before this link existed).
         self.outgoing = Outgoing()
         self.incoming = Incoming(expected=last_seq + 1)
+        self.assembly = fragments.Assembly()  # what came down in fragments
         self.rundir = rundir
         #: What this host's ranks emit arrives here, and goes up the connection unchanged.
         self.rank_events = f"ipc://{rundir}/ev"
@@ -177,9 +178,14 @@ class RemoteLink:
         """Up to the newest controller (or, outside the link's order, to ``to``), numbered and
         kept until acknowledged. A ROUTER drops what no one is there for, and so does a DEALER
         whose connection is down for longer than a send may wait: the numbers have it sent
-        again."""
-        seq = self.outgoing.number(frames) if ordered and to is None else 0
-        self._send(seq, frames, to)
+        again. A big message goes in fragments (:mod:`~..protocol.fragments`): the controller
+        hears this host as each arrives."""
+        if not ordered or to is not None:
+            self._send(0, frames, to)
+            return
+        pieces, rest = fragments.split(frames)
+        for part in (*pieces, rest):
+            self._send(self.outgoing.number(part), part)
 
     def _send(self, seq: int, frames: list[Any], to: Peer | None = None) -> None:
         try:
@@ -210,6 +216,7 @@ class RemoteLink:
                 continue
             if peer.epoch > self.peer.epoch:  # a new controller attached: a new link's numbers
                 self.outgoing, self.incoming = Outgoing(), Incoming(expected=max(seq, 1))
+                self.assembly = fragments.Assembly()
             self.peer = peer
             self.last_heard = time.monotonic()
             delivered = [[route, *message]] if seq == 0 else self.incoming.take(seq, [route, *message], self.last_heard)
@@ -252,7 +259,11 @@ class RemoteLink:
         new process before the requests sent after it are relayed (the old process's socket
         is closed, and what it held is dropped), and a signal must reach the ranks before the
         cell sent after it."""
-        for route, *message in messages:
+        for delivered in messages:
+            whole = self.assembly.take(delivered)
+            if whole is None:
+                continue  # a fragment: its message comes whole after the last one
+            route, *message = whole
             route = route.bytes if isinstance(route, zmq.Frame) else route
             if not route:
                 operate(message)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ...protocol import config, net, wire
+from ...protocol import config, fragments, net, wire
 from ...protocol import messages as msg
 from ...protocol.bodies import Bootstrap
 from ...protocol.errors import MeshError
@@ -63,6 +63,8 @@ class HostLink:
     #: What this side sent and the agent has not acknowledged; what it sent, in order.
     outgoing: Outgoing = field(default_factory=Outgoing)
     incoming: Incoming = field(default_factory=Incoming)
+    #: What came up in fragments (a big pull), put together again.
+    assembly: fragments.Assembly = field(default_factory=fragments.Assembly)
     #: The newest of our numbers the agent was told are lost (the runs on its ranks failed then).
     told_lost: int = 0
 
@@ -290,7 +292,9 @@ class Network:
             handle(link, identity, frames[1:])
             return
         for message in link.incoming.take(seq, frames[1:], time.monotonic()):
-            handle(link, identity, message)
+            whole = link.assembly.take(message)
+            if whole is not None:
+                handle(link, identity, whole)
 
     @staticmethod
     def _heard(link: HostLink | None) -> None:
@@ -308,12 +312,16 @@ class Network:
         # let go of them, whatever the hosts do, and a push to 16 hosts is one copy, not 16.
         kept = [bytes(f.buffer) if isinstance(f, zmq.Frame) and len(f) >= wire.ZERO_COPY_MIN else f
                 for f in frames]
-        # Measured once for every link: a request to 128 hosts is one message, sent 128 times.
+        # A big message goes in fragments, cut once for every link (its agent hears us as they
+        # come). Measured once too: a request to 128 hosts is one message, sent 128 times.
+        pieces, kept = fragments.split(kept, at=1)
         nbytes, big = wire.size(kept), wire.is_big([b"", *kept])  # behind a route: the envelope too
         for host, route in zip(hosts, routes):
             link = self.links.get(host)
             if link is None or link.state in ("lost", "stopped"):
                 continue  # the host is gone: what waited for it has failed
+            for piece in pieces:
+                self._send(link, link.outgoing.number(piece), piece, True)
             route = route.bytes if isinstance(route, zmq.Frame) else route
             message = [route, *kept]
             self._send(link, link.outgoing.number(message, nbytes + len(route)), message, big)
