@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshbook.mesh.protocol.fragments import Assembly, split
-from meshbook.mesh.protocol.ordering import ASK_AGAIN_S, Incoming, Outgoing
+from meshbook.mesh.protocol.ordering import ASK_AGAIN_MAX_S, ASK_AGAIN_S, Incoming, Outgoing
 
 
 def test_in_order_messages_are_delivered_at_once() -> None:
@@ -28,6 +28,19 @@ def test_a_gap_holds_what_follows_until_it_is_filled() -> None:
     assert incoming.take(2, [b"2"], 2.0) == [[b"2"], [b"3"], [b"4"]]
     assert incoming.take(3, [b"3"], 2.0) == [], "sent again but already here: dropped"
     assert incoming.acknowledged == 4 and incoming.ask(9.0) is None
+
+
+def test_a_gap_that_asking_does_not_fill_is_asked_for_less_and_less_often() -> None:
+    """Each ask has the sender send everything from the gap on again: a resend still on its way
+    behind a big transfer is not asked for every second. Once it comes, asking is prompt again."""
+    incoming = Incoming()
+    incoming.take(2, [b"2"], 100.0)
+    asks = [t / 2 - 100 for t in range(200, 280) if incoming.ask(t / 2) is not None]
+    assert asks == [0.0, 1.0, 3.0, 7.0, 15.0, 23.0, 31.0, 39.0]
+    assert max(b - a for a, b in zip(asks, asks[1:])) == ASK_AGAIN_MAX_S
+    assert incoming.take(1, [b"1"], 140.0) == [[b"1"], [b"2"]]
+    incoming.take(4, [b"4"], 141.0)
+    assert incoming.ask(141.0) == 3 and incoming.ask(141.0 + ASK_AGAIN_S) == 3, "a new gap is asked for promptly"
 
 
 def test_what_the_sender_no_longer_keeps_is_lost_and_the_rest_goes_on() -> None:

@@ -27,8 +27,12 @@ from typing import Any
 #: message bigger than ``KEEP_BYTES`` is sent but never kept.
 KEEP_MESSAGES = 20_000
 KEEP_BYTES = 256 << 20
-#: How long a gap may wait for what was asked again before asking once more.
+#: How long a gap may wait for what was asked again before asking once more; twice as long
+#: after each ask that brought nothing, up to ``ASK_AGAIN_MAX_S``. Each ask has the sender
+#: send everything from the gap on again (up to ``KEEP_BYTES``): a resend still on its way
+#: behind a big transfer must not be asked for, and sent, once a second.
 ASK_AGAIN_S = 1.0
+ASK_AGAIN_MAX_S = 8.0
 
 
 def size(frames: Sequence[Any]) -> int:
@@ -95,9 +99,11 @@ class Incoming:
 
     expected: int = 1
     held: dict[int, list[Any]] = field(default_factory=dict)
-    #: Since when a gap waits (monotonic seconds), and when it was last asked for.
+    #: Since when a gap waits (monotonic seconds), when it was last asked for, and how long
+    #: the next ask waits.
     gap_since: float | None = None
     asked_at: float = 0.0
+    ask_every: float = ASK_AGAIN_S
     #: Numbers ahead that the sender no longer keeps and that never came: skipped when reached.
     gone: set[int] = field(default_factory=set)
     #: The newest number lost for good (0: none): a loss told again is no news.
@@ -120,8 +126,10 @@ class Incoming:
 
     def ask(self, now: float) -> int | None:
         """The number to ask the sender for again, when a gap waits and it is time to ask."""
-        if self.gap_since is None or now - self.asked_at < ASK_AGAIN_S:
+        if self.gap_since is None or now - self.asked_at < self.ask_every:
             return None
+        if self.asked_at >= self.gap_since:  # asked before, and nothing came in order since
+            self.ask_every = min(2 * self.ask_every, ASK_AGAIN_MAX_S)
         self.asked_at = now
         return self.expected
 
@@ -143,6 +151,8 @@ class Incoming:
                 out.append(self.held.pop(self.expected))
             self.gone.discard(self.expected)
             self.expected += 1
+        if out:  # what was asked for is coming: the next gap is asked for promptly again
+            self.ask_every = ASK_AGAIN_S
         if not self.held:
             self.gap_since = None
         return out
