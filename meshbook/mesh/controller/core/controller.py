@@ -720,7 +720,7 @@ class Controller:
         if link is None:
             return
         newest = link.incoming.newest_lost
-        for frames in link.incoming.give_up(message.body()["lost"]):
+        for frames in link.wholes(link.incoming.give_up(message.body()["lost"])):
             self._take(frames)
         if link.incoming.newest_lost > newest:
             self._link_lost(link, f"messages from host {link.name}")

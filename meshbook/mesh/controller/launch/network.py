@@ -23,7 +23,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import zmq
 
@@ -77,6 +77,14 @@ class HostLink:
             self.clock_offset_ns = agent_ns - (sent_ns + back_ns) // 2
         else:
             self._best_ping_ns += self._best_ping_ns // 16  # a better estimate may come along
+
+    def wholes(self, messages: list[list[Any]]) -> Iterator[list[Any]]:
+        """Messages the link delivered in order, with fragments put together: what can be
+        handled now."""
+        for message in messages:
+            whole = self.assembly.take(message)
+            if whole is not None:
+                yield whole
 
     def describe(self) -> str:
         return f"host {self.name} ({self.address}): ranks {format_ranks(self.ranks)}"
@@ -291,10 +299,8 @@ class Network:
         if link is None or seq == 0:  # an agent not placed yet (joining), or outside the order
             handle(link, identity, frames[1:])
             return
-        for message in link.incoming.take(seq, frames[1:], time.monotonic()):
-            whole = link.assembly.take(message)
-            if whole is not None:
-                handle(link, identity, whole)
+        for message in link.wholes(link.incoming.take(seq, frames[1:], time.monotonic())):
+            handle(link, identity, message)
 
     @staticmethod
     def _heard(link: HostLink | None) -> None:
