@@ -96,6 +96,9 @@ class Controller:
         self._changed = threading.Condition(self._lock)
         #: Held by whatever re-creates the process groups (recovery, a step check's resync).
         self.recovery_lock = threading.Lock()
+        #: Held while a thread checks the agents (the receiver's tick, a start-up's wait): two at
+        #: once would both find an agent gone and report its ranks' death twice.
+        self._checking_agents = threading.Lock()
         #: The last minutes of each rank's memory (for sparklines), kept from the start.
         self.history = MetricsHistory()
         #: When every rank entered and left each collective: exact waiting, who arrives last.
@@ -675,6 +678,14 @@ class Controller:
                 listener(rank, cause)
 
     def _check_agents(self) -> None:
+        if not self._checking_agents.acquire(blocking=False):
+            return  # another thread is at it (see _checking_agents): its findings will do
+        try:
+            self._check_agents_now()
+        finally:
+            self._checking_agents.release()
+
+    def _check_agents_now(self) -> None:
         if self.stopped or not self.agents.handles:
             return
         for host, agent in self.agents.gone():
