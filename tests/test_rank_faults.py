@@ -1,13 +1,26 @@
-"""A rank's control side under faults, on real ranks: what keeps it answering, and stopping."""
+"""A rank's control side under faults, on real ranks: what keeps it answering, and stopping.
+
+The helpers below run on the ranks and travel by value (this module is registered with
+cloudpickle: the ranks cannot import it).
+"""
 
 from __future__ import annotations
 
 import errno
 import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
+import cloudpickle
 import pytest
 
 import meshbook
+from meshbook.mesh.rank.ops import interrupt_request
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def test_the_control_thread_outlives_an_error_in_one_tick(mesh2: meshbook.Mesh) -> None:
@@ -58,3 +71,180 @@ def test_a_rank_stops_itself_when_its_host_is_lost_while_a_send_is_stuck(mesh2: 
     with pytest.raises(meshbook.RemoteError) as info:
         run.result(timeout=20, echo=False)
     assert "stopped itself" in info.value.failures[0].detail
+
+
+def _wait_for_writer(path: str) -> int:
+    """On a rank: block until the test writes to the FIFO ``path``."""
+    with open(path) as gate:
+        gate.read()
+    return 0
+
+
+def _release(fifo: Path) -> None:
+    with open(fifo, "w") as gate:
+        gate.write("go")
+
+
+class _Gated:
+    """An argument whose unpickling on the rank waits at ``fifo``: a request the rank has taken
+    but whose user code has not started (as while a big argument unpickles)."""
+
+    def __init__(self, fifo: Path) -> None:
+        self.fifo = str(fifo)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_wait_for_writer, (self.fifo,))
+
+
+def _wait_until_running(mesh: meshbook.Mesh, request: int) -> None:
+    """Until rank 0's main thread has taken ``request`` (its control thread answers meanwhile)."""
+    deadline = time.monotonic() + 30
+    while mesh.call(lambda worker: worker.request, ranks=[0], control=True).result(timeout=10)[0] != request:
+        assert time.monotonic() < deadline, f"rank 0 never took request {request}"
+        time.sleep(0.02)
+
+
+def _wait_for_file(path: Path) -> None:
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.02)
+
+
+def test_an_interrupt_while_the_arguments_unpickle_stops_the_request_before_its_code(
+        mesh2: meshbook.Mesh, tmp_path: Path) -> None:
+    """The rank took the request and unpickles its big argument when the interrupt's SIGINT
+    lands: no user code runs yet, so the handler raises nothing. The interrupt must still
+    stop the request where its user code starts (it was lost: the request ran in full)."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    run = mesh2.apply(lambda arrived: "ran", _Gated(gate), ranks=[0])
+    _wait_until_running(mesh2, run.id)
+    mesh2.call(interrupt_request, run.id, ranks=[0]).result(timeout=10)  # the SIGINT is sent
+    _release(gate)
+    with pytest.raises(meshbook.RemoteError) as info:
+        run.result(timeout=30, echo=False)
+    failure = info.value.failures[0]
+    assert (failure.type_name, failure.message) == ("KeyboardInterrupt", "interrupted before it started: nothing ran")
+    assert mesh2.run("'next'", ranks=[0]).result(timeout=30)[0] == "next"
+
+
+def test_an_interrupt_kept_for_a_request_that_finished_never_stops_the_next(
+        mesh2: meshbook.Mesh, tmp_path: Path) -> None:
+    """An interrupt that lands in meshbook's own shielded work is kept for that request's user
+    code; the request finishes without reaching any, and the next request runs in full."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+
+    def shielded_wait(worker: Any, path: str) -> str:  # on the main thread, as a step check's wait
+        with worker.shielded():
+            _wait_for_writer(path)
+        return "finished"
+
+    run = mesh2.call(shielded_wait, str(gate), ranks=[0])
+    _wait_until_running(mesh2, run.id)
+    mesh2.call(interrupt_request, run.id, ranks=[0]).result(timeout=10)
+    _release(gate)
+    assert run.result(timeout=30)[0] == "finished"
+    assert mesh2.run("'next'", ranks=[0]).result(timeout=30)[0] == "next"
+    assert mesh2.call(lambda worker: sorted(worker.cancelled), ranks=[0], control=True).result(timeout=10)[0] == []
+
+
+def _hold_the_cancellation(worker: Any, request: int, decided: str) -> None:
+    """On rank 0's control thread: its cancellation of ``request`` (the interrupt decided the
+    request still waits) is held until the main thread, come to take the request, has looked
+    for it; or for a second, should the main thread wait for the decision to be carried out."""
+    import threading
+
+    arrived, looked = threading.Event(), threading.Event()
+    check_alive = worker.check_alive
+
+    def arrives() -> None:  # the main thread calls it first thing in each request
+        if threading.current_thread() is threading.main_thread():
+            arrived.set()
+        check_alive()
+
+    class Watched(set):
+        def __contains__(self, item: object) -> bool:
+            if item == request:
+                looked.set()
+            return super().__contains__(item)
+
+        def add(self, item: int) -> None:
+            if item == request and threading.current_thread() is not threading.main_thread():
+                open(decided, "w").close()
+                arrived.wait(60)
+                looked.wait(1)
+            super().add(item)
+
+    worker.check_alive = arrives
+    worker.cancelled = Watched(worker.cancelled)
+
+
+def test_an_interrupt_that_finds_its_request_waiting_is_not_lost_as_the_rank_takes_it(
+        mesh2: meshbook.Mesh, tmp_path: Path) -> None:
+    """The control thread sees the request still waiting and cancels it, while the main thread
+    takes it and looks for a cancellation: the cancellation landed after the look, and the
+    request ran to its end though interrupted."""
+    gate, decided = tmp_path / "gate", tmp_path / "decided"
+    os.mkfifo(gate)
+    busy = mesh2.run(f"open({str(gate)!r}).read()", ranks=[0])
+    queued = mesh2.run("ran = True", ranks=[0])
+    _wait_until_running(mesh2, busy.id)
+    mesh2.call(_hold_the_cancellation, queued.id, str(decided), ranks=[0], control=True).result(timeout=10)
+    interrupt = mesh2.call(interrupt_request, queued.id, ranks=[0])  # answered once the hold is over
+    _wait_for_file(decided)
+    _release(gate)
+    assert busy.result(timeout=30)[0] == "go"
+    with pytest.raises(meshbook.RemoteError) as info:
+        queued.result(timeout=30, echo=False)
+    assert info.value.failures[0].message == "interrupted before it started: nothing ran"
+    interrupt.result(timeout=30)
+    assert mesh2.run("'ran' in globals()", ranks=[0]).result(timeout=30)[0] is False
+
+
+def _fail_every_tick(worker: Any) -> None:
+    """On rank 0's control thread: each tick from now on fails once it answered what came, and
+    the rank's log is kept for the test to read."""
+    import io
+
+    worker.failed_ticks, worker.log, worker.stderr_was = 0, io.StringIO(), sys.__stderr__
+
+    def fails(now: float) -> None:
+        worker.failed_ticks += 1
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    sys.__stderr__ = worker.log  # type: ignore[misc]  # where the rank logs
+    worker.lent.expire = fails
+
+
+def test_a_control_thread_failing_every_tick_logs_the_traceback_once_then_counts(mesh2: meshbook.Mesh) -> None:
+    """A persistent error fails five ticks a second: its traceback is logged once, and then a line
+    now and then says how many more failed (each tick logged its traceback, without end)."""
+    def log() -> str:
+        return mesh2.call(lambda worker: worker.log.getvalue(), ranks=[0], control=True).result(timeout=10)[0]
+
+    mesh2.call(_fail_every_tick, ranks=[0], control=True).result(timeout=10)
+    while mesh2.call(lambda worker: worker.failed_ticks, ranks=[0], control=True).result(timeout=10)[0] < 10:
+        pass
+    first = log()
+    assert first.count("Traceback") == 1 and first.count("meshbook: rank 0 failed a tick") == 1, first
+    assert first.startswith("meshbook: rank 0 failed a tick of its control thread:\nTraceback"), first
+
+    def report_every_tick(worker: Any) -> None:  # the next failing tick says how many failed since
+        from meshbook.mesh.rank import worker as module
+
+        module.TICK_ERRORS_EVERY_S = 0.0
+
+    mesh2.call(report_every_tick, ranks=[0], control=True).result(timeout=10)
+    later = log()
+    assert later.startswith(first) and later.count("Traceback") == 1, later
+    counted = re.match(r"meshbook: rank 0 failed (\d+) more ticks of its control thread in the last \d+ s "
+                       r"\(the same error as before\)$", later[len(first):].splitlines()[0])
+    assert counted and int(counted[1]) >= 9, later[len(first):]
+
+    def recover(worker: Any) -> None:
+        del worker.lent.expire
+        sys.__stderr__ = worker.stderr_was  # type: ignore[misc]
+
+    mesh2.call(recover, ranks=[0], control=True).result(timeout=10)

@@ -12,10 +12,8 @@ loading the rank's machinery.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -69,14 +67,9 @@ def post_mortem(worker: "Worker") -> str:
 @rank_op(channel=msg.CONTROL)
 def interrupt_request(worker: "Worker", request: int) -> None:
     """Interrupt ``request`` only (control thread): ``KeyboardInterrupt`` if the rank runs it
-    now, dropped unstarted if it still waits in the rank's queue, nothing otherwise."""
-    if worker.request == request:
-        worker.interrupt_target = request
-        # To the main thread itself: a blocking call there (sleep, select, a socket) returns
-        # with EINTR and the handler runs now; a process-wide SIGINT may land on any thread.
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
-    elif worker.last_request is None or request > worker.last_request:
-        worker.cancelled.add(request)
+    now (where its user code starts, if it has yet to), dropped unstarted if it still waits in
+    the rank's queue, nothing otherwise."""
+    worker.interrupt(request)
 
 
 # -- where the rank is (control thread: answered while the rank is busy) ------------------------

@@ -60,8 +60,14 @@ from .streams import FdPump, RankStream, install_thread_tagging
 from .torch_compat import FLIGHT_RECORDER_ENTRIES, oldest_nccl_pending
 
 TICK_S = 0.2
+#: How often a control thread whose ticks keep failing says so again: the first failure is
+#: logged with its traceback at once, later ones are counted (a persistent error fails 5 a second).
+TICK_ERRORS_EVERY_S = 60.0
 #: How much before its controller declares its host lost a rank stops itself.
 LOST_MARGIN_S = 1.0
+
+#: Why a request interrupted before its user code started failed.
+NOTHING_RAN = "interrupted before it started: nothing ran"
 
 #: How a rank runs NCCL unless the user says otherwise (see DESIGN.md, "GPU paths"): a
 #: collective that times out aborts its communicator and raises, keeping the process and its
@@ -95,10 +101,15 @@ class Worker:
         self.input_replies: queue.Queue[str] = queue.Queue()
         #: Verdicts of step checks (see :mod:`meshbook.mesh.controller.recovery.step`), delivered by the control thread.
         self.verdicts: queue.Queue[tuple[int, int | None]] = queue.Queue()
-        #: Requests interrupted before they started: dropped when their turn comes.
+        #: Requests interrupted before their user code started: dropped when their turn comes,
+        #: or stopped where their user code starts (interrupted while their arguments unpickled).
         self.cancelled: set[int] = set()
         #: The request a targeted interrupt is meant for (None: any user code, e.g. SIGINT).
         self.interrupt_target: int | None = None
+        #: Held while the main thread takes a request and while an interrupt decides whether
+        #: that request runs or waits: so it is either signalled or found cancelled, never neither.
+        self._taking = threading.Lock()
+        self._failed_ticks = _FailedTicks()
         #: How the last request ended, in words (the hang diagnosis quotes it).
         self.last_outcome = ""
         #: Why meshbook aborted a request's collective (request -> reason), for its error.
@@ -269,12 +280,10 @@ class Worker:
             self.note_unknown(message.kind, "main")
         route = self._reply_routes.get(message.kind)
         reply = partial(route, message) if route is not None else None
-        self.request = request
         self.started_at = time.monotonic()
         try:
-            if request in self.cancelled:
-                self.cancelled.discard(request)
-                raise KeyboardInterrupt("interrupted before it started: nothing ran")
+            if not self._take(request):
+                raise KeyboardInterrupt(NOTHING_RAN)
             if handler is None:
                 raise ValueError(f"this rank has no handler for requests of kind {message.kind!r}")
             body = message.body()
@@ -292,6 +301,29 @@ class Worker:
             self._finish(request, failure=failure, reply=reply)
         else:
             self._finish(request, value=value, reply=reply)
+
+    def _take(self, request: int) -> bool:
+        """Make ``request`` the running one; False if it was interrupted while it waited.
+        Under the lock :meth:`interrupt` decides under: an interrupt that saw it waiting
+        cancelled it before this looks."""
+        with self._taking:
+            self.request = request
+            if request not in self.cancelled:
+                return True
+            self.cancelled.discard(request)
+            return False
+
+    def interrupt(self, request: int) -> None:
+        """Interrupt ``request`` only (control thread): signal the main thread if it runs it
+        now, cancel it if it still waits, nothing if it finished."""
+        with self._taking:
+            if self.request == request:
+                self.interrupt_target = request
+                # To the main thread itself: a blocking call there (sleep, select, a socket) returns
+                # with EINTR and the handler runs now; a process-wide SIGINT may land on any thread.
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+            elif self.last_request is None or request > self.last_request:
+                self.cancelled.add(request)
 
     def _exec(self, body: dict[str, Any], request: int) -> Any:
         filename = cell_filename(body.get("name", request))
@@ -354,6 +386,7 @@ class Worker:
         proc.flush_c_stdio()
         self.pump.drain()
         self.last_request, self.request = request, None
+        self.cancelled.discard(request)  # an interrupt kept for user code it never reached
         self.last_outcome = describe_outcome(failure)
         # The collectives it ran go first, so the controller has them when the run ends (and
         # before the answer is signed: a thread's messages must leave in the order it signs).
@@ -421,9 +454,17 @@ class Worker:
         return self.wire.pack(header, KeptOnRank(type_name, nbytes, limit))
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
+        """KeyboardInterrupt in user code. One for the running request (targeted, or a blind
+        SIGINT) that lands in meshbook's own work for it (its arguments unpickling, a shielded
+        step) is kept: it stops the request where its user code starts, if it has yet to. One
+        for a request that finished, or while idle, is dropped."""
         target, self.interrupt_target = self.interrupt_target, None
-        if self.executing and target in (None, self.request):
+        request = self.request
+        if request is None or target not in (None, request):
+            return
+        if self.executing:
             raise KeyboardInterrupt
+        self.cancelled.add(request)
 
     def display(self, *objs: Any, **kwargs: Any) -> None:
         """``display()`` on a rank: each object's rich representations go to the notebook."""
@@ -436,12 +477,15 @@ class Worker:
     def _control_loop(self) -> None:
         """Tick after tick; an error in one (a message that does not unpickle, a file closed
         already, a result that does not pickle) is logged, and the next tick comes: heartbeats,
-        interrupts and answers while the main thread is busy would end with this thread."""
+        interrupts and answers while the main thread is busy would end with this thread. An
+        error that fails every tick is logged once, then counted (:class:`_FailedTicks`)."""
         while True:
             try:
                 self._control_tick()
             except BaseException:  # noqa: BLE001 - nothing may end this thread
-                self._log(f"failed a tick of its control thread:\n{traceback.format_exc()}")
+                said = self._failed_ticks.failed(traceback.format_exc(), time.monotonic())
+                if said:
+                    self._log(said)
 
     def _control_tick(self) -> None:
         """Answer what came (waiting a tick for it), flush partial lines, sample the main thread,
@@ -590,15 +634,47 @@ def _travelled_by_value(fn: FunctionType) -> bool:
     return module is None or fn.__globals__ is not vars(module)
 
 
+class _FailedTicks:
+    """The control thread's failed ticks, logged without flooding the rank's log: the first
+    with its traceback, then at most one line per :data:`TICK_ERRORS_EVERY_S` saying how many
+    failed since, with the traceback only where it is not the one shown last."""
+
+    def __init__(self) -> None:
+        self.count = 0  # failed since the last line
+        self.logged_at: float | None = None
+        self.shown = ""
+
+    def failed(self, text: str, now: float) -> str:
+        """What to log for a tick that failed with traceback ``text`` (empty: nothing now)."""
+        self.count += 1
+        if self.logged_at is None:
+            said = f"failed a tick of its control thread:\n{text}"
+        elif now - self.logged_at < TICK_ERRORS_EVERY_S:
+            return ""
+        else:
+            how = " (the same error as before)" if text == self.shown else f", the last one with:\n{text}"
+            said = (f"failed {self.count} more tick{'s' if self.count > 1 else ''} of its control "
+                    f"thread in the last {now - self.logged_at:.0f} s{how}")
+        self.count, self.logged_at, self.shown = 0, now, text
+        return said
+
+
 class _Interruptible:
     """Whether SIGINT becomes KeyboardInterrupt inside the block (restored after it): yes in
-    user code, no in meshbook's own work within a request (joining a group, a step check)."""
+    user code, no in meshbook's own work within a request (joining a group, a step check).
+    User code does not start for a request interrupted before it (see ``Worker._on_sigint``);
+    ``executing`` is set first, so an interrupt landing between the two raises in the handler."""
 
     def __init__(self, worker: Worker, interruptible: bool) -> None:
         self.worker, self.interruptible, self.before = worker, interruptible, False
 
     def __enter__(self) -> None:
-        self.before, self.worker.executing = self.worker.executing, self.interruptible
+        worker = self.worker
+        self.before, worker.executing = worker.executing, self.interruptible
+        if self.interruptible and worker.request in worker.cancelled:
+            worker.executing = self.before
+            worker.cancelled.discard(worker.request)
+            raise KeyboardInterrupt(NOTHING_RAN)
 
     def __exit__(self, *exc: Any) -> None:
         self.worker.executing = self.before
