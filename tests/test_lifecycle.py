@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import psutil
 import pytest
@@ -241,3 +242,26 @@ def test_a_rank_never_reads_a_heartbeat_half_written() -> None:
         live.beat(time.monotonic())
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in readers]
     assert codes == [0, 0], "a rank read a heartbeat that was not there"
+
+
+def test_requests_from_two_threads_reach_the_ranks_in_the_order_of_their_numbers(mesh2: meshbook.Mesh) -> None:
+    """Two threads submit at once: each rank runs the requests in the order of their numbers
+    (a rank decides by them whether an interrupt found its request not started yet), whatever
+    the threads do between taking a number and sending."""
+    import threading
+
+    def note(worker: Any) -> None:  # on each rank, in the order its requests come
+        worker.__dict__.setdefault("order", []).append(worker.request)
+
+    def submit() -> None:
+        for _ in range(300):
+            mesh2.call(note)
+
+    threads = [threading.Thread(target=submit) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    orders = mesh2.call(lambda worker: worker.order).result(timeout=120)
+    for order in orders.values():
+        assert len(order) == 900 and order == sorted(order)

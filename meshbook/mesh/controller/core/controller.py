@@ -54,7 +54,7 @@ from .agents import Agents
 from .book import RankBook, RankState
 from .render import print_late
 from .run import Run, StepReport
-from .transport import Transport, log
+from .transport import Sent, Transport, log
 
 #: Why a mesh stopped when the user stopped it (any other reason: it ended on its own).
 USER_STOP = "stopped by the user"
@@ -276,10 +276,14 @@ class Controller:
             self.check_usable(ranks)
             run = self._new_run(ranks, what, kind)
             self.book.open(run, queued=channel == msg.MAIN)
-        for listener in self.run_listeners:
-            listener(run)
-        frames = self.wire.pack({msg.KIND: kind, msg.ID: run.id}, raw_body=raw, buffers=buffers)
-        self._send_to_ranks(frames, ranks, channel)
+            for listener in self.run_listeners:
+                listener(run)
+            # Queued before the lock is let go: requests leave in the order of their numbers,
+            # whichever threads submit them. A rank runs them in the order they come, and
+            # decides by their numbers whether an interrupt found one not started yet.
+            frames = self.wire.pack({msg.KIND: kind, msg.ID: run.id}, raw_body=raw, buffers=buffers)
+            sent = self._send_to_ranks(frames, ranks, channel)
+        self.transport.wait_sent(sent, self._alive)
         return run
 
     def _new_run(self, ranks: list[int], what: str, kind: str) -> Run:
@@ -313,23 +317,22 @@ class Controller:
         self.transport.send_to_agents(frames, sorted({self.host_of[r] for r in ranks}))
         return run
 
-    def _send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str) -> None:
+    def _send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str) -> Sent:
         """On this host, one message per rank; to other hosts, one per host (its agent fans
-        it out)."""
-        states = self.book.ranks  # the parts themselves, not the facade's properties: per rank, per send
-
-        def alive(these: list[int]) -> bool:
-            return not self.stopped and any(states[r].state != "dead" for r in these)
-
+        it out). Queued; the big buffers of what it returns may still be on their way."""
         if self.transport.network is None:
-            self.transport.send_to_ranks(frames, ranks, channel, alive)
-            return
-        host_of = self.agents.host_of
+            return self.transport.send_to_ranks(frames, ranks, channel)
+        states, host_of = self.book.ranks, self.agents.host_of
         by_host: dict[int, list[int]] = {}
         for r in ranks:
             if states[r].state != "dead":
                 by_host.setdefault(host_of[r], []).append(r)
-        self.transport.send_to_ranks(frames, by_host, channel, alive)
+        return self.transport.send_to_ranks(frames, by_host, channel)
+
+    def _alive(self, ranks: list[int]) -> bool:
+        """Does any of ``ranks`` live on (to take the big buffers sent to them)?"""
+        states = self.book.ranks  # the parts themselves, not the facade's properties: per rank, per send
+        return not self.stopped and any(states[r].state != "dead" for r in ranks)
 
     def send_input(self, rank: int, text: str) -> None:
         """A line typed in the notebook, for ``rank``'s debugger (its control thread)."""

@@ -42,6 +42,8 @@ NETWORK_IO_THREADS = 4  # a login node has cores to spare; a 2-core laptop just 
 
 Handler = Callable[[list[Any]], None]
 HostHandler = Callable[["HostLink | None", bytes, list[Any]], None]
+#: What a send queued: the ranks of each message, and its tracker where it has big buffers.
+Sent = list[tuple[list[int], "zmq.MessageTracker | None"]]
 
 
 class Transport:
@@ -200,32 +202,35 @@ class Transport:
         for sock in self._down.pop(rank, {}).values():
             sock.close(linger=0)
 
-    def send_to_ranks(self, frames: list[Any], by_host: dict[int, list[int]] | list[int], channel: str,
-                      alive: Callable[[list[int]], bool]) -> None:
+    def send_to_ranks(self, frames: list[Any], by_host: dict[int, list[int]] | list[int],
+                      channel: str) -> Sent:
         """One message per rank straight to its socket (on this host: relaying through the agent
         would cost a process hop and a copy per request, and buy nothing), or one per host, which
-        its agent fans out (``by_host``). Returns once big buffers left (for other hosts: once
-        the receiver copied them, see ``Network.send``), so the caller may change its tensors;
-        ranks that died meanwhile (``alive`` says) never take them."""
+        its agent fans out (``by_host``). Queued when it returns, in the order of the calls;
+        with big buffers, :meth:`wait_sent` waits until they left."""
         if isinstance(by_host, dict):
             network = self.network
             assert network is not None
             routes = {host: encode_route(channel, ranks) for host, ranks in by_host.items()}
             if not routes:
-                return  # every rank it was for died: nothing to copy for no one
+                return []  # every rank it was for died: nothing to copy for no one
             with self.send_lock:
                 if self._closed:
-                    return  # the mesh stopped meanwhile, and failed the runs that waited
+                    return []  # the mesh stopped meanwhile, and failed the runs that waited
                 # One outbox message for every host; with big buffers, done once the receiver
                 # took its copy (what the links send and keep), whichever hosts are alive.
                 tracker = network.send(routes, frames)
-                sent = [([r for ranks in by_host.values() for r in ranks], tracker)]
-        else:
-            with self.send_lock:
-                # A rank that died since the caller checked has no sockets: its death failed the run.
-                live = [r for r in by_host if r in self._down]
-                trackers = wire.fan_out([self._down[r][channel] for r in live], frames)
-            sent = [([rank], tracker) for rank, tracker in zip(live, trackers)]
+                return [([r for ranks in by_host.values() for r in ranks], tracker)]
+        with self.send_lock:
+            # A rank that died since the caller checked has no sockets: its death failed the run.
+            live = [r for r in by_host if r in self._down]
+            trackers = wire.fan_out([self._down[r][channel] for r in live], frames)
+        return [([rank], tracker) for rank, tracker in zip(live, trackers)]
+
+    def wait_sent(self, sent: Sent, alive: Callable[[list[int]], bool]) -> None:
+        """Until the big buffers of what :meth:`send_to_ranks` queued left (for other hosts:
+        until the receiver copied them, see ``Network.send``), so the caller may change its
+        tensors; ranks that died meanwhile (``alive`` says) never take them."""
         for ranks, tracker in sent:
             while tracker is not None and not tracker.done and self._running and alive(ranks):
                 try:
