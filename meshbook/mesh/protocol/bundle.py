@@ -44,13 +44,11 @@ class Bundle:
         return bool(self.entries)
 
     def add(self, message: Message) -> None:
-        header, body = message.header, message.raw_body()
-        if header[msg.KIND] != msg.RESULT:
+        if message.kind != msg.RESULT:
             self._open = None
-            self.entries.append([MESSAGE, header, body])
+            self.entries.append([MESSAGE, message.header, message.raw_body()])
             return
-        entry = [RESULTS, header[msg.ID], [header[msg.RANK]], [header.get(msg.DURATION, 0.0)],
-                 header.get(msg.HAS_GROUP), header.get(msg.TYPE), body]
+        entry = results_entry(message)
         if self._open is None or not join(self._open, entry):
             self._open = entry
             self.entries.append(entry)
@@ -59,6 +57,13 @@ class Bundle:
         """The entries gathered, in order; the bundle starts empty again."""
         entries, self.entries, self._open = self.entries, [], None
         return entries
+
+
+def results_entry(message: Message) -> list[Any]:
+    """A rank's ``RESULT`` (without buffers) as a results entry of its one rank."""
+    header = message.header
+    return [RESULTS, header[msg.ID], [header[msg.RANK]], [header.get(msg.DURATION, 0.0)],
+            header.get(msg.HAS_GROUP), header.get(msg.TYPE), message.raw_body()]
 
 
 def join(entry: list[Any], other: list[Any]) -> bool:

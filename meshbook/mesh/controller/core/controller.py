@@ -451,6 +451,9 @@ class Controller:
             message = self.wire.unpack(frames)
         except wire.BadMessage:
             return
+        if message.kind == msg.RESULT and len(frames) == 1:  # a rank's result, no buffers (a no-op's)
+            self._hold(bundle.results_entry(message))
+            return
         self._dispatch(message)
 
     def _dispatch(self, message: wire.Message) -> None:
@@ -550,11 +553,12 @@ class Controller:
             self._hold(entry)
 
     def _hold(self, entry: list[Any]) -> None:
-        """Ranks' identical results, from one host's bundle: held, and joined by the same
-        results of the next hosts' bundles, until anything else comes or the receiver has
-        drained what was ready. A request to 128 hosts then books one group, not 128 (each
-        costs two locks, the run's condition and an event). Only consecutive results join, so
-        every rank's messages keep their order."""
+        """Ranks' identical results (a local rank's result, or a host's bundle of them): held,
+        and joined by the same results that come next, until anything else comes or the
+        receiver has drained what was ready. A no-op to 8 ranks, or to 128 hosts, then books a
+        group or two, not one per rank or host (each costs two locks, the run's condition, an
+        event, and the renderers' turn). Only consecutive results join, so every rank's
+        messages keep their order."""
         if self._held is not None and bundle.join(self._held, entry):
             return
         self._book_held()
@@ -607,6 +611,7 @@ class Controller:
             for kept in body["last"]:
                 if not self.wire.taken([kept]):
                     self._take([kept])
+            self._book_held()  # the results among them are answers: booked before the death
         self._ranks_died([message.header[msg.RANK]], body)
 
     def _on_hello(self, message: wire.Message) -> None:
