@@ -238,12 +238,12 @@ def test_a_loss_asked_about_again_fails_the_runs_once() -> None:
 
     try:
         kept, big = link.outgoing.number([b"", b"kept"]), link.outgoing.number([b"", b"x" * 11])
-        assert network.resend(link, kept, op), "a new loss"
+        assert network.resend(link, kept, big, op), "a new loss"
         assert answer() == ([(big, big)], kept, [b"", b"kept"])
-        assert not network.resend(link, kept, op), "asked again: the same loss"
+        assert not network.resend(link, kept, big, op), "asked again: the same loss"
         assert answer() == ([(big, big)], kept, [b"", b"kept"])
         newer = link.outgoing.number([b"", b"y" * 11])
-        assert network.resend(link, kept, op), "a newer loss"
+        assert network.resend(link, kept, newer, op), "a newer loss"
         assert answer() == ([(big, newer)], kept, [b"", b"kept"])
     finally:
         agent.close(linger=0)
@@ -296,9 +296,36 @@ def test_a_big_message_held_behind_a_lost_one_comes_whole() -> None:
     gap. Given up on, the link delivers that message put together, not its fragments."""
     link = HostLink(1, "h", "127.0.0.1", [0])
     message = [b"envelope" * 8, bytes(range(256)) * 1000]
-    pieces, rest = split(message, piece=64 << 10)
-    assert len(pieces) > 1
-    for seq, part in enumerate([*pieces, rest], start=2):
+    cut = split(message, piece=64 << 10)
+    assert len(cut.fragments) > 1
+    for seq, part in enumerate([*cut.fragments, cut.last()], start=2):
         assert list(link.wholes(link.incoming.take(seq, part, 0.0))) == []
     delivered = list(link.wholes(link.incoming.give_up([(1, 1)])))
     assert [[bytes(f) for f in m] for m in delivered] == [message]
+
+
+def test_an_operation_outside_the_order_between_fragments_breaks_nothing(listening: ListeningAgent) -> None:
+    """A big request comes down in fragments, and an operation outside the link's numbering (an
+    ask for messages again, a ping) comes between two of them: both are handled, and the
+    request reaches the rank whole (it used to be dropped, with the operation)."""
+    import torch
+
+    sock = listening.client(listening.network.me, listening.network.server.public)
+    sock.connect(listening.address)
+    listening.configure(sock)
+    data = torch.arange(10 << 20, dtype=torch.int32)  # 40 MiB: in fragments
+    request = listening.wire.pack({msg.KIND: msg.EXEC, msg.ID: 43}, {"code": "6 * 7", "data": data})
+    cut = split(request, at=1)
+    assert len(cut.fragments) >= 2
+    ping = listening.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []},
+                               {"op": msg.AgentOp.PING, "sent": time.monotonic(), "wall": time.time_ns(), "ack": 0})
+    for i, fragment in enumerate(cut.fragments):
+        sock.send_multipart([encode_epoch(0), encode_seq(listening.number(sock)), *fragment])
+        if i == 0:
+            listening.send(sock, 0, ping)  # outside the order, as asking again is
+    sock.send_multipart([encode_epoch(0), encode_seq(listening.number(sock)),
+                         *cut.last([encode_route(msg.MAIN, [0])])])
+    got = listening.replies(sock, 12, until=msg.RESULT)
+    assert [m for m in got if m.kind == msg.HOST_BEAT], "the ping was answered"
+    assert [(m.header[msg.ID], m.body()) for m in got if m.kind == msg.RESULT] == [(43, 42)]
+    sock.close(linger=0)

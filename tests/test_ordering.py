@@ -4,6 +4,8 @@ and put together again (protocol/fragments.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,17 +24,17 @@ def test_a_gap_holds_what_follows_until_it_is_filled() -> None:
     incoming = Incoming()
     incoming.take(1, [b"1"], 0.0)
     assert incoming.take(4, [b"4"], 1.0) == [] and incoming.take(3, [b"3"], 1.0) == []
-    assert incoming.ask(1.0) == 2, "the first missing number is asked for"
+    assert incoming.ask(1.0) == (2, 2), "the gap is asked for: not what came after it"
     assert incoming.ask(1.0 + ASK_AGAIN_S / 2) is None, "not again at once"
-    assert incoming.ask(1.0 + ASK_AGAIN_S) == 2, "asked again when the answer is late"
+    assert incoming.ask(1.0 + ASK_AGAIN_S) == (2, 2), "asked again when the answer is late"
     assert incoming.take(2, [b"2"], 2.0) == [[b"2"], [b"3"], [b"4"]]
     assert incoming.take(3, [b"3"], 2.0) == [], "sent again but already here: dropped"
     assert incoming.acknowledged == 4 and incoming.ask(9.0) is None
 
 
 def test_a_gap_that_asking_does_not_fill_is_asked_for_less_and_less_often() -> None:
-    """Each ask has the sender send everything from the gap on again: a resend still on its way
-    behind a big transfer is not asked for every second. Once it comes, asking is prompt again."""
+    """Each ask has the sender send the gap again: a resend still on its way behind a big
+    transfer is not asked for every second. Once the gap closes, asking is prompt again."""
     incoming = Incoming()
     incoming.take(2, [b"2"], 100.0)
     asks = [t / 2 - 100 for t in range(200, 280) if incoming.ask(t / 2) is not None]
@@ -40,7 +42,8 @@ def test_a_gap_that_asking_does_not_fill_is_asked_for_less_and_less_often() -> N
     assert max(b - a for a, b in zip(asks, asks[1:])) == ASK_AGAIN_MAX_S
     assert incoming.take(1, [b"1"], 140.0) == [[b"1"], [b"2"]]
     incoming.take(4, [b"4"], 141.0)
-    assert incoming.ask(141.0) == 3 and incoming.ask(141.0 + ASK_AGAIN_S) == 3, "a new gap is asked for promptly"
+    assert incoming.ask(141.0) == (3, 3) and incoming.ask(141.0 + ASK_AGAIN_S) == (3, 3), \
+        "a new gap is asked for promptly"
 
 
 def test_what_the_sender_no_longer_keeps_is_lost_and_the_rest_goes_on() -> None:
@@ -71,9 +74,9 @@ def test_what_came_is_delivered_although_its_sender_let_it_go() -> None:
     incoming = Incoming()
     assert incoming.take(result, [b"result"], 0.0) == [] and incoming.take(after, [b"exit"], 0.0) == []
     asked = incoming.ask(ASK_AGAIN_S)
-    assert asked == line and out.gone(asked) == [(result, result)], "only the result is not kept"
-    assert [n for n, _ in out.since(asked)] == [line, after], "what is kept comes again"
-    assert incoming.give_up(out.gone(asked)) == [] and incoming.newest_lost == 0, "the result came: nothing lost"
+    assert asked == (line, line) and out.gone(*asked) == [], "the gap is the line, which is kept"
+    assert [n for n, _ in out.since(*asked)] == [line], "it comes again, and only it"
+    assert out.gone(line) == [(result, result)], "asked from the line on, the result would be lost"
     assert incoming.take(line, [b"line"], 1.0) == [[b"line"], [b"result"], [b"exit"]]
 
 
@@ -106,43 +109,75 @@ def test_an_ask_that_crossed_an_acknowledgement_names_nothing_lost() -> None:
 frame_sizes = st.lists(st.integers(min_value=0, max_value=40), min_size=0, max_size=6)
 
 
+def parts(message: list[bytes], piece: int = 16, before: list[bytes] | None = None) -> list[list[Any]]:
+    """``message`` as a link sends it: its fragments, then its last part (after ``before``)."""
+    cut = split(message, at=len(before or []), piece=piece)
+    return [*cut.fragments, cut.last(before or [])]
+
+
+def whole(assembly: Assembly, sent: list[list[Any]]) -> list[list[bytes]]:
+    """What ``assembly`` passes on of ``sent``, each frame as bytes."""
+    return [[bytes(f) for f in m] for m in map(assembly.take, sent) if m is not None]
+
+
 @given(sizes=frame_sizes, piece=st.integers(min_value=1, max_value=16), at=st.integers(min_value=0, max_value=2))
 def test_a_message_in_fragments_comes_out_whole(sizes: list[int], piece: int, at: int) -> None:
-    """Any frames, any piece size: the fragments and what is left put the message together
-    again, byte for byte, and none carries much more than a piece."""
-    frames = [b"envelope", *(bytes(range(n)) for n in sizes)]
-    pieces, rest = split(frames, at=at, piece=piece)
+    """Any frames, any piece size, after a route or not: the fragments and the last part put
+    the message together again, byte for byte, and no fragment carries much more than a piece."""
+    message = [b"envelope", *(bytes(range(n)) for n in sizes)]
     route = [b"r"] * at
-    if sum(map(len, frames)) < 2 * piece:
-        assert pieces == [] and rest == frames, "a small message travels as it is"
-    assert all(sum(memoryview(p).nbytes for p in fragment[2:]) <= piece for fragment in pieces)
+    sent = parts(message, piece, route)
+    if sum(map(len, message)) < 2 * piece:
+        assert sent == [[*route, *message]], "a small message travels as it is"
+    assert all(sum(memoryview(p).nbytes for p in fragment[2:]) <= piece for fragment in sent[:-1])
+    assert whole(Assembly(), sent) == [[*route, *message]]
+
+
+def test_a_message_whose_fragment_was_lost_is_dropped_and_what_follows_passes() -> None:
+    big, small = [b"envelope", bytes(100), bytes(range(50))], [b"op"]
+    sent = parts(big)
     assembly = Assembly()
-    assert all(assembly.take(fragment) is None for fragment in pieces)
-    whole = assembly.take([*route, *rest])
-    assert whole is not None and [bytes(f) for f in whole] == [*route, *frames]
+    assert whole(assembly, sent[:2] + sent[3:]) == [] and assembly.dropped == 1, "the third never came"
+    assert whole(assembly, sent[:2] + [small]) == [small] and assembly.dropped == 2, \
+        "a message after fragments (the rest never came) passes, and the half-made message is dropped"
+    assert whole(assembly, sent) == [big]
 
 
-def test_a_message_whose_fragment_was_lost_is_dropped_and_the_next_comes_whole() -> None:
-    first = [b"envelope", bytes(100), bytes(range(50))]
-    second = [b"envelope", bytes(range(60))]
-    pieces, rest = split(first, piece=16)
+def test_fragments_of_two_messages_are_never_put_together() -> None:
+    """A loss takes the end of one message (its last part too) and the start of the next (its
+    first fragment too): the next one's remaining fragments go nowhere, its last part is
+    dropped, and the message after it comes whole."""
+    first, second = parts([b"e1", bytes(range(64))]), parts([b"e2", bytes(range(64, 128))])
     assembly = Assembly()
-    for fragment in pieces[:2] + pieces[3:]:  # the third never came (a reset lost it)
-        assembly.take(fragment)
-    assert assembly.take(rest) is None and assembly.dropped == 1
-    pieces, rest = split(second, piece=16)
-    for fragment in pieces[:-1]:
-        assembly.take(fragment)
-    # The message after the second's fragments was lost, and a third message starts: the
-    # second's fragments go, and the third's come whole.
-    pieces, rest = split(first, piece=16)
-    for fragment in pieces:
-        assembly.take(fragment)
-    whole = assembly.take(rest)
-    assert whole is not None and [bytes(f) for f in whole] == first and assembly.dropped == 1
+    taken = whole(assembly, first[:2] + second[1:]) + whole(assembly, first)
+    assert taken == [[b"e1", bytes(range(64))]] and assembly.dropped == 2
 
 
-def test_a_small_message_between_messages_passes_as_it_is() -> None:
+def test_a_small_message_passes_as_it_is() -> None:
     assembly = Assembly()
     assert assembly.take([b"", b"op"]) == [b"", b"op"], "an empty route (an operation) is no fragment"
     assert assembly.take([b"x\x01\x00\x00\x00", b"a"]) == [b"x\x01\x00\x00\x00", b"a"]
+    assert assembly.dropped == 0
+
+
+def test_no_fragment_of_a_message_too_big_to_keep_is_kept() -> None:
+    """Its pieces would pin all of it, and part of it could not come again anyway."""
+    out = Outgoing(keep_bytes=200)
+    cut = split([b"e", bytes(300)], piece=16)
+    numbers = [out.number(part, of=cut.nbytes) for part in (*cut.fragments, cut.last())]
+    assert out.kept == 0 and out.gone(numbers[0]) == [(numbers[0], numbers[-1])]
+    small = split([b"e", bytes(40)], piece=16)
+    for part in (*small.fragments, small.last()):
+        out.number(part, of=small.nbytes)
+    assert out.kept == len(small.fragments) + 1
+
+
+def test_an_ask_names_the_gap_and_only_the_gap_comes_again() -> None:
+    out = Outgoing()
+    for n in range(1, 7):
+        out.number([bytes([n])])
+    incoming = Incoming()
+    for n in (1, 4, 5, 6):
+        incoming.take(n, [bytes([n])], 0.0)
+    asked = incoming.ask(ASK_AGAIN_S)
+    assert asked == (2, 3) and [n for n, _ in out.since(*asked)] == [2, 3] and out.gone(*asked) == []

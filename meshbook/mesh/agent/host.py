@@ -288,8 +288,9 @@ class Agent:
                                            "ack": link.incoming.acknowledged})
 
     def _resend(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
-        """The controller missed what we sent from ``from`` on (its connection reset)."""
-        self.remote_link.resend(body["from"], lambda gone: self.emit(msg.LOST, None, {"lost": gone}, ordered=False))
+        """The controller missed what we sent from ``from`` to ``to`` (its connection reset)."""
+        self.remote_link.resend(body["from"], body["to"],
+                                lambda gone: self.emit(msg.LOST, None, {"lost": gone}, ordered=False))
 
     def _lost(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
         """What the controller sent under the numbers ``lost`` (ranges) is gone for good: skip
@@ -365,7 +366,7 @@ class Agent:
                 self.refuse_stale()
                 missing = self.link.incoming.ask(time.monotonic())
                 if missing is not None:  # messages from the controller went missing: ask again
-                    self.emit(msg.RESEND, None, {"from": missing}, ordered=False)
+                    self.emit(msg.RESEND, None, {"from": missing[0], "to": missing[1]}, ordered=False)
         return "its controller stopped it"
 
     def _operate_frames(self, frames: list[Any]) -> None:

@@ -183,9 +183,9 @@ class RemoteLink:
         if not ordered or to is not None:
             self._send(0, frames, to)
             return
-        pieces, rest = fragments.split(frames)
-        for part in (*pieces, rest):
-            self._send(self.outgoing.number(part), part)
+        cut = fragments.split(frames)
+        for part in (*cut.fragments, cut.last()):
+            self._send(self.outgoing.number(part, of=cut.nbytes), part)
 
     def _send(self, seq: int, frames: list[Any], to: Peer | None = None) -> None:
         try:
@@ -193,13 +193,13 @@ class RemoteLink:
         except zmq.Again:
             self.dropped += 1
 
-    def resend(self, since: int, lost: Any) -> None:
-        """The controller missed what this agent sent from ``since`` on: send again what is
-        kept; what is not is lost, and ``lost(ranges)`` says which numbers first."""
-        gone = self.outgoing.gone(since)
+    def resend(self, since: int, until: int, lost: Any) -> None:
+        """The controller missed what this agent sent from ``since`` to ``until``: send again
+        what is kept; what is not is lost, and ``lost(ranges)`` says which numbers first."""
+        gone = self.outgoing.gone(since, until)
         if gone:
             lost(gone)
-        for seq, frames in self.outgoing.since(since):
+        for seq, frames in self.outgoing.since(since, until):
             self._send(seq, frames)
 
     def drain(self, sock: zmq.Socket, operate: Operate) -> None:
@@ -219,8 +219,10 @@ class RemoteLink:
                 self.assembly = fragments.Assembly()
             self.peer = peer
             self.last_heard = time.monotonic()
-            delivered = [[route, *message]] if seq == 0 else self.incoming.take(seq, [route, *message], self.last_heard)
-            self.deliver(delivered, operate)
+            if seq == 0:  # outside the link's order (asking for messages again): never a fragment
+                self._deliver_one(route, message, operate)
+            else:
+                self.deliver(self.incoming.take(seq, [route, *message], self.last_heard), operate)
 
     def _drain_relay(self) -> None:
         """What this host's ranks sent: up the link, gathered."""
@@ -261,14 +263,15 @@ class RemoteLink:
         cell sent after it."""
         for delivered in messages:
             whole = self.assembly.take(delivered)
-            if whole is None:
-                continue  # a fragment: its message comes whole after the last one
-            route, *message = whole
-            route = route.bytes if isinstance(route, zmq.Frame) else route
-            if not route:
-                operate(message)
-            else:
-                self._relay_down(route, message)
+            if whole is not None:  # None: a fragment (its message comes whole with the last one)
+                self._deliver_one(whole[0], whole[1:], operate)
+
+    def _deliver_one(self, route: Any, message: list[Any], operate: Operate) -> None:
+        route = route.bytes if isinstance(route, zmq.Frame) else route
+        if not route:
+            operate(message)
+        else:
+            self._relay_down(route, message)
 
     def _relay_down(self, route: bytes, frames: list[Any]) -> None:
         channel, ranks = decode_route(route)

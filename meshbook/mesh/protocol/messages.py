@@ -76,7 +76,7 @@ class AgentOp:
     STOP = "stop"  # end an agent on another host (a local one sees its stdin close)
     ATTACH = "attach"  # a new controller took over a kept mesh: report the ranks (pids, generations)
     WELCOME = "welcome"  # a joining agent's own key is admitted: come back with it
-    RESEND = "resend"  # a link missed messages: send again from number ``from`` (either way)
+    RESEND = "resend"  # a link missed messages: send numbers ``from`` to ``to`` again (either way)
     LOST = "lost"  # what was asked again is no longer kept: skip the numbers in ``lost`` (ranges)
 
 

@@ -28,9 +28,9 @@ from typing import Any
 KEEP_MESSAGES = 20_000
 KEEP_BYTES = 256 << 20
 #: How long a gap may wait for what was asked again before asking once more; twice as long
-#: after each ask that brought nothing, up to ``ASK_AGAIN_MAX_S``. Each ask has the sender
-#: send everything from the gap on again (up to ``KEEP_BYTES``): a resend still on its way
-#: behind a big transfer must not be asked for, and sent, once a second.
+#: after each ask, up to ``ASK_AGAIN_MAX_S``, until the gap closes. Each ask has the sender send
+#: the whole gap again: a resend still on its way behind a big transfer must not be asked for,
+#: and sent, once a second.
 ASK_AGAIN_S = 1.0
 ASK_AGAIN_MAX_S = 8.0
 
@@ -49,13 +49,15 @@ class Outgoing:
         self._bytes = 0
         self._acknowledged = 0  # the newest number the other side has
 
-    def number(self, frames: list[Any], nbytes: int | None = None) -> int:
+    def number(self, frames: list[Any], nbytes: int | None = None, of: int = 0) -> int:
         """The number of a message about to be sent; it is kept for sending again. ``nbytes``:
-        its size, where the caller knows it (one request fanned out to many links)."""
+        its size, where the caller knows it (one request fanned out to many links); ``of``: the
+        size of the message it is a fragment of (:mod:`.fragments`): no part of a message too
+        big to keep is kept (its pieces would pin all of it, and half of it cannot come again)."""
         seq = self.next
         self.next += 1
         nbytes = size(frames) if nbytes is None else nbytes
-        if nbytes > self.keep_bytes:
+        if max(nbytes, of) > self.keep_bytes:
             return seq
         self._kept.append((seq, frames, nbytes))
         self._bytes += nbytes
@@ -69,23 +71,26 @@ class Outgoing:
         while self._kept and self._kept[0][0] <= seq:
             self._bytes -= self._kept.popleft()[2]
 
-    def since(self, seq: int) -> list[tuple[int, list[Any]]]:
-        """Every message from ``seq`` on that is still kept, to send again."""
-        return [(n, frames) for n, frames, _ in self._kept if n >= seq]
+    def since(self, seq: int, until: int | None = None) -> list[tuple[int, list[Any]]]:
+        """Every message from ``seq`` on (to ``until``) that is still kept, to send again."""
+        last = self.next - 1 if until is None else until
+        return [(n, frames) for n, frames, _ in self._kept if seq <= n <= last]
 
-    def gone(self, seq: int) -> list[tuple[int, int]]:
-        """The numbers from ``seq`` on that are no longer kept (too big, or let go for room), as
-        ranges (first, last): they cannot come again. ``seq`` is what the other side asked for;
-        past what it acknowledged (an ask that crossed an acknowledgement names numbers it has),
-        every number missing from what is kept is gone."""
-        seq = max(seq, self._acknowledged + 1)
+    def gone(self, seq: int, until: int | None = None) -> list[tuple[int, int]]:
+        """The numbers from ``seq`` on (to ``until``) that are no longer kept (too big, or let go
+        for room), as ranges (first, last): they cannot come again. ``seq`` is what the other
+        side asked for; past what it acknowledged (an ask that crossed an acknowledgement names
+        numbers it has), every number missing from what is kept is gone."""
+        seq, last = max(seq, self._acknowledged + 1), self.next - 1 if until is None else min(until, self.next - 1)
         ranges: list[tuple[int, int]] = []
         for n, _, _ in self._kept:
+            if n > last:
+                break
             if n > seq:
                 ranges.append((seq, n - 1))
             seq = max(seq, n + 1)
-        if seq < self.next:
-            ranges.append((seq, self.next - 1))
+        if seq <= last:
+            ranges.append((seq, last))
         return ranges
 
     @property
@@ -124,14 +129,15 @@ class Incoming:
             self.gap_since = now
         return out
 
-    def ask(self, now: float) -> int | None:
-        """The number to ask the sender for again, when a gap waits and it is time to ask."""
+    def ask(self, now: float) -> tuple[int, int] | None:
+        """The numbers to ask the sender for again (first, last: the gap before what is held),
+        when a gap waits and it is time to ask."""
         if self.gap_since is None or now - self.asked_at < self.ask_every:
             return None
-        if self.asked_at >= self.gap_since:  # asked before, and nothing came in order since
+        if self.asked_at >= self.gap_since:  # asked for this gap before
             self.ask_every = min(2 * self.ask_every, ASK_AGAIN_MAX_S)
         self.asked_at = now
-        return self.expected
+        return self.expected, min(self.held) - 1
 
     def give_up(self, gone: Iterable[Sequence[int]]) -> list[list[Any]]:
         """The sender no longer keeps these numbers (ranges first, last): those that never came
@@ -151,8 +157,6 @@ class Incoming:
                 out.append(self.held.pop(self.expected))
             self.gone.discard(self.expected)
             self.expected += 1
-        if out:  # what was asked for is coming: the next gap is asked for promptly again
-            self.ask_every = ASK_AGAIN_S
-        if not self.held:
-            self.gap_since = None
+        if not self.held:  # the gap closed: the next one is asked for promptly
+            self.gap_since, self.ask_every = None, ASK_AGAIN_S
         return out

@@ -728,8 +728,8 @@ class Controller:
         """An agent missed messages we sent on its link (the connection reset): send them again;
         what is no longer kept (a big push) is lost, and the work it was for fails now (once:
         the agent asks again while its gap waits)."""
-        link, network = self._link_of(message), self.transport.network
-        if link is not None and network is not None and network.resend(link, message.body()["from"], self._op):
+        link, network, body = self._link_of(message), self.transport.network, message.body()
+        if link is not None and network is not None and network.resend(link, body["from"], body["to"], self._op):
             self._link_lost(link, f"requests to host {link.name}")
 
     def _on_lost(self, message: wire.Message) -> None:
@@ -770,7 +770,7 @@ class Controller:
             return
         body = message.body()
         if body.get("stopped"):
-            link.state = "stopped"
+            link.end("stopped")
             if not self.stopped:  # not by our stop (that one reads its own answers): on its own
                 with self._lock:
                     self._stopped_alone[link.host] = (link, time.monotonic(), body.get("why") or "no reason given")

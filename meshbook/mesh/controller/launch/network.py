@@ -78,6 +78,13 @@ class HostLink:
         else:
             self._best_ping_ns += self._best_ping_ns // 16  # a better estimate may come along
 
+    def end(self, state: str) -> None:
+        """The link is ``lost`` or ``stopped``: it keeps nothing from now on (what was kept for
+        sending again, what waited behind a gap, a message half put together: a big pull from
+        a host lost halfway would hold its memory until the mesh stops)."""
+        self.state = state
+        self.outgoing, self.incoming, self.assembly = Outgoing(), Incoming(), fragments.Assembly()
+
     def wholes(self, messages: list[list[Any]]) -> Iterator[list[Any]]:
         """Messages the link delivered in order, with fragments put together: what can be
         handled now."""
@@ -320,16 +327,17 @@ class Network:
                 for f in frames]
         # A big message goes in fragments, cut once for every link (its agent hears us as they
         # come). Measured once too: a request to 128 hosts is one message, sent 128 times.
-        pieces, kept = fragments.split(kept, at=1)
-        nbytes, big = wire.size(kept), wire.is_big([b"", *kept])  # behind a route: the envelope too
+        cut = fragments.split(kept, at=1)
+        nbytes = wire.size(cut.last()) if cut.fragments else cut.nbytes
+        big = wire.is_big([b"", *cut.rest])  # behind a route: the envelope too
         for host, route in zip(hosts, routes):
             link = self.links.get(host)
             if link is None or link.state in ("lost", "stopped"):
                 continue  # the host is gone: what waited for it has failed
-            for piece in pieces:
-                self._send(link, link.outgoing.number(piece), piece, True)
+            for fragment in cut.fragments:
+                self._send(link, link.outgoing.number(fragment, of=cut.nbytes), fragment, True)
             route = route.bytes if isinstance(route, zmq.Frame) else route
-            message = [route, *kept]
+            message = cut.last([route])
             self._send(link, link.outgoing.number(message, nbytes + len(route)), message, big)
 
     def _send(self, link: HostLink, seq: int, parts: list[Any], big: bool | None = None) -> None:
@@ -356,14 +364,15 @@ class Network:
                 continue
             silent = now - link.last_heard
             if silent >= self.lost_s:
-                link.state = "lost"
+                link.end("lost")
                 lost(link)
                 continue
             if silent >= self.suspect_s:
                 link.state = "suspect"
             missing = link.incoming.ask(now)
             if missing is not None:
-                self.operate(link, op({"op": msg.AgentOp.RESEND, "from": missing}), ordered=False)
+                self.operate(link, op({"op": msg.AgentOp.RESEND, "from": missing[0], "to": missing[1]}),
+                             ordered=False)
             if now - link.last_ping >= config.HOST_PING_S:
                 link.last_ping = now
                 self.operate(link, op({"op": msg.AgentOp.PING, "sent": now, "wall": time.time_ns(),
@@ -377,15 +386,15 @@ class Network:
         else:
             self._send(link, 0, [b"", *frames])
 
-    def resend(self, link: HostLink, since: int, op: Callable[[dict[str, Any]], list[Any]]) -> bool:
-        """The agent missed what this side sent from ``since`` on: send again what is kept
-        (receiver thread). What is not is lost: the agent is told which numbers to skip, every
-        time it asks (the telling may be lost too). True when a loss is newer than those told
-        before: the caller fails the work that waited on that host once, not on every ask."""
-        gone = link.outgoing.gone(since)
+    def resend(self, link: HostLink, since: int, until: int, op: Callable[[dict[str, Any]], list[Any]]) -> bool:
+        """The agent missed what this side sent from ``since`` to ``until``: send again what is
+        kept (receiver thread). What is not is lost: the agent is told which numbers to skip,
+        every time it asks (the telling may be lost too). True when a loss is newer than those
+        told before: the caller fails the work that waited on that host once, not on every ask."""
+        gone = link.outgoing.gone(since, until)
         if gone:
             self.operate(link, op({"op": msg.AgentOp.LOST, "lost": gone}), ordered=False)
-        for seq, parts in link.outgoing.since(since):
+        for seq, parts in link.outgoing.since(since, until):
             self._send(link, seq, parts)
         newest = gone[-1][1] if gone else 0
         if newest <= link.told_lost:
@@ -417,7 +426,7 @@ class Network:
         except wire.BadMessage:
             return
         if message.kind == msg.HOST_BEAT and message.body().get("stopped"):
-            link.state = "stopped"
+            link.end("stopped")
             waiting.pop(link.host, None)
 
     def close(self) -> None:
