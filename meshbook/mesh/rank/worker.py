@@ -380,6 +380,9 @@ class Worker:
 
     def _finish(self, request: int, value: Any = None, failure: RankFailure | None = None,
                 reply: Callable[[list[Any]], None] | None = None) -> None:
+        # Not user code from here on, whatever a block left: an interrupt that lands as a block
+        # ends (before its __exit__ restored this) raises there and leaves it set.
+        self.executing = False
         duration = time.monotonic() - self.started_at
         self.stdout.flush()
         self.stderr.flush()
