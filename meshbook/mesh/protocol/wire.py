@@ -313,14 +313,16 @@ def rank_address(rundir: str, rank: int, generation: int, channel: str) -> str:
     return f"ipc://{rundir}/r{rank}g{generation}{channel}"
 
 
-def connect_rank(ctx: zmq.Context, rundir: str, rank: int, generation: int) -> dict[str, zmq.Socket]:
+def connect_rank(ctx: zmq.Context, rundir: str, rank: int, generation: int,
+                 affinity: int = 0) -> dict[str, zmq.Socket]:
     """PUSH sockets to each channel of ``rank`` forked in ``generation``, made before the rank
     exists: ZeroMQ queues what is sent until the rank binds, so a request never waits for, or
-    races with, its start-up."""
+    races with, its start-up. ``affinity``: the I/O threads they may use (0: any)."""
     socks = {}
     for channel in msg.CHANNELS:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.AFFINITY, affinity)
         # Retry every 10 ms until the rank binds, never backing off: a backed-off retry
         # would hold the first request for up to the back-off after the rank is ready.
         sock.setsockopt(zmq.RECONNECT_IVL, 10)

@@ -39,6 +39,9 @@ STALE_KINDS = ("mb", "meshbook-ssh")
 #: ZeroMQ I/O threads of a controller: each encrypts (CurveZMQ) the links it serves, so pushes to
 #: several hosts are encrypted side by side, not one after the other on one core.
 NETWORK_IO_THREADS = 4  # a login node has cores to spare; a 2-core laptop just time-shares them
+#: The one I/O thread (a bit mask) of every ipc socket: a request to 8 local ranks wakes one
+#: thread, not up to four, each a thread switch on the request's way (see DESIGN.md, threads).
+LOCAL_IO = 1
 
 Handler = Callable[[list[Any]], None]
 HostHandler = Callable[["HostLink | None", bytes, list[Any]], None]
@@ -71,9 +74,11 @@ class Transport:
         self.cmd = self.ctx.socket(zmq.ROUTER)
         self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.cmd.setsockopt(zmq.SNDHWM, 0)
+        self.cmd.setsockopt(zmq.AFFINITY, LOCAL_IO)
         self.cmd.bind(f"ipc://{self.rundir}/cmd")
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.RCVHWM, 0)
+        self.events.setsockopt(zmq.AFFINITY, LOCAL_IO)
         self.events.bind(f"ipc://{self.rundir}/ev")
         self._wake_send = self.ctx.socket(zmq.PAIR)
         self._wake_recv = self.ctx.socket(zmq.PAIR)
@@ -190,7 +195,7 @@ class Transport:
             if self._closed:
                 return  # a restart racing a stop: its sockets would keep the context from ending
             self._disconnect(rank)
-            self._down[rank] = wire.connect_rank(self.ctx, self.rundir, rank, generation)
+            self._down[rank] = wire.connect_rank(self.ctx, self.rundir, rank, generation, LOCAL_IO)
 
     def disconnect_rank(self, rank: int) -> None:
         """Drop a rank's sockets with whatever they still held for it (the runs that waited on
