@@ -652,19 +652,23 @@ class Controller:
 
     def _ranks_died(self, ranks: list[int], body: dict[str, Any]) -> None:
         """``ranks`` died together (a rank's exit, or a lost host): fail what waited on them,
-        free the ranks that ran beside them, and say how to bring them back."""
-        if not ranks:
-            return
+        free the ranks that ran beside them, and say how to bring them back. A death told
+        twice (a lost host found by the receiver and by a thread waiting for a start) is
+        booked once: ranks already dead are left out, under the lock."""
         cause = body["cause"]
         detail = body.get("crash", "").strip()
         with self._changed:
+            told = ranks
+            ranks = [r for r in ranks if self.book.ranks[r].state != "dead"]
             death = self.book.died(ranks, cause)
             self._changed.notify_all()
         for rank in ranks:
             self.transport.disconnect_rank(rank)
         for stream, text in body.get("output", {}).items():
-            if text:
-                self._deliver(death.running[ranks[0]], Output(ranks[0], stream, text))
+            if text and told:
+                self._deliver(death.running.get(told[0]), Output(told[0], stream, text))
+        if not ranks:
+            return
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
         note = (f"{who} died ({cause}). %mesh restart {','.join(map(str, ranks))} (mesh.restart({ranks})) "
                 f"brings {'it' if len(ranks) == 1 else 'them'} back and re-creates the process group; "
