@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
+import cloudpickle
 import pytest
 
 import meshbook
 from meshbook import RemoteError
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors below travel by value
 
 SKIP_ALL_REDUCE = ("import time\nt = torch.ones(8)\nif rank == 1:\n    time.sleep(60)\n"
                    "else:\n    dist.all_reduce(t)\nt.sum().item()")
@@ -265,3 +269,34 @@ def test_run_result_in_a_script_explains_the_hang_and_escalates_interrupts_as_a_
     assert "FAILED" in out and "rank 1 restarted: its variables are lost" in out, out
     assert "ranks 0,2,3 kept their variables" in out, out
     assert "next: [4.0, 4.0, 4.0, 4.0]" in out, "the mesh is usable again"
+
+
+class Reducer(meshbook.Actor):
+    @meshbook.endpoint
+    def reduce(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return float(t)
+
+
+class Caller(meshbook.Actor):
+    @meshbook.endpoint
+    def fire(self, target: Any) -> str:
+        target.slice(rank=0).reduce.call_one()  # not waited for
+        return "sent"
+
+
+def test_recovery_frees_a_rank_stuck_in_an_endpoint_another_ranks_actor_called() -> None:
+    """Rank 0 of mesh b hangs in an all_reduce of an endpoint that an actor on mesh a called:
+    no book of b's controller has that call, yet recover() asks the ranks what they run, and
+    aborts the collective (it saw rank 0 idle, never aborted it, and timed out)."""
+    with meshbook.start(1, name="caller") as a, meshbook.start(2, name="target") as b:
+        target = b.spawn("target", Reducer)
+        assert a.spawn("caller", Caller).fire.call_one(target).result(timeout=60) == "sent"
+        wait_until(lambda: b.snapshots([0])[0].pending)  # rank 0 waits in its all_reduce
+        recovery = b.recover(timeout=30)
+        assert recovery.restarted == [] and recovery.aborted == [0]
+        assert dict(target.reduce.call().result(timeout=60)) == {0: 2.0, 1: 2.0}

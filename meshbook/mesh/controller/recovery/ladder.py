@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from ...protocol.errors import MeshError
 from ...protocol.text import format_ranks, ranks_text
-from ...rank.ops import abort_collectives, prepare_abort, reinit
+from ...rank.ops import abort_collectives, heartbeat, prepare_abort, reinit
 
 if TYPE_CHECKING:
     from ..core.controller import Controller
@@ -110,24 +110,36 @@ def _recover(controller: "Controller", restart: list[int], timeout: float) -> Re
     restarted = [r for r, s in controller.ranks.items() if s.state == "dead"]
     generation = controller.new_generation()
     survivors = [r for r in controller.ranks if r not in restarted]
-    # Whatever these ranks were running is aborted by what follows, collective or not.
-    interrupted = [r for r in survivors if controller.current_request(r) is not None]
+    # What each runs, asked of the ranks themselves: an endpoint another rank's actor called is
+    # in no book of this controller. Whatever they run is aborted by what follows.
+    running = _running(controller, survivors)
+    interrupted = [r for r in survivors if running.get(r, controller.current_request(r)) is not None]
     # Re-forked first: a host re-formed elsewhere brings the store with it (across hosts).
     controller.respawn(restarted, generation)
     joined = controller.call(reinit, generation, controller.store_addr, ranks=survivors,
                              what="re-create the process group") if survivors else None
 
     def stuck() -> list[int]:
-        return [r for r in survivors if controller.busy_with_other(r, joined.id)] if joined else []
+        """Ranks yet to join that run something else: as they said last, or the book says."""
+        if joined is None:
+            return []
+        waiting = set(joined.pending)
+        return [r for r in survivors if r in waiting and (
+            running[r] not in (None, joined.id) if r in running else controller.busy_with_other(r, joined.id))]
+
+    def still_stuck() -> list[int]:
+        """:func:`stuck`, asked of the ranks again: one that began to join meanwhile is spared."""
+        running.update(_running(controller, stuck()))
+        return stuck()
 
     aborted: list[int] = []
     while stuck():
         waited = time.monotonic() - started
         if not aborted and waited >= ABORT_AFTER_S:
-            aborted = stuck()
-            abort(controller, aborted)
+            aborted = still_stuck()
+            abort(controller, aborted, stuck_in=running)
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
-            hopeless = stuck()
+            hopeless = still_stuck()
             controller.kill(hopeless)
             controller.respawn(hopeless, generation)
             restarted += hopeless
@@ -170,15 +182,16 @@ def resync(controller: "Controller", held: "Run", ahead: list[int],
 
 
 def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int, str] = "",
-          lost_hosts: Sequence[str] = ()) -> None:
+          lost_hosts: Sequence[str] = (), stuck_in: Mapping[int, int | None] | None = None) -> None:
     """Shut down the inter-rank connections of ``ranks``, while they still run the request
-    they run now: a collective blocked on them fails at once (with ``reason`` as its error).
-    Connections to ``lost_hosts`` (addresses of hosts found lost) go too."""
+    they run now (``stuck_in``, where the ranks said; else the controller's book): a
+    collective blocked on them fails at once (with ``reason`` as its error). Connections to
+    ``lost_hosts`` (addresses of hosts found lost) go too."""
     ranks = [r for r in ranks if controller.ranks[r].state != "dead"]
     if not ranks:
         return
     reasons = {r: reason if isinstance(reason, str) else reason[r] for r in ranks}
-    stuck_in = {r: controller.current_request(r) for r in ranks}
+    stuck_in = {r: stuck_in[r] if stuck_in and r in stuck_in else controller.current_request(r) for r in ranks}
     live = [r for r, s in controller.ranks.items() if s.state != "dead"]
     asked = controller.call(prepare_abort, stuck_in, {r: t for r, t in reasons.items() if t},
                             ranks=live, what="listening ports")
@@ -186,6 +199,17 @@ def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int,
     ports = sorted({p for value in asked.values().values() for p in value})
     controller.call(abort_collectives, stuck_in, ports, list(lost_hosts), ranks=ranks,
                     what="abort collectives").wait(5)
+
+
+def _running(controller: "Controller", ranks: list[int]) -> dict[int, int | None]:
+    """The request each of ``ranks`` runs now, as its control thread says (a negative number:
+    an endpoint another rank's actor called); a rank that does not say is left out."""
+    live = [r for r in ranks if controller.ranks[r].state != "dead"]
+    if not live:
+        return {}
+    asked = controller.call(heartbeat, ranks=live, what="what the ranks run")
+    asked.wait(5)
+    return {rank: metrics["request"] for rank, metrics in asked.values().items()}
 
 
 def free_stranded(controller: "Controller", ranks: list[int], reason: str, lost_hosts: list[str]) -> None:
