@@ -451,8 +451,8 @@ class Controller:
             message = self.wire.unpack(frames)
         except wire.BadMessage:
             return
-        if message.kind == msg.RESULT and len(frames) == 1:  # a rank's result, no buffers (a no-op's)
-            self._hold(bundle.results_entry(message))
+        if message.kind == msg.RESULT and len(frames) == 1 and len(frames[0]) < wire.ZERO_COPY_MIN:
+            self._hold(bundle.results_entry(message))  # a small result (a no-op's): joined, not copied much
             return
         self._dispatch(message)
 
