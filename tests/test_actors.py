@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import pytest
@@ -52,6 +56,57 @@ class Policy(meshbook.Actor):
     @meshbook.endpoint
     def where(self) -> tuple[int, dict[str, int]]:
         return self.rank, self.coords
+
+
+class Riddle:
+    """A value that pickles but does not unpickle where it lands, as an instance of a class
+    only the answering rank can import does."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _import_missing, ()
+
+
+def _import_missing() -> None:
+    raise ModuleNotFoundError("No module named 'only_on_the_answering_rank'")
+
+
+class Odd(Policy):
+    """A policy with endpoints that misbehave on purpose."""
+
+    @meshbook.endpoint
+    def hold(self, started: str) -> None:
+        """Say it runs (a file per rank), then wait until interrupted or killed."""
+        Path(f"{started}.{self.rank}").touch()
+        while True:
+            time.sleep(0.05)
+
+    @meshbook.endpoint
+    def riddle(self) -> Riddle:
+        return Riddle()
+
+
+class Prober(meshbook.Actor):
+    """Calls other actors from its rank and says what it saw, for the notebook to check."""
+
+    @meshbook.endpoint
+    def read_twice(self, odd: Any) -> tuple[str, str, list[int]]:
+        """Wait twice for rank 0's unreadable answer, then let choose() pick twice."""
+        future = odd.slice(rank=0).riddle.call_one()
+        first, again = (future.exception(timeout=60).render() for _ in range(2))
+        return first, again, sorted(odd.where.choose().result(timeout=60)[0] for _ in range(2))
+
+    @meshbook.endpoint
+    def reloads_in_place(self, policy: Any, hidden: int) -> bool:
+        """Load the same weights twice: does the second call write over the first one's shared
+        segment (every target let go of it)? A segment is told by its inode."""
+        state = torch.nn.Linear(hidden, hidden).state_dict()
+        first = policy.load.call(state)
+        inode = os.fstat(first.segment).st_ino  # open until every target answered
+        first.result(timeout=60)
+        second = policy.load.call(state)
+        reused = os.fstat(second.segment).st_ino == inode
+        second.result(timeout=60)
+        return reused
 
 
 class Trainer(meshbook.Actor):
@@ -215,6 +270,22 @@ def test_bad_input_is_a_clear_error_and_leaves_the_meshes_alone(two: tuple[meshb
     assert dict(bad.where.call().result()) == {0: (0, {"world": 0}), 1: (1, {"world": 1})}
 
 
+def test_an_actor_cannot_take_a_name_meshbook_sets_on_the_ranks(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    """It would replace ``device`` (or ``rank``, ``torch``...) in the ranks' namespaces, which
+    cells use; and a cell that rebinds ``device`` does not move actors' arguments elsewhere."""
+    _, generators = two
+    for name in ("device", "rank", "torch", "device_mesh"):
+        with pytest.raises(MeshError, match=f"actor name '{name}': meshbook sets it on every rank.*pick another name"):
+            generators.spawn(name, Policy, 2)
+    assert dict(generators.run("str(device)").result()) == {0: "cpu", 1: "cpu"}
+    named = generators.spawn("named", Policy, 2)
+    generators.run("saved, device = device, 'rebound by a cell'").result()
+    try:
+        assert named.generate.call(torch.ones(1, 2)).result().ranks == [0, 1]
+    finally:
+        generators.run("device = saved; del saved").result()
+
+
 def test_broadcast_failure_is_raised_by_the_next_call(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
     _, generators = two
     caster = generators.spawn("caster", Policy, 2)
@@ -224,6 +295,127 @@ def test_broadcast_failure_is_raised_by_the_next_call(two: tuple[meshbook.Mesh, 
         caster.where.call().result()
     assert "earlier caster.fail.broadcast" in str(info.value)
     assert caster.where.call().result().ranks == [0, 1]  # said once
+
+
+def test_respawn_drops_the_broadcasts_only_the_deaths_failed(tmp_path: Path) -> None:
+    """After restart and respawn the next call goes through: a broadcast its rank's death
+    failed is not raised again (the death failed the actor mesh, and was answered), while one
+    that failed otherwise still is, once."""
+    mesh = meshbook.start(2, name="phoenix")
+    try:
+        odd = mesh.spawn("odd", Odd, 2)
+        odd.slice(rank=1).hold.broadcast(str(tmp_path / "started"))
+        odd.slice(rank=0).fail.broadcast("said once")
+        mesh.run("None", ranks=[0]).result()  # after the broadcast on rank 0: its failure is in
+        _until(lambda: (tmp_path / "started.1").exists())
+        mesh.kill([1])
+        _until(lambda: odd.failed)
+        mesh.restart([1])
+        odd.respawn()
+        with pytest.raises(RemoteError, match=r"\[0\] ValueError: said once") as info:
+            odd.where.call()
+        assert "RankDied" not in info.value.render()
+        assert dict(odd.where.call().result()) == {0: (0, {"world": 0}), 1: (1, {"world": 1})}
+    finally:
+        mesh.stop()
+
+
+def test_ctrl_c_while_streaming_stops_the_endpoint(two: tuple[meshbook.Mesh, meshbook.Mesh], tmp_path: Path) -> None:
+    """As in result(): the endpoint is interrupted on the ranks, then KeyboardInterrupt."""
+    _, generators = two
+    streamer = generators.spawn("streamer", Odd, 2)
+    future = streamer.hold.call(str(tmp_path / "started"))
+    try:
+        pressed = _ctrl_c_when(tmp_path / "started", [0, 1], waiting_in="events_since")  # in the stream's wait
+        with pytest.raises(KeyboardInterrupt):
+            list(future.stream())
+        _until(lambda: pressed)
+        assert pressed == [True]
+        with pytest.raises(RemoteError, match=r"\[0,1\] KeyboardInterrupt"):
+            future.result(timeout=120)
+    finally:
+        future.run.interrupt()  # the endpoint never ends on its own
+
+
+def test_ctrl_c_while_awaiting_stops_the_endpoint(two: tuple[meshbook.Mesh, meshbook.Mesh], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """asyncio.run cancels the awaiting task on Ctrl-C: the endpoint is interrupted on the
+    ranks, and the thread that waited for it finds the loop closed, quietly."""
+    _, generators = two
+    awaited = generators.spawn("awaited", Odd, 2)
+    futures: list[Any] = []
+    uncaught: list[Any] = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+
+    async def wait_for_it() -> None:
+        futures.append(awaited.hold.call(str(tmp_path / "started")))
+        await futures[0]  # called and awaited in one step: the task waits once the ranks run it
+
+    try:
+        pressed = _ctrl_c_when(tmp_path / "started", [0, 1])
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(wait_for_it())
+        _until(lambda: pressed)
+        assert pressed == [True]
+        with pytest.raises(RemoteError, match=r"\[0,1\] KeyboardInterrupt"):
+            futures[0].result(timeout=120)
+        for thread in threading.enumerate():
+            if thread.name == "meshbook-await":
+                thread.join(60)
+        assert uncaught == []
+    finally:
+        if futures:
+            futures[0].run.interrupt()  # the endpoint never ends on its own
+
+
+def _ctrl_c_when(started: Path, ranks: list[int], waiting_in: str | None = None) -> list[bool]:
+    """Press Ctrl-C (SIGINT to the main thread) once every one of ``ranks`` runs the endpoint
+    (touched ``started.RANK``) and the main thread is in function ``waiting_in``. The list
+    returned gets True once pressed, or False if that never came (pressed anyway after two
+    minutes, so that no wait hangs)."""
+    pressed: list[bool] = []
+    main = threading.main_thread()
+
+    def ready() -> bool:
+        if not all(Path(f"{started}.{r}").exists() for r in ranks):
+            return False
+        frame = sys._current_frames().get(main.ident)
+        while waiting_in is not None and frame is not None and frame.f_code.co_name != waiting_in:
+            frame = frame.f_back
+        return frame is not None
+
+    def press() -> None:
+        deadline = time.monotonic() + 120
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        was_ready = ready()
+        signal.pthread_kill(main.ident, signal.SIGINT)
+        pressed.append(was_ready)
+
+    threading.Thread(target=press, name="ctrl-c", daemon=True).start()
+    return pressed
+
+
+def test_an_answer_the_calling_rank_cannot_read_fails_that_call_once(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    """It is the target's error (as a result the notebook cannot read is), and the call is over:
+    a second wait says the same, and choose() counts the target free again."""
+    trainers, generators = two
+    riddler = generators.spawn("riddler", Odd, 2)
+    prober = trainers.spawn("prober", Prober)
+    first, again, picked = prober.slice(rank=0).read_twice.call_one(riddler).result(timeout=120)
+    assert first == again
+    assert first.startswith("[0] UnreadableResult: the result (a ")
+    assert "cannot be unpickled on rank 0, which called it: ModuleNotFoundError: No module named" in first
+    assert picked == [0, 1]
+
+
+def test_rank_to_rank_arguments_reuse_their_shared_segment(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    """A target that let go of the arguments says so before answering, and the next call of
+    that size writes over the same shared memory (no new memfd to fault in)."""
+    trainers, generators = two
+    reloaded = generators.spawn("reloaded", Policy, 1000)  # 4 MB of weights: shared, not sent
+    prober = trainers.spawn("reloader", Prober)
+    assert prober.slice(rank=0).reloads_in_place.call_one(reloaded, 1000).result(timeout=120)
 
 
 def test_rl_weight_sync_rank_to_rank(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:

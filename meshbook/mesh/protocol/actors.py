@@ -20,6 +20,7 @@ over several hosts only has to report a network address there.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, Sequence
@@ -162,6 +163,11 @@ class ActorFuture:
         """Nobody waits for this call (``broadcast``): say how its failure is reported."""
         raise NotImplementedError
 
+    def interrupt(self) -> None:
+        """Stop the call on the ranks still running it: a wait the user gives up on (Ctrl-C,
+        a cancelled ``await``) must not leave the endpoint running there."""
+        raise NotImplementedError
+
     def result(self, timeout: float | None = None) -> Any:
         """Wait (``timeout`` seconds at most: :class:`~meshbook.MeshTimeout`, the call goes on)."""
         values = self.collect(timeout)
@@ -199,10 +205,15 @@ class ActorFuture:
 
         def waiter() -> None:
             self.wait()
-            loop.call_soon_threadsafe(settle)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits any more
+                loop.call_soon_threadsafe(settle)
 
         threading.Thread(target=waiter, name="meshbook-await", daemon=True).start()
-        yield from arrived.__await__()
+        try:
+            yield from arrived.__await__()
+        except (asyncio.CancelledError, KeyboardInterrupt):  # e.g. Ctrl-C: asyncio.run cancels the task
+            self.interrupt()  # nobody waits any more: stop the endpoint too, as result() does
+            raise
         return self.result()
 
     def __repr__(self) -> str:

@@ -100,21 +100,26 @@ class ActorHost:
         method = getattr(type(actor), endpoint, None)
         if not getattr(method, ENDPOINT_MARK, False) and endpoint != "__supervise__":
             raise AttributeError(f"{type(actor).__qualname__} has no endpoint {endpoint!r}")
-        device = self.worker.namespace["device"]  # arguments land where push puts values
         if "payload" not in body:
-            args, kwargs = on_device((body["args"], body["kwargs"]), device)
-            with self.worker.user_code():
-                return getattr(actor, endpoint)(*args, **kwargs)
+            return self._run(getattr(actor, endpoint), body["args"], body["kwargs"])
         values, release = body["payload"].open()
+        args, kwargs = values["args"], values["kwargs"]
+        del values
         try:
-            args, kwargs = on_device((values["args"], values["kwargs"]), device)
-            with self.worker.user_code():
-                return getattr(actor, endpoint)(*args, **kwargs)
+            return self._run(getattr(actor, endpoint), args, kwargs)
         finally:
-            del values
+            # The last references to the mapped tensors, unless the actor kept one: without
+            # them the mapping goes, and the caller writes its next call into the same memory.
+            del args, kwargs
             if release():  # signed now, so it is numbered before the answer it precedes
                 note = {msg.KIND: msg.RELEASED, msg.ID: request, msg.RANK: self.worker.rank}
                 self._released[request] = self.worker.wire.pack(note)
+
+    def _run(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``function(*args, **kwargs)`` as user code, its tensors moved to this rank's device."""
+        args, kwargs = on_device((args, kwargs), self.worker.device)
+        with self.worker.user_code():
+            return function(*args, **kwargs)
 
     def spawn(self, body: dict[str, Any]) -> Peer:
         """Build this rank's instance of an actor; answer how other ranks reach it."""
@@ -124,9 +129,7 @@ class ActorHost:
         place_code(cls, body["code"])
         cfg = self.worker.cfg
         set_place(self.worker.rank, cfg.topology.world_size, cfg.topology.coords(self.worker.rank))
-        args, kwargs = on_device((body["args"], body["kwargs"]), self.worker.namespace["device"])
-        with self.worker.user_code():
-            instance = cls(*args, **kwargs)
+        instance = self._run(cls, body["args"], body["kwargs"])
         self.actors[name] = instance
         self.worker.namespace[name] = instance
         return Peer(cfg.request_addr, os.getpid(), socket.gethostname())
@@ -205,6 +208,7 @@ class _Link:
         self.host = host
         self._handlers: dict[str, Callable[[PeerFuture, wire.Message], None]] = {
             msg.RESULT: self._on_answer, msg.ERROR: self._on_answer, msg.RELEASED: self._on_released}
+
     def send(self, request: int, address: ActorAddress, endpoint: str, ranks: list[int],
              args: tuple[Any, ...], kwargs: dict[str, Any], one: bool) -> "PeerFuture":
         here = socket.gethostname()
@@ -240,9 +244,16 @@ class _Link:
             sock.connect(address)
         return sock
 
-    @staticmethod
-    def _on_answer(future: "PeerFuture", message: wire.Message) -> None:
-        future.arrive(message.header[msg.RANK], message.body(), message.kind == msg.ERROR)
+    def _on_answer(self, future: "PeerFuture", message: wire.Message) -> None:
+        """A target's result or error. One this process cannot unpickle (a class of a module
+        only the target imports) is that target's error: its part of the call ends, saying so."""
+        header, rank = message.header, message.header[msg.RANK]
+        try:
+            body = message.body()
+        except Exception as exc:  # noqa: BLE001 - whatever the answer's unpickling raises
+            future.arrive(rank, _unreadable(rank, self.rank, header.get(msg.TYPE), exc), True)
+            return
+        future.arrive(rank, body, message.kind == msg.ERROR)
 
     @staticmethod
     def _on_released(future: "PeerFuture", message: wire.Message) -> None:
@@ -332,6 +343,10 @@ class PeerFuture(ActorFuture):
         self._forgotten = True
         threading.Thread(target=self.wait, name="meshbook-broadcast", daemon=True).start()
 
+    def interrupt(self) -> None:
+        """Nothing to stop from here: only the target mesh's controller interrupts its ranks,
+        so they run the call to its end (their answers are taken by this link's next wait)."""
+
     def _error(self) -> RemoteError:
         return RemoteError(dict(self._failures), partial=RankValues(self._values, self.address.topology))
 
@@ -394,6 +409,16 @@ def place_code(cls: type, code: dict[str, tuple[str, str]]) -> None:
             function.__code__ = function.__code__.replace(co_filename=filename)
             if source:
                 register_source(filename, source)
+
+
+def _unreadable(rank: int, caller: int, type_name: str | None, exc: Exception) -> RankFailure:
+    """An answer the calling rank cannot unpickle, as the target's error, saying what to do
+    instead (worded as the notebook's, for a result it cannot read)."""
+    what = f"a {type_name}" if type_name else "it"
+    return RankFailure(rank, "UnreadableResult", (
+        f"the result ({what}) cannot be unpickled on rank {caller}, which called it: "
+        f"{type(exc).__name__}: {exc}. Return plain data instead (tensors, numbers, lists and "
+        f"dicts of them), or make what it needs importable on the calling rank too"))
 
 
 def _client() -> PeerClient:

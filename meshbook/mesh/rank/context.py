@@ -62,6 +62,9 @@ class RankContext(Protocol):
     cfg: RankConfig
     wire: wire.Wire
     namespace: dict[str, Any]
+    #: This rank's device (a ``torch.device``), where arguments and pushed values land: the
+    #: namespace's ``device`` is the user's to rebind in a cell.
+    device: Any
     stdin_available: bool
     input_replies: "queue.Queue[str]"
     stdout: Any

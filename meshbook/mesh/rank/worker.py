@@ -88,6 +88,8 @@ class Worker:
         #: script has, so a class defined in a cell pickles by reference (``pickle.dumps``,
         #: ``all_gather_object``, ``torch.save`` of a module) as it does under torchrun.
         self.namespace: dict[str, Any] = _main_module().__dict__
+        #: This rank's ``torch.device``, set with its process group (see :class:`RankContext`).
+        self.device: Any = None
         self.request: int | None = None  # what the main thread runs now (None: idle)
         self.last_request: int | None = None
         self.started_at = 0.0
@@ -231,6 +233,7 @@ class Worker:
             device = torch.device("cuda", cfg.local_rank)
         else:
             device = torch.device("cpu")
+        self.device = device
         topo = cfg.topology
         from datetime import timedelta
         timeout = timedelta(seconds=cfg.collective_timeout)

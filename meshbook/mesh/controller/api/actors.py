@@ -51,6 +51,7 @@ from ...protocol.actors import (
 from ...protocol.cell import cell_filename
 from ...protocol.errors import MeshError, RemoteError, SendError
 from ...protocol.events import Error, Result
+from ...protocol.namespaces import SEEDED
 from ...protocol.text import format_ranks
 from ...protocol.values import RankValues
 from ...rank import ops
@@ -115,6 +116,9 @@ def _check_spawn(controller: Controller, name: str, cls: type, supervisor: Any) 
     if not isinstance(name, str) or not name.isidentifier():
         raise MeshError(f"actor name {name!r}: give a Python identifier (the actor is a variable of each "
                         f"rank's namespace under that name)")
+    if name in SEEDED:
+        raise MeshError(f"actor name {name!r}: meshbook sets it on every rank ({', '.join(sorted(SEEDED))}), "
+                        f"and the actor would replace it there; pick another name")
     if name in _registry().get(controller, {}):
         raise MeshError(f"an actor named {name!r} already lives on this mesh: pick another name")
     if not isinstance(cls, type) or not issubclass(cls, Actor):
@@ -211,6 +215,9 @@ class RunFuture(ActorFuture):
                     yield event.rank, event.failure
                 else:
                     renderer.feed([event])
+        except KeyboardInterrupt:  # Ctrl-C while waiting stops the endpoint too, as in result()
+            self.interrupt()
+            raise
         finally:
             renderer.close()
 
@@ -222,6 +229,14 @@ class RunFuture(ActorFuture):
 
     def forget(self) -> None:
         self.state.broadcasts.append(self)
+
+    def interrupt(self) -> None:
+        self.run.interrupt()
+
+    def failed_by_deaths(self, ranks: set[int]) -> bool:
+        """Whether this call ended, failing only because some of ``ranks`` died."""
+        error = self.run.exception() if self.done() else None
+        return error is not None and all(f.died and r in ranks for r, f in error.failures.items())
 
 
 class ActorMesh(ActorView):
@@ -287,6 +302,10 @@ class ActorMesh(ActorView):
             raise MeshError(f"rank(s) {format_ranks(dead)} of actor {self.name!r} are still dead: restart them "
                             f"first with mesh.restart({dead}) (%mesh restart {','.join(map(str, dead))})")
         _spawn_on(state, lost)
+        # A broadcast that failed only by these deaths was answered with them: the deaths failed
+        # the actor mesh, and restart + respawn are the answer. Raised by the next call, it
+        # would fail a call to working actors, and send nothing.
+        state.broadcasts = [f for f in state.broadcasts if not f.failed_by_deaths(state.lost)]
         state.lost.clear()
         state.failed = ""
         return self
