@@ -274,12 +274,13 @@ class ActorMesh(ActorView):
                             f"mesh.restart({lost}) (%mesh restart {','.join(map(str, lost))}), then "
                             f"{self.name}.respawn()")
         finished, state.broadcasts = partition(state.broadcasts)
-        for future in finished:
+        for i, future in enumerate(finished):
             try:
                 future.run.result()  # prints its output; raises its failure
             except RemoteError as exc:
                 exc.hint = "\n".join(filter(None, [exc.hint, f"(from an earlier {future.what}.broadcast(...); "
                                                               f"nothing new was sent)"]))
+                state.broadcasts = finished[i + 1:] + state.broadcasts  # the next call says theirs
                 raise
 
     def pick_rank(self) -> int:
