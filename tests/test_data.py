@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import resource
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +27,20 @@ from meshbook import (
     TooLargeError,
 )
 from meshbook.mesh.protocol.namespaces import Layout, Namespaces, VarInfo
-from meshbook.mesh.protocol.payload import SHARE_MIN, FreeFiles, Landing, Lent, Segments, pack, pickled
+from meshbook.mesh.protocol.payload import (
+    SHARE_MIN,
+    FreeFiles,
+    Landing,
+    Lent,
+    Payload,
+    Segments,
+    Slot,
+    WriterExited,
+    pack,
+    pickled,
+    pickled_for_pull,
+)
+from meshbook.mesh.rank import ops
 
 DTENSOR_SETUP = """
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -255,20 +271,25 @@ def test_a_pull_from_local_ranks_maps_their_shared_memory(mesh4: meshbook.Mesh) 
     assert "/memfd:meshbook-pull" not in Path("/proc/self/maps").read_text(), "the mapping goes with the tensors"
 
 
+def lend(lent: Lent, value: object, slot: Slot | None = None) -> Payload:
+    """``value`` lent as a rank's ``fetch`` lends it."""
+    return lent.lend(*pickled_for_pull("x", value, None), slot)
+
+
 def test_a_lent_file_nobody_claims_is_closed_by_the_next_lend_or_tick() -> None:
     before = set(lent_files(os.getpid()))  # files a mesh of this process keeps for later pulls
     lent = Lent(keep_s=0.0)
-    first = lent.lend(torch.ones(SHARE_MIN), "pull('x')")
+    first = lend(lent, torch.ones(SHARE_MIN))
     assert first.shared is not None and torch.equal(first.load("pull")["value"], torch.ones(SHARE_MIN))
     time.sleep(0.01)
-    second = lent.lend(torch.zeros(SHARE_MIN), "pull('x')")  # the first pull was interrupted
+    second = lend(lent, torch.zeros(SHARE_MIN))  # the first pull was interrupted
     with pytest.raises(RuntimeError, match="shared memory for this pull is gone"):
         first.load("pull")
     assert second.shared is not None and set(lent_files(os.getpid())) - before == {str(second.shared.fd)}
     lent.release(second.shared.token)
     assert set(lent_files(os.getpid())) - before == set()
-    assert lent.lend(7, "pull('n')").shared is None, "a small value goes inline"
-    lent.lend(torch.ones(SHARE_MIN), "pull('x')")  # never claimed, and no pull comes after it
+    assert lend(lent, 7).shared is None, "a small value goes inline"
+    lend(lent, torch.ones(SHARE_MIN))  # never claimed, and no pull comes after it
     time.sleep(0.01)
     lent.expire(time.monotonic())  # the rank's control loop, a tick later
     assert set(lent_files(os.getpid())) - before == set()
@@ -318,7 +339,7 @@ def pull_three_times(mesh4: meshbook.Mesh, before: set[int]) -> None:
 def test_the_landing_offers_fitting_files_and_closes_what_an_interrupted_pull_offered() -> None:
     landing, lent = Landing(idle_s=60.0), Lent()  # SHARE_MIN bytes: float32 of a quarter as many
     try:
-        value = landing.load(lent.lend(torch.ones(SHARE_MIN // 4), "pull('x')"), "pull")["value"]
+        value = landing.load(lend(lent, torch.ones(SHARE_MIN // 4)), "pull")["value"]
         assert torch.equal(value, torch.ones(SHARE_MIN // 4))
         assert landing.offer({0: SHARE_MIN}) == {}, "the file is mapped: nothing to offer"
         del value
@@ -328,7 +349,7 @@ def test_the_landing_offers_fitting_files_and_closes_what_an_interrupted_pull_of
         slots = landing.offer({0: SHARE_MIN, 1: SHARE_MIN})
         assert list(slots) == [0], "one free file, offered once"
         files = set(lent_files(os.getpid()))
-        landed = lent.lend(torch.zeros(SHARE_MIN // 4), "pull('x')", slots[0])
+        landed = lend(lent, torch.zeros(SHARE_MIN // 4), slots[0])
         assert landed.shared is not None and landed.shared.fd == slots[0].fd
         assert set(lent_files(os.getpid())) == files, "written into the offered file: no new one lent"
         assert torch.equal(landing.load(landed, "pull")["value"], torch.zeros(SHARE_MIN // 4))
@@ -348,7 +369,7 @@ def test_the_landing_keeps_no_more_files_than_it_may() -> None:
     landing, lent = Landing(keep=2), Lent()
     try:
         before = set(lent_files(os.getpid()))
-        payloads = [lent.lend(torch.full((SHARE_MIN // 4,), float(i)), "pull('x')") for i in range(3)]
+        payloads = [lend(lent, torch.full((SHARE_MIN // 4,), float(i))) for i in range(3)]
         values = [landing.load(payload, "pull")["value"] for payload in payloads]
         assert [v[0].item() for v in values] == [0.0, 1.0, 2.0], "every value arrives"
         for payload in payloads:
@@ -416,7 +437,7 @@ def test_a_write_cut_short_by_an_interrupt_leaves_no_file_open(monkeypatch: pyte
     with pytest.raises(KeyboardInterrupt), pack({"x": torch.ones(SHARE_MIN)}, shared=True):
         pass
     with pytest.raises(KeyboardInterrupt):
-        Lent().lend(torch.ones(SHARE_MIN), "pull('x')")
+        lend(Lent(), torch.ones(SHARE_MIN))
     with pytest.raises(KeyboardInterrupt):
         Segments().share(body, views)  # a new segment
     with pytest.raises(KeyboardInterrupt):
@@ -435,7 +456,7 @@ def test_a_pull_still_being_written_is_not_expired(monkeypatch: pytest.MonkeyPat
         return pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", amid_a_tick)
-    payload = lent.lend(torch.ones(SHARE_MIN), "pull('x')")
+    payload = lend(lent, torch.ones(SHARE_MIN))
     monkeypatch.undo()
     assert payload.shared is not None and torch.equal(payload.load("pull")["value"], torch.ones(SHARE_MIN))
     lent.release(payload.shared.token)
@@ -475,6 +496,27 @@ def test_scatter_over_a_selection(mesh4: meshbook.Mesh) -> None:
     assert torch.equal(mesh4.ref("part", where={"tp": 1}).gather(), tensor)
 
 
+def test_scatter_of_an_empty_tensor_gives_every_rank_a_piece(mesh4: meshbook.Mesh) -> None:
+    mesh4.scatter("empty", torch.zeros(0, 3))
+    assert {rank: piece.shape for rank, piece in mesh4.pull("empty").items()} == {r: (0, 3) for r in range(4)}
+    mesh4.scatter("empty", torch.zeros(2, 0), dim=1, mesh_dim="dp")
+    assert {piece.shape for piece in mesh4.pull("empty").values()} == {(2, 0)}
+
+
+def test_scatter_and_gather_take_numpy_arrays_as_tensors(mesh4: meshbook.Mesh) -> None:
+    import numpy
+
+    array = numpy.arange(8.0)
+    mesh4.scatter("from_numpy", array)
+    for rank, piece in mesh4.pull("from_numpy").items():
+        assert torch.equal(piece, torch.from_numpy(array[2 * rank:2 * rank + 2])), rank
+    mesh4.run("import numpy\narr = numpy.arange(4.0) + rank").result()
+    expected = torch.cat([torch.arange(4.0, dtype=torch.float64) + r for r in range(4)])
+    assert torch.equal(mesh4.ref("arr").gather(), expected)
+    with pytest.raises(ShapeError, match="numpy array of dtype object .* make it a tensor first"):
+        mesh4.scatter("objects", numpy.array([object()] * 4))
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 
@@ -494,6 +536,82 @@ def test_an_unpicklable_value_is_named_and_nothing_is_pushed(mesh4: meshbook.Mes
     with pytest.raises(SendError, match="push: value 'lock' \\(a _thread.lock\\) cannot be pickled"):
         mesh4.push(fine=torch.ones(2), lock=threading.Lock())
     assert "fine" not in mesh4.who()
+
+
+def test_a_pull_of_what_does_not_pickle_names_the_part_that_does_not(mesh4: meshbook.Mesh) -> None:
+    mesh4.run("import threading, types\n_ = 'yours'\n"
+              "small = {'t': torch.ones(4), 'lock': threading.Lock()}\n"
+              f"big = {{'t': torch.ones({SHARE_MIN}), 'lock': threading.Lock()}}\n"
+              "holder = types.SimpleNamespace(t=torch.ones(2), inner=[1, threading.Lock()])").result()
+    for name, part in [("small", "small['lock']"), ("big", "big['lock']"), ("holder", "holder.inner[1]")]:
+        with pytest.raises(RemoteError) as caught:
+            mesh4.pull(name)
+        assert f"pull('{name}'): {part} (a _thread.lock) cannot be pickled" in str(caught.value)
+        assert "Pull a part of it that pickles" in str(caught.value) and "`_`" not in str(caught.value)
+    assert mesh4.run("_", ranks=[0]).result()[0] == "yours", "a failed pull leaves the rank's _ alone"
+
+
+def test_a_pull_over_the_limit_is_refused_on_the_ranks_where_metadata_cannot_size_it(
+        mesh4: meshbook.Mesh) -> None:
+    mesh4.run("import types\nt = torch.zeros(1 << 19)\nobj = types.SimpleNamespace(t=t)\n"
+              "deep = [[[[[t]]]]]\nblob = bytes(2 << 20)\ntext = 'x' * (2 << 20)").result()
+    weighed = r"would move at least 8.0 MiB \(\[0-3\] 2.0 MiB; weighed on rank\(s\) 0-3 .*over the 1.0 MiB limit"
+    for name in ("obj", "deep", "text"):
+        with pytest.raises(TooLargeError, match=f"pulling '{name}' {weighed}; nothing was kept"):
+            mesh4.pull(name, max_bytes=1 << 20)
+    with pytest.raises(TooLargeError, match="would move 8.0 MiB .*nothing was moved"):
+        mesh4.pull("blob", max_bytes=1 << 20)  # bytes are sized before anything moves
+    assert mesh4.pull("obj", ranks=[0], max_bytes=None)[0].t.numel() == 1 << 19, "None: no limit"
+    assert len(mesh4.pull("obj", max_bytes=8 << 20)) == 4, "within the limit: every rank's share"
+
+
+def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """``fn()`` started in a thread, and the list its outcome (value or exception) lands in."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> bool:
+    """Whether ``condition()`` came true within ``timeout`` (polled)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def pull_behind(mesh: meshbook.Mesh, flag: Path, change: str, **pull: Any) -> object:
+    """Pull ``x`` while the ranks' main threads wait for ``flag``, then run ``change``: the
+    pull's checks (answered on the control threads) pass before the value changes under its
+    fetch, which waits behind the cell. What the pull returned or raised."""
+    busy = mesh.run(f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.01)\n{change}")
+    puller, outcome = in_thread(lambda: mesh.pull("x", **pull))
+    assert wait_until(lambda: all(mesh.controller.book.queued(rank) == 2 for rank in mesh.ranks)), \
+        "the pull's fetch never queued behind the cell"
+    flag.touch()
+    puller.join(60)
+    busy.result()
+    return outcome[0]
+
+
+def test_a_value_changed_after_the_checks_is_refused_as_they_would(mesh2: meshbook.Mesh, tmp_path: Path) -> None:
+    mesh2.run("x = torch.zeros(4)").result()
+    grown = pull_behind(mesh2, tmp_path / "grow", "x = torch.zeros(1 << 22)", max_bytes=1 << 20)
+    assert isinstance(grown, TooLargeError) and "would move at least 32.0 MiB" in str(grown), grown
+    deleted = pull_behind(mesh2, tmp_path / "delete", "del x")
+    assert isinstance(deleted, MissingNameError), deleted
+    assert str(deleted) == ("'x' is not defined on rank(s) 0,1; define it there in a %%mesh cell or "
+                            "send it with mesh.push(); nothing was moved")
 
 
 def test_a_pull_over_the_limit_is_refused_with_its_size(mesh4: meshbook.Mesh) -> None:
@@ -527,6 +645,12 @@ def test_other_bad_requests(dtensors: meshbook.Mesh) -> None:
         dtensors.push(rank=3)
     with pytest.raises(MeshError, match="needs values"):
         dtensors.push()
+    with pytest.raises(MeshError, match="'class' is a Python keyword"):
+        dtensors.push({"class": 1})
+    for name in ("__builtins__", "__name__"):
+        with pytest.raises(MeshError, match=f"'{name}' is a special name"):
+            dtensors.push({name: {}})
+    assert dtensors.run("len([1]), __name__", ranks=[0]).result()[0] == (1, "__main__")
     with pytest.raises(ShapeError, match="full_tensor\\(\\) assembles DTensors; 'g' is a Tensor"):
         dtensors.ref("g").full_tensor()
     with pytest.raises(ShapeError, match="use .full_tensor\\(\\) for a DTensor"):
@@ -566,6 +690,96 @@ def test_a_rank_dying_during_a_push_is_reported_with_what_was_stored(mesh2: mesh
     (error,) = outcome
     assert isinstance(error, RemoteError) and error.ranks == [1]
     assert "x stored on rank(s) 0; rank(s) 1 kept their previous values" in str(error)
+
+
+def test_a_pull_maps_each_value_as_it_arrives_not_once_every_rank_answered(
+        mesh2: meshbook.Mesh, tmp_path: Path) -> None:
+    """A rank closes a file it lent a minute after it answered (3 s here): a rank that
+    answers later than that (busy with a cell) must not cost the other ranks' values."""
+    def keep_lent_files(worker: Any, seconds: float) -> None:
+        worker.lent.keep_s = seconds
+
+    def rank_0_closes_what_it_lent() -> None:
+        first = mesh2.status()[0].pid
+        assert first is not None and wait_until(lambda: bool(lent_files(first))), "rank 0 never lent its value"
+        assert wait_until(lambda: not lent_files(first)), "rank 0 never closed the file it lent"
+
+    mesh2.call(keep_lent_files, 3.0).result()
+    pulled = pull_while_busy(mesh2, 1, tmp_path, rank_0_closes_what_it_lent)
+    assert [value[0].item() for value in pulled.values()] == [0.0, 1.0]
+
+
+def pull_while_busy(mesh: meshbook.Mesh, busy: int, tmp_path: Path, meanwhile: Callable[[], None]) -> Any:
+    """Pull ``x`` (a value per rank) while rank ``busy`` runs a cell, do ``meanwhile``, then let
+    that cell end: what the pull returned."""
+    mesh.run(f"x = torch.full(({SHARE_MIN},), float(rank))").result()
+    flag = tmp_path / "go"
+    cell = mesh.run(f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.01)", ranks=[busy])
+    puller, outcome = in_thread(lambda: mesh.pull("x"))
+    meanwhile()
+    flag.touch()
+    puller.join(60)
+    cell.result()
+    (pulled,) = outcome
+    assert isinstance(pulled, meshbook.RankValues), pulled
+    return pulled
+
+
+def kill(mesh: meshbook.Mesh, rank: int) -> None:
+    """SIGKILL ``rank``, and wait until the mesh knows it died."""
+    pid = mesh.status()[rank].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: mesh.status()[rank].state == "dead"), f"rank {rank} never known dead"
+
+
+def test_a_rank_that_dies_after_answering_a_pull_still_gives_its_value(
+        mesh2: meshbook.Mesh, tmp_path: Path) -> None:
+    before = pull_files(os.getpid())
+
+    def rank_1_dies_once_read() -> None:
+        assert wait_until(lambda: bool(pull_files(os.getpid()) - before), 30), "the notebook never took rank 1's file"
+        kill(mesh2, 1)
+
+    pulled = pull_while_busy(mesh2, 0, tmp_path, rank_1_dies_once_read)
+    assert [value[0].item() for value in pulled.values()] == [0.0, 1.0]
+
+
+def test_a_value_whose_rank_died_before_it_was_read_says_so(mesh2: meshbook.Mesh) -> None:
+    mesh2.run(f"x = torch.ones({SHARE_MIN})").result()
+    payload = mesh2.call(ops.fetch, "x", None, True, ranks=[1]).result(echo=False)[1]
+    kill(mesh2, 1)
+    with pytest.raises(WriterExited, match=r"process \d+, which wrote the shared memory for this pull, "
+                                          r"exited before it was read"):
+        mesh2.controller.landing.load(payload, "pull")
+
+
+def test_a_mesh_lifts_the_limit_of_open_files_where_values_are_held() -> None:
+    """Each value held from shared memory keeps a descriptor: a notebook holding hundreds of
+    pulled values, or a rank hundreds of pushed ones, would run out at a soft limit of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = len(os.listdir("/proc/self/fd")) + 256  # room for this process's meshes meanwhile
+    if low >= hard:
+        pytest.skip(f"a hard limit of {hard} open files leaves no soft limit to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        with meshbook.start(2) as mesh:
+            assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard), "the notebook's"
+            limits = mesh.run("import resource\nresource.getrlimit(resource.RLIMIT_NOFILE)").result()
+            assert limits.unique() == (hard, hard), "the ranks'"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_running_out_of_files_says_what_to_do(mesh2: meshbook.Mesh) -> None:
+    mesh2.run("import os, resource\nheld = []\nresource.setrlimit(resource.RLIMIT_NOFILE, "
+              "(len(os.listdir('/proc/self/fd')) + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))").result()
+    with pytest.raises(RemoteError) as caught:
+        for _ in range(40):
+            mesh2.push(batch=torch.ones(SHARE_MIN))
+            mesh2.run("held.append(batch)").result()
+    assert "may open no more files" in str(caught.value) and "ulimit -n" in str(caught.value)
+    mesh2.run("held.clear()").result()
 
 
 def test_who_reports_the_variables_a_restarted_rank_lost(mesh2: meshbook.Mesh) -> None:

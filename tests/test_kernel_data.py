@@ -43,9 +43,9 @@ def test_who_shows_a_dtensor_once_for_all_ranks(kernel: Kernel) -> None:
 def test_push_reads_the_notebook_and_pull_brings_values_back(kernel: Kernel) -> None:
     kernel.ok("a = torch.randn(3, 5).to(torch.bfloat16)\nb = {'lr': 0.5}")
     assert kernel.ok("%mesh push a b --ranks 0,1").stream() == "pushed a, b to ranks 0,1\n"
-    reply = kernel.ok("%mesh pull a --ranks 0,1 --out pulled")
-    (result,) = reply.of_type("execute_result")
+    (result,) = kernel.ok("%mesh pull a --ranks 0,1").of_type("execute_result")
     assert result["content"]["data"]["text/plain"].startswith("[0,1] tensor([[")
+    assert kernel.ok("%mesh pull a --ranks 0,1 --out pulled").stream() == "pulled a from ranks 0,1 into pulled\n"
     assert kernel.value("sorted(pulled)") == [0, 1]
     assert kernel.value("all(torch.equal(v, a) and v.dtype == torch.bfloat16 for v in pulled.values())")
     assert kernel.value("dict(meshbook.current().pull('b', ranks=[1]))") == {1: {"lr": 0.5}}
@@ -68,3 +68,19 @@ def test_bad_requests_are_one_line_usage_errors(kernel: Kernel) -> None:
     kernel.ok("import threading\nlock = threading.Lock()")
     assert "value 'lock' (a _thread.lock) cannot be pickled" in usage_error(
         kernel.execute("%mesh push lock"))
+
+
+def test_pull_out_stores_the_values_only_there(kernel: Kernel) -> None:
+    """IPython keeps what a cell returns (``Out[n]``, ``_``): values pulled ``--out`` a name are
+    not returned as well, so ``del`` of that name lets their memory go."""
+    maps = "open('/proc/self/maps').read().count('meshbook-pull')"
+    kernel.ok("%%mesh\nheld = torch.ones(1 << 18)")  # 1 MiB a rank: mapped from shared memory
+    kernel.ok("import gc\ngc.collect()")
+    before = kernel.value(maps)
+    reply = kernel.ok("%mesh pull held --out kept")
+    assert not reply.of_type("execute_result")
+    assert kernel.value(maps) > before
+    kernel.ok("del kept\ngc.collect()")
+    assert kernel.value(maps) == before
+    assert "--out takes a variable name" in usage_error(kernel.execute("%mesh pull held --out kept;"))
+    assert "--out takes a variable name" in usage_error(kernel.execute("%mesh pull held --out class"))

@@ -6,11 +6,12 @@ A mixin of :class:`~meshbook.magics.mesh_magic.MeshMagics`; each command is a th
 
     %mesh who --where dp=0            # the table of variables, no data moved
     %mesh push lr batch --ranks 0,1   # the notebook's lr and batch, into those ranks
-    %mesh pull loss --out losses      # RankValues of every rank's loss, also stored as losses
+    %mesh pull loss --out losses      # RankValues of every rank's loss, stored as losses
 """
 
 from __future__ import annotations
 
+import keyword
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -59,16 +60,22 @@ class DataCommands:
     @argument("--max-bytes", default=str(DEFAULT_MAX_BYTES),
               help=f"refuse to move more than this in total, e.g. 512M or 8G "
                    f"(default {format_bytes(DEFAULT_MAX_BYTES)})")
-    @argument("--out", "-o", help="also store the values (RankValues) in this variable")
+    @argument("--out", "-o", help="store the values (RankValues) in this variable instead of showing them")
     @command
-    def pull(self, line: str) -> RankValues:
+    def pull(self, line: str) -> RankValues | None:
         """Bring a variable back from the ranks, as per-rank values (tensors on the CPU)."""
         args = parse_argstring(self.pull, line)
+        if args.out is not None and (not args.out.isidentifier() or keyword.iskeyword(args.out)):
+            raise UsageError(f"--out takes a variable name (letters, digits and _), not {args.out!r}")
         values = require_mesh().pull(args.name, args.ranks, where=_where(args.where),
                                      max_bytes=parse_size(args.max_bytes))
-        if args.out:
-            self.shell.user_ns[args.out] = values
-        return values
+        if args.out is None:
+            return values
+        # Not returned as well: IPython's Out[n] and _ would hold the values (and their
+        # memory) after `del` of the name they were stored under.
+        self.shell.user_ns[args.out] = values
+        print(f"pulled {args.name} from ranks {format_ranks(values.ranks)} into {args.out}")
+        return None
 
 
 def parse_size(text: str, what: str = "--max-bytes") -> int:

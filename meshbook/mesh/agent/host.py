@@ -488,10 +488,12 @@ def main() -> None:
     parser.add_argument("--announce-dir", default=None,
                         help="listen: write the LISTENING line to a file in this directory, not stdout")
     args = parser.parse_args()
+    from ..protocol.payload import raise_fd_limit
     from ..protocol.proc import become_subreaper, die_with_parent
 
     signal.signal(signal.SIGTERM, _stop)  # until serve() handles it: clean up on the way out
     become_subreaper()
+    raise_fd_limit()  # inherited by the ranks: each pushed value a rank holds keeps a descriptor
     if args.parent is not None:
         die_with_parent(args.parent, signal.SIGTERM)
     code = 0

@@ -3,7 +3,8 @@
 :func:`describe` runs on a rank and turns one value into a :class:`VarInfo`: its type; for a
 tensor its shape, dtype, device and bytes; for a DTensor also its global shape, its placements
 on the DeviceMesh dimensions and this rank's local shard (a :class:`Layout`); for an
-``nn.Module`` its parameter count and bytes. :func:`inventory` does it for a whole namespace.
+``nn.Module`` its parameter count and bytes; for ``bytes`` their length. :func:`inventory` does
+it for a whole namespace.
 
 :class:`Namespaces` is what ``mesh.who()`` returns: those records for every rank, printed as one
 table in which a variable that looks the same on several ranks is one row, with the bytes each
@@ -43,7 +44,7 @@ SEEDED = frozenset({"rank", "world_size", "local_rank", "coords", "device", "tor
 
 #: How deep lists, tuples and dicts are searched for tensors when sizing them.
 _CONTAINER_DEPTH = 4
-_SCALARS = (int, float, complex, str, bytes, bool, type(None))
+_SCALARS = (int, float, complex, str, bool, type(None))  # not sized (bytes are: they may be big)
 
 #: Columns of the ``who`` table, in order; empty ones are dropped from the printout.
 COLUMNS = ("name", "type", "shape", "dtype", "device", "bytes", "params", "placements", "local",
@@ -135,6 +136,8 @@ def describe(name: str, value: Any) -> VarInfo:
         return VarInfo(name, kind, tuple(value.shape), str(value.dtype), "cpu", int(value.nbytes))
     if isinstance(value, (list, tuple, dict)):
         return VarInfo(name, kind, nbytes=_contained_bytes(value, _CONTAINER_DEPTH))
+    if isinstance(value, (bytes, bytearray)):
+        return VarInfo(name, kind, nbytes=len(value))
     return VarInfo(name, kind)
 
 
@@ -318,8 +321,8 @@ def local_shard(tensor: Any) -> Any:
 
 
 def _contained_bytes(value: Any, depth: int) -> int | None:
-    """Bytes of the tensors and arrays inside lists, tuples and dicts (a state_dict, a batch);
-    ``None`` when there are none (the size of other objects is not measured)."""
+    """Bytes of the tensors, arrays and bytes inside lists, tuples and dicts (a state_dict, a
+    batch); ``None`` when there are none (the size of other objects is not measured)."""
     items = value.values() if isinstance(value, dict) else value
     found = None
     for item in items:

@@ -24,7 +24,13 @@ file and answers with the file's name, and the notebook maps it copy-on-write. O
 the rank, where a socket would cost two (into the kernel, out of it) and a reassembly. The
 file is one the notebook offers (:class:`Landing`: the file of a value pulled before, which
 nothing maps any more), or a new memfd the rank lends (:class:`Lent`) when none fits; the
-notebook keeps that one too, for the pulls after.
+notebook keeps that one too, for the pulls after. Each rank weighs its value as it pickles it
+(:func:`pickled_for_pull`): one over its share of the pull's ``max_bytes`` is answered with an
+:class:`Overweight` and stays where it is.
+
+Every value held mapped from shared memory keeps a file descriptor open (Python's ``mmap``
+keeps its own, before 3.13): :func:`raise_fd_limit` lifts the soft limit where a mesh starts
+and before ranks are forked, and running out anyway says so and what to do.
 
 The message naming the shared file is signed like every other message; the file starts with
 a random token the message carries too, so a rank never maps a file that is not this push's.
@@ -42,11 +48,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import math
 import mmap
 import os
 import pickle
+import resource
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -55,7 +64,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import wire
-from .errors import SendError
+from .errors import MeshError, SendError
 
 #: Below this many buffer bytes a shared-memory file costs more than frames on the wire.
 SHARE_MIN = 1 << 20
@@ -64,6 +73,11 @@ PIECE = 16 << 20
 
 _ALIGN = 64  # buffers start on cache-line boundaries, as allocators would place them
 _TOKEN_BYTES = 16
+#: How deep into a value a pull that cannot pickle it looks for the part that does not.
+_PART_DEPTH = 4
+#: Python's ``mmap`` keeps a duplicate of the file's descriptor, one per mapped value, unless
+#: told not to (3.13 on): a notebook holding thousands of pulled values would run out.
+_MMAP_OPTIONS: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,21 @@ class Slot:
     pid: int
     fd: int
     token: bytes
+
+
+@dataclass(frozen=True)
+class Overweight:
+    """What a rank answers a pull whose value weighs more than the rank may send (its share of
+    the pull's ``max_bytes``): at least ``nbytes``. The value stays where it is: a value whose
+    size its metadata cannot tell (an object of your own, bytes, a deep container) or that grew
+    since the notebook asked is weighed as it is pickled, on the rank."""
+
+    nbytes: int
+
+
+class WriterExited(RuntimeError):
+    """The process that wrote a payload's shared file exited before the file was opened here:
+    the file went with it."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +183,51 @@ def pickled(values: Mapping[str, Any], what: str) -> tuple[bytes, list[memoryvie
         raise SendError(f"{what}: {wire.describe_unpicklable({'values': values}, exc)}; nothing was "
                         f"sent to any rank") from None
     return body, [b.raw() for b in buffers], list(buffers)
+
+
+def pickled_for_pull(name: str, value: Any, limit: int | None) -> tuple[bytes, list[memoryview], list[Any]]:
+    """``value`` (the variable ``name``) pickled for a pull, as :func:`pickled` does. Raises
+    :class:`~.wire.TooBig` once it weighs more than ``limit``: its tensors are weighed before
+    they are copied off their device, the rest (bytes, strings, arrays) once pickled. Raises
+    :class:`~meshbook.SendError` naming the part of it that cannot be pickled."""
+    try:
+        body, buffers = wire.dumps({"value": value}, limit)
+    except wire.TooBig:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever pickling raises, name the part
+        path, part, why = _unpicklable(name, value, exc)
+        raise SendError(f"pull({name!r}): {path} (a {type(part).__module__}.{type(part).__qualname__}) "
+                        f"cannot be pickled: {why}; nothing was moved. Pull a part of it that pickles: "
+                        f"name it on the ranks (a %%mesh cell: part = ...) and pull that") from None
+    views = [b.raw() for b in buffers]
+    weight = len(body) + sum(view.nbytes for view in views)
+    if limit is not None and weight > limit:
+        raise wire.TooBig(weight)
+    return body, views, list(buffers)
+
+
+def _unpicklable(path: str, value: Any, exc: Exception, depth: int = _PART_DEPTH) -> tuple[str, Any, Exception]:
+    """The innermost item, element or attribute of ``value`` (reached as ``path``) that does
+    not pickle, with its error: ``value`` itself where no part of it fails alone."""
+    for sub, part in _parts(path, value) if depth else ():
+        try:
+            wire.dumps(part, limit=0)
+        except wire.TooBig:  # it holds a tensor (weighed, never copied here): look inside it too
+            if (found := _unpicklable(sub, part, exc, depth - 1))[1] is not part:
+                return found
+        except Exception as inner:  # noqa: BLE001 - the part that fails
+            return _unpicklable(sub, part, inner, depth - 1)
+    return path, value, exc
+
+
+def _parts(path: str, value: Any) -> list[tuple[str, Any]]:
+    """What ``value`` holds, each with the expression that reaches it from ``path``."""
+    if isinstance(value, dict):
+        return [(f"{path}[{key!r}]", item) for key, item in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+    attributes = getattr(value, "__dict__", None)
+    return [(f"{path}.{key}", item) for key, item in attributes.items()] if isinstance(attributes, dict) else []
 
 
 class FreeFiles:
@@ -238,19 +312,18 @@ class Lent:
         self._open: dict[bytes, tuple[int, float]] = {}  # token -> (fd, when lent)
         self._lock = threading.Lock()
 
-    def lend(self, value: Any, what: str, slot: Slot | None = None) -> Payload:
-        """``value`` as a payload: its buffers in shared memory when they are big enough, else
-        inline (frames). In the reader's ``slot`` when it offers one (nothing is lent then),
-        else in a new memfd: the reader maps it copy-on-write, so writing over a file this
-        process lent before would change what the reader sees."""
-        body, views, buffers = pickled({"value": value}, what)
+    def lend(self, body: bytes, views: list[memoryview], buffers: list[Any], slot: Slot | None = None) -> Payload:
+        """A pickled value (:func:`pickled_for_pull`) as a payload: its buffers in shared memory
+        when they are big enough, else inline (frames). In the reader's ``slot`` when it offers
+        one (nothing is lent then), else in a new memfd: the reader maps it copy-on-write, so
+        writing over a file this process lent before would change what the reader sees."""
         if not worth_sharing(views):
             return Payload(body, list(buffers))
         if slot is not None and (landed := _land(slot, views)) is not None:
             return Payload(body, shared=landed)
         self.expire(time.monotonic())
         token = secrets.token_bytes(_TOKEN_BYTES)
-        with self._lock:  # known before a byte is written: release() closes it whatever happens next
+        with self._lock, _descriptors():  # known before a byte is written: release() closes it whatever happens next
             fd = os.memfd_create("meshbook-pull", os.MFD_CLOEXEC)
             self._open[token] = (fd, math.inf)  # not lent yet: expire() must not close it under the write
         try:
@@ -299,6 +372,7 @@ class Landing:
     """
 
     def __init__(self, keep: int = 64, idle_s: float = 5.0) -> None:
+        raise_fd_limit()  # each pulled value held keeps a descriptor
         self.keep, self.idle_s = keep, idle_s
         self._free = FreeFiles(keep)
         self._mapped: dict[int, weakref.finalize] = {}  # fd -> what tells when its mapping went
@@ -417,8 +491,38 @@ def worth_sharing(views: list[memoryview]) -> bool:
 
 def in_new_file(name: str, views: list[memoryview]) -> tuple[SharedFile, int]:
     """``views`` written into a new memfd named ``name``: where they are, and the file's fd."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    with _descriptors():
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
     return _write_or_close(fd, views), fd
+
+
+def raise_fd_limit() -> None:
+    """Raise this process's soft limit of open files to its hard one (often 1024 to far more).
+    Every value mapped from shared memory keeps a descriptor open while it is held (before
+    Python 3.13, ``mmap`` keeps its own): a notebook holding hundreds of pulled values, or a
+    rank holding hundreds of pushed ones, would fail with EMFILE. Called where a mesh starts
+    (:class:`Landing`) and by each host agent before it forks its ranks."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # no reason to fail a start: EMFILE says what to do
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+@contextlib.contextmanager
+def _descriptors() -> Iterator[None]:
+    """Out of file descriptors (EMFILE) as an error that says why and what to do."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.EMFILE:
+            raise
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        raise MeshError(
+            f"process {os.getpid()} may open no more files: it has the {soft} open that its limit "
+            f"allows (ulimit -n), and every value it holds from shared memory (a pulled or pushed "
+            f"tensor) keeps one. Drop the values you no longer need (del them, in the notebook or "
+            f"on the ranks; in IPython also %reset -f out), or raise the limit (ulimit -n 65536 "
+            f"where Jupyter starts)") from None
 
 
 def _write_or_close(fd: int, views: list[memoryview]) -> SharedFile:
@@ -481,8 +585,12 @@ def _open(shared: SharedFile, what: str, mode: int = os.O_RDONLY) -> int:
     """A descriptor of the file ``shared`` names, checked to be that file (its token)."""
     gone = f"the shared memory for this {what} is gone (the {what} was interrupted); {what} again"
     try:
-        fd = os.open(f"/proc/{shared.pid}/fd/{shared.fd}", mode | os.O_CLOEXEC)
+        with _descriptors():
+            fd = os.open(f"/proc/{shared.pid}/fd/{shared.fd}", mode | os.O_CLOEXEC)
     except FileNotFoundError:
+        if _exited(shared.pid):
+            raise WriterExited(f"process {shared.pid}, which wrote the shared memory for this {what}, "
+                               f"exited before it was read; {what} again") from None
         raise RuntimeError(gone) from None
     except OSError as exc:
         raise RuntimeError(f"cannot open the shared memory of this {what} ({exc}): this process may "
@@ -493,8 +601,19 @@ def _open(shared: SharedFile, what: str, mode: int = os.O_RDONLY) -> int:
     return fd
 
 
+def _exited(pid: int) -> bool:
+    """Has process ``pid`` exited (gone, or a zombie whose files are closed)?"""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
 def _map(fd: int, shared: SharedFile) -> tuple[mmap.mmap, list[memoryview]]:
     # Private and writable: a reader that changes its tensor gets its own pages (copy on write).
-    mapped = mmap.mmap(fd, shared.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    with _descriptors():
+        mapped = mmap.mmap(fd, shared.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                           **_MMAP_OPTIONS)
     with memoryview(mapped) as whole:
         return mapped, [whole[start:start + length] for start, length in shared.spans]

@@ -23,8 +23,9 @@ from ..protocol import messages as msg
 from ..protocol.actors import ActorAddress
 from ..protocol.cell import stack_frames
 from ..protocol.namespaces import VarInfo, describe, inventory, local_shard
-from ..protocol.payload import Payload, Slot
+from ..protocol.payload import Overweight, Payload, Slot, pickled_for_pull
 from ..protocol.reports import Collective, GroupPosition, Positions, RankSnapshot
+from ..protocol.wire import TooBig
 from .devices import on_device, walk
 from .torch_compat import abort_process_groups, backends, flight_records, is_default_group, issued, process_groups
 
@@ -308,13 +309,27 @@ def store(worker: Any, payload: Payload) -> None:
     worker.namespace.update(values)  # only once every value arrived: all of them or none
 
 
-def fetch(worker: Any, name: str, share: bool = False, slots: dict[int, Slot] | None = None) -> Any:
-    """``name``'s value (a DTensor's local shard). With ``share`` (the notebook runs on this
-    machine), a payload whose big buffers are in shared memory: written into the file the
-    notebook offers this rank in ``slots``, or into one this rank lends (see
-    :class:`~meshbook.mesh.protocol.payload.Lent`; the notebook maps it, then ``unshare``)."""
+def fetch(worker: Any, name: str, limits: Mapping[int, int] | None, share: bool = False,
+          slots: Mapping[int, Slot] | None = None) -> Payload | Overweight | None:
+    """``name``'s value (a DTensor's local shard) as a payload, weighed against this rank's
+    share of the pull's limit (``limits``; None: no limit) as it is pickled. With ``share``
+    (the notebook runs on this machine), its big buffers are in shared memory: written into
+    the file the notebook offers this rank in ``slots``, or into one this rank lends (see
+    :class:`~meshbook.mesh.protocol.payload.Lent`; the notebook maps it, then ``unshare``).
+
+    The notebook checked the name and the size first, but a cell may have run since: a name
+    deleted meanwhile answers None, a value over the limit :class:`Overweight`, so the
+    notebook refuses them in the words of its own checks."""
+    if name not in worker.namespace:
+        return None
     value = walk(worker.namespace[name], local_shard)
-    return worker.lent.lend(value, f"pull({name!r})", (slots or {}).get(worker.rank)) if share else value
+    try:
+        body, views, buffers = pickled_for_pull(name, value, (limits or {}).get(worker.rank))
+    except TooBig as exc:
+        return Overweight(exc.nbytes)
+    if not share:
+        return Payload(body, buffers)
+    return worker.lent.lend(body, views, buffers, (slots or {}).get(worker.rank))
 
 
 @rank_op(channel=msg.CONTROL)

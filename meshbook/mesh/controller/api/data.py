@@ -20,8 +20,11 @@ How the data travels:
   them; a rank that failed is named, with the ranks that did store them.
 * **pull / fetch** first ask every rank for the value's metadata (on the control thread: a
   busy rank answers), so a name missing on some ranks, or a pull larger than ``max_bytes``, is
-  refused before anything moves. Then local ranks write their big buffers into shared memory,
-  which the notebook maps (one copy, on the rank): into the file of a value pulled before that
+  refused before anything moves. What metadata cannot size (an object of your own, a deep
+  container, a string, a value a cell changed since) each rank weighs as it pickles it, against
+  its share of the limit, and a rank answers that it is over, or that the name went, instead of
+  sending it. Then local ranks write their big buffers into shared memory, which the notebook
+  maps as each rank answers (one copy, on the rank): into the file of a value pulled before that
   nothing maps any more, where there is one (written over, its pages are not allocated again),
   else into a new file of the rank's (the notebook keeps it for later pulls); ranks on other hosts send
   their value straight to the notebook as zero-copy frames. CUDA tensors arrive on the CPU; a
@@ -37,7 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import keyword
 import math
+import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +57,7 @@ from ...protocol.errors import (
 )
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.namespaces import SEEDED, Layout, Namespaces
-from ...protocol.payload import PIECE, SHARE_MIN, pack, pieces
+from ...protocol.payload import PIECE, Landing, Overweight, Payload, Slot, WriterExited, pack, pieces
 from ...protocol.text import format_bytes, format_ranks, group_by_text
 from ...protocol.values import RankValues
 from ...rank import ops
@@ -59,6 +65,14 @@ from .view import MeshView, Ranks, Where
 
 if TYPE_CHECKING:
     import torch
+
+    from ..core.run import Run
+
+#: What a rank may send of a limited pull beyond its share of the limit: the pickle's own bytes
+#: around the data (types, shapes, names: about a hundred bytes a tensor).
+_FRAMING = 64 << 10
+#: How often a pull looks for answers that arrived (the first and last wake it at once).
+_LAND_EVERY_S = 1.0
 
 
 class DataOps:
@@ -108,12 +122,14 @@ class DataOps:
 
         With ``mesh_dim="dp"`` there is one piece per coordinate of that mesh dimension and
         every rank gets the piece of its coordinate (ranks differing only in other dimensions
-        get the same piece). The size along ``dim`` must divide evenly.
-        ``mesh.ref(name).gather(dim, mesh_dim=...)`` is the inverse.
+        get the same piece). The size along ``dim`` must divide evenly. A numpy array is sent
+        as a tensor (over its memory, uncopied). ``mesh.ref(name).gather(dim, mesh_dim=...)``
+        is the inverse.
         """
         import torch
 
         _check_names({name: tensor})
+        tensor = _from_numpy(tensor, f"scatter({name!r})")
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             what = "a 0-d tensor" if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}"
             raise ShapeError(f"scatter() splits a tensor with at least one dimension, not {what}; "
@@ -127,42 +143,24 @@ class DataOps:
                 f"cannot scatter {name!r}: its size {size} along dim {dim} does not divide into "
                 f"{parts} equal pieces (one per {over}); pad or trim it to a multiple of {parts} "
                 f"(e.g. {size - size % parts} or {size + parts - size % parts}), or select other ranks")
-        pieces = tensor.split(size // parts, dim=axis)
+        pieces = tensor.tensor_split(parts, dim=axis)  # exactly one per group, empty ones too
         _deliver(self, [(group, {name: piece}) for group, piece in zip(groups, pieces)], "scatter")
 
     def pull(self: MeshView, name: str, ranks: Ranks = None, *, where: Where = None,
-             max_bytes: int = DEFAULT_MAX_BYTES) -> RankValues:
+             max_bytes: int | None = DEFAULT_MAX_BYTES) -> RankValues:
         """The value of ``name`` on each selected rank, as a :class:`RankValues`.
 
         Tensors arrive on the CPU; a DTensor arrives as each rank's local shard. Refused,
         before anything moves, if ``name`` is missing on some rank or if the tensors would
-        add up to more than ``max_bytes`` (2 GiB by default).
+        add up to more than ``max_bytes`` (2 GiB by default; None: no limit). What its metadata
+        cannot size (objects of your own, bytes, deep containers, a value changed since) is
+        weighed on each rank as it is pickled, against that rank's share of the limit.
         """
         chosen = self.select(ranks, where)
-        infos = _infos(self, name, chosen)
-        total = sum(info.nbytes or 0 for info in infos.values())
-        if total > max_bytes:
-            raise TooLargeError(_too_large(name, infos, total, max_bytes))
-        share = self.controller.agents.same_host and total >= SHARE_MIN
-        if not share:
-            return self.call(ops.fetch, name, False, ranks=chosen, what=f"pull({name!r})").result(echo=False)
-        landing = self.controller.landing
-        slots = landing.offer({rank: info.nbytes or 0 for rank, info in infos.items()})
-        run, answered = None, False
-        try:
-            run = self.call(ops.fetch, name, True, slots, ranks=chosen, what=f"pull({name!r})")
-            answers = run.result(echo=False)
-            answered = True
-            return answers.replaced({rank: landing.load(payload, "pull")["value"]
-                                     for rank, payload in answers.items()})
-        finally:  # mapped, or never to be: the ranks close the files they lent either way
-            landing.settle(slots, answered)
-            offered = {slot.token for slot in slots.values()}
-            lent = {rank: payload.shared.token for rank, payload in (run.values() if run else {}).items()
-                    if payload.shared and payload.shared.token not in offered}
-            if lent:
-                with contextlib.suppress(MeshError):  # a stopped mesh's ranks are gone, files and all
-                    self.call(ops.unshare, lent, ranks=sorted(lent), what=f"pull({name!r}): release")
+        sizes = {rank: info.nbytes or 0 for rank, info in _infos(self, name, chosen).items()}
+        if max_bytes is not None and sum(sizes.values()) > max_bytes:
+            raise TooLargeError(_too_large(name, sizes, max_bytes))
+        return _fetch(self, name, sizes, max_bytes)
 
 
 class RemoteRef:
@@ -185,11 +183,11 @@ class RemoteRef:
         return _infos(self.mesh, self.name, self.mesh.ranks, timeout)
 
     def fetch(self, ranks: Ranks = None, *, where: Where = None,
-              max_bytes: int = DEFAULT_MAX_BYTES) -> RankValues:
+              max_bytes: int | None = DEFAULT_MAX_BYTES) -> RankValues:
         """The values, rank -> value (see :meth:`Mesh.pull`)."""
         return self.mesh.pull(self.name, ranks, where=where, max_bytes=max_bytes)
 
-    def full_tensor(self, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    def full_tensor(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
         """The global tensor of a DTensor, assembled on the notebook's CPU from its shards.
 
         Only one replica of each shard moves (a ``Replicate()`` dimension is read from its
@@ -207,11 +205,12 @@ class RemoteRef:
         return _assemble(layout, {coord: shards[rank] for coord, rank in needed.items()}, ())
 
     def gather(self, dim: int = 0, *, mesh_dim: str | None = None,
-               max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+               max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
         """Concatenate a plain tensor sharded by convention: each rank's piece, in rank order.
 
         With ``mesh_dim`` one piece per coordinate of that dimension (from the lowest rank
-        that has it): the inverse of ``mesh.scatter(name, t, dim, mesh_dim=...)``.
+        that has it): the inverse of ``mesh.scatter(name, t, dim, mesh_dim=...)``. Numpy arrays
+        are concatenated as tensors.
         """
         import torch
 
@@ -224,7 +223,7 @@ class RemoteRef:
         groups = _groups(self.mesh, self.ranks, mesh_dim)
         sources = [group[0] for group in groups]
         values = self.fetch(sources, max_bytes=max_bytes)
-        pieces = [values[rank] for rank in sources]
+        pieces = [_from_numpy(values[rank], f"gather() of {self.name!r}") for rank in sources]
         return torch.cat(pieces, dim=_axis(pieces[0], dim))
 
     def __repr__(self) -> str:
@@ -253,13 +252,96 @@ def _infos(mesh: MeshView, name: str, ranks: list[int], timeout: float | None = 
     infos = found.result(timeout=timeout, echo=False)
     missing = [r for r, info in infos.items() if info is None]
     if missing:
-        have = [r for r in infos if r not in missing]
-        where = (f" (it is on rank(s) {format_ranks(have)}: select those, e.g. "
-                 f"ranks={format_ranks(have)!r})" if have else
-                 "; define it there in a %%mesh cell or send it with mesh.push()")
-        raise MissingNameError(f"{name!r} is not defined on rank(s) {format_ranks(missing)}{where}; "
-                               f"nothing was moved")
+        raise MissingNameError(_missing(name, missing, [r for r in infos if r not in missing]))
     return infos
+
+
+def _missing(name: str, missing: list[int], have: list[int]) -> str:
+    """Why a pull is refused when ``name`` is missing on some ranks, and what to do."""
+    where = (f" (it is on rank(s) {format_ranks(have)}: select those, e.g. "
+             f"ranks={format_ranks(have)!r})" if have else
+             "; define it there in a %%mesh cell or send it with mesh.push()")
+    return f"{name!r} is not defined on rank(s) {format_ranks(missing)}{where}; nothing was moved"
+
+
+def _fetch(mesh: MeshView, name: str, sizes: Mapping[int, int], max_bytes: int | None) -> RankValues:
+    """Each rank's value of ``name`` (``sizes``: its bytes by metadata, rank -> bytes), shared
+    memory mapped where the ranks run on this machine; refused as the checks before it refuse
+    when a rank answers that the name is gone or the value weighs too much (a cell ran since)."""
+    controller = mesh.controller
+    share, landing = controller.agents.same_host, controller.landing
+    slots = landing.offer(sizes) if share else {}
+    what = f"pull({name!r})"
+    run, clean = None, False
+    try:
+        run = mesh.call(ops.fetch, name, _limits(sizes, max_bytes), share, slots, ranks=list(sizes), what=what)
+        values = _land(run, landing)
+        answers = run.result(echo=False)
+        clean = True
+    finally:  # mapped, or never to be: the ranks close the files they lent either way
+        landing.settle(slots, clean)
+        if run is not None:
+            _release(mesh, run, slots)
+    missing = [rank for rank, answer in answers.items() if answer is None]
+    if missing:
+        raise MissingNameError(_missing(name, missing, [r for r in answers.ranks if r not in missing]))
+    over = {rank: answer.nbytes for rank, answer in answers.items() if isinstance(answer, Overweight)}
+    if over:
+        assert max_bytes is not None  # no rank weighs against no limit
+        raise TooLargeError(_too_large(name, {**sizes, **over}, max_bytes, over))
+    return answers.replaced(values)
+
+
+def _limits(sizes: Mapping[int, int], max_bytes: int | None) -> dict[int, int] | None:
+    """What each rank may send of a pull limited to ``max_bytes`` in all: the bytes its
+    metadata said and an equal share of what the limit leaves, so the ranks together never send
+    more (but for :data:`_FRAMING` each, the pickle's own bytes)."""
+    if max_bytes is None:
+        return None
+    share = (max_bytes - sum(sizes.values())) // len(sizes)
+    return {rank: size + share + _FRAMING for rank, size in sizes.items()}
+
+
+def _land(run: Run, landing: Landing) -> dict[int, Any]:
+    """Each rank's value, mapped as its answer arrives rather than once every rank answered:
+    a rank closes a file it lent a minute on (:class:`~meshbook.mesh.protocol.payload.Lent`)
+    and may even die meanwhile, while another rank may answer much later (busy with a cell)."""
+    values: dict[int, Any] = {}
+    seen = 0
+    try:
+        while True:
+            _, seen = run.events_since(seen, _LAND_EVERY_S)
+            done = run.done()
+            for rank, answer in run.values().items():
+                if rank not in values and isinstance(answer, Payload):
+                    values[rank] = _load(landing, rank, answer, run.what)
+            if done:
+                return values
+    except BaseException:  # Ctrl-C, or a value that cannot be read: stop the ranks still at it
+        run.interrupt()
+        raise
+
+
+def _load(landing: Landing, rank: int, payload: Payload, what: str) -> Any:
+    """The value of rank ``rank``'s answer; an error naming the rank where it cannot be read."""
+    try:
+        return landing.load(payload, "pull")["value"]
+    except WriterExited:
+        raise MeshError(f"{what}: rank {rank} died after it answered, before the notebook read its "
+                        f"value; restart it (mesh.restart([{rank}])) and pull again") from None
+    except RuntimeError as exc:
+        raise MeshError(f"{what}: the value of rank {rank} cannot be read: {exc}") from None
+
+
+def _release(mesh: MeshView, run: Run, slots: Mapping[int, Slot]) -> None:
+    """Tell the ranks that lent files for ``run`` (not written into the notebook's ``slots``)
+    to close them: the notebook mapped them, or never will."""
+    offered = {slot.token for slot in slots.values()}
+    lent = {rank: answer.shared.token for rank, answer in run.values().items()
+            if isinstance(answer, Payload) and answer.shared and answer.shared.token not in offered}
+    if lent:
+        with contextlib.suppress(MeshError):  # a stopped mesh's ranks are gone, files and all
+            mesh.call(ops.unshare, lent, ranks=sorted(lent), what=f"{run.what}: release")
 
 
 def _deliver(mesh: MeshView, parts: list[tuple[list[int], dict[str, Any]]], what: str) -> None:
@@ -300,12 +382,39 @@ def _deliver(mesh: MeshView, parts: list[tuple[list[int], dict[str, Any]]], what
 
 
 def _check_names(values: Mapping[str, Any]) -> None:
+    """Refuse names a rank's code could not use, or that would break the rank: Python's own
+    (``__builtins__`` replaced, every cell fails) and meshbook's."""
     for name in values:
         if not isinstance(name, str) or not name.isidentifier():
             raise MeshError(f"{name!r} is not a valid variable name")
+        if keyword.iskeyword(name):
+            raise MeshError(f"{name!r} is a Python keyword: no code could use a variable of that "
+                            f"name; send your value under another name")
+        if name.startswith("__") and name.endswith("__"):
+            raise MeshError(f"{name!r} is a special name, Python's own on every rank (__builtins__, "
+                            f"__name__...); send your value under another name")
         if name in SEEDED:
             raise MeshError(f"{name!r} is set by meshbook on every rank ({', '.join(sorted(SEEDED))}); "
                             f"send your value under another name")
+
+
+def _from_numpy(value: Any, what: str) -> Any:
+    """A numpy array as a tensor over its memory (scatter and gather move tensors); anything
+    else as it is. A read-only array (one that arrived in a frame) too: the tensor is only
+    pickled or concatenated, never written."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None or not isinstance(value, numpy.ndarray):
+        return value
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the given NumPy array is not writable"
+            return torch.from_numpy(value)
+    except (TypeError, ValueError) as exc:  # an object dtype; negative strides
+        raise ShapeError(f"{what}: a numpy array of dtype {value.dtype} with strides {value.strides} "
+                         f"has no tensor view ({exc}); make it a tensor first (torch.tensor(array) "
+                         f"copies it)") from None
 
 
 def _groups(mesh: MeshView, ranks: list[int], mesh_dim: str | None) -> list[list[int]]:
@@ -328,15 +437,21 @@ def _axis(tensor: torch.Tensor, dim: int) -> int:
     return dim % tensor.dim()
 
 
-def _too_large(name: str, infos: RankValues, total: int, limit: int) -> str:
+def _too_large(name: str, sizes: Mapping[int, int], limit: int, weighed: Mapping[int, int] | None = None) -> str:
+    """Why a pull of ``sizes`` (rank -> bytes) is refused, and the limit that would let it
+    through. ``weighed``: the ranks that refused it as they pickled it (at least that much)."""
+    total = sum(sizes.values())
     per_rank = "; ".join(f"[{format_ranks(r)}] {format_bytes(int(b))}"
-                         for r, b in group_by_text({r: str(i.nbytes or 0) for r, i in infos.items()}))
+                         for r, b in group_by_text({r: str(b) for r, b in sizes.items()}))
     power, unit = (30, "G") if total >= 2 ** 30 else (20, "M")
     enough = math.ceil(total / 2 ** power)
-    return (f"pulling {name!r} would move {format_bytes(total)} ({per_rank}), over the "
-            f"{format_bytes(limit)} limit; nothing was moved. Pull from fewer ranks, or raise the "
-            f"limit: mesh.pull({name!r}, max_bytes={enough} * 2**{power}) (%mesh pull {name} "
-            f"--max-bytes {enough}{unit})")
+    how = (f"at least {format_bytes(total)} ({per_rank}; weighed on rank(s) {format_ranks(weighed)} "
+           f"as they pickled it, which its metadata could not tell), over the {format_bytes(limit)} "
+           f"limit; nothing was kept" if weighed else
+           f"{format_bytes(total)} ({per_rank}), over the {format_bytes(limit)} limit; nothing was moved")
+    return (f"pulling {name!r} would move {how}. Pull from fewer ranks, or raise the limit: "
+            f"mesh.pull({name!r}, max_bytes={enough} * 2**{power}) (%mesh pull {name} --max-bytes "
+            f"{enough}{unit}; max_bytes=None: no limit)")
 
 
 def _one_layout(name: str, infos: RankValues) -> Layout:
