@@ -265,3 +265,22 @@ def test_requests_from_two_threads_reach_the_ranks_in_the_order_of_their_numbers
     orders = mesh2.call(lambda worker: worker.order).result(timeout=120)
     for order in orders.values():
         assert len(order) == 900 and order == sorted(order)
+
+
+def test_a_mesh_starts_in_a_process_holding_more_than_1024_descriptors() -> None:
+    """A notebook holding many pulled values has descriptors past 1024 (a mesh lifts the soft
+    limit for them): the next start must still read its agent's pipe (select() refused it)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"this process may open {hard} files at most")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1400 if hard == resource.RLIM_INFINITY else hard, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with meshbook.start(1) as mesh:
+            assert dict(mesh.run("rank").result()) == {0: 0}
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import select
 import signal
 import sys
 import tempfile
@@ -80,6 +81,15 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def readable(fd: int, timeout: float) -> bool:
+    """Has ``fd`` something to read (or its end), within ``timeout`` seconds? ``poll``, not
+    ``select``: a notebook holding many pulled values has descriptors past 1024, which
+    ``select`` refuses ("filedescriptor out of range")."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
 
 
 def owned_prefix(kind: str) -> str:

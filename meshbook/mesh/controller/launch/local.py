@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import Any, Mapping
 
 from ...protocol.bodies import AgentConfig
 from ...protocol.errors import MeshError
+from ...protocol.proc import readable
 from ...protocol.remote import AGENT_READY
 from .base import AGENT_MODULE, AgentHandle, HostPlan, LaunchContext, Launcher
 from .ssh import ListeningAgent
@@ -91,7 +91,7 @@ class AgentProcess(AgentHandle):
             if left <= 0 or not self.alive():
                 raise MeshError(f"the host agent did not start within {timeout:g} s ({self.exit_reason()}). "
                                 f"Pass a larger timeout= if the machine is slow")
-            if select.select([out], [], [], min(left, 0.25))[0]:
+            if readable(out, min(left, 0.25)):
                 *lines, buffered = (buffered + os.read(out, 4096)).split(b"\n")
                 for line in lines:
                     if line.startswith(AGENT_READY.encode()):

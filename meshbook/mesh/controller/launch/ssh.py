@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import os
-import select
 import shlex
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from typing import Any, Sequence
 
 from ...protocol import net
 from ...protocol.errors import MeshError
-from ...protocol.proc import owned_prefix, runtime_base
+from ...protocol.proc import owned_prefix, readable, runtime_base
 from ...protocol.remote import LISTENING
 from .base import AGENT_MODULE, AgentHandle, HostPlan, LaunchContext, Launcher
 from .network import Network
@@ -155,7 +154,7 @@ class ListeningAgent(AgentHandle):
         out = self.proc.stdout.fileno()
         buffered = b""
         while (left := deadline - time.monotonic()) > 0:
-            if not select.select([out], [], [], min(left, 0.5))[0]:
+            if not readable(out, min(left, 0.5)):
                 if self.proc.poll() is not None:
                     break
                 continue
