@@ -563,6 +563,19 @@ def test_a_pull_over_the_limit_is_refused_on_the_ranks_where_metadata_cannot_siz
         mesh4.pull("blob", max_bytes=1 << 20)  # bytes are sized before anything moves
     assert mesh4.pull("obj", ranks=[0], max_bytes=None)[0].t.numel() == 1 << 19, "None: no limit"
     assert len(mesh4.pull("obj", max_bytes=8 << 20)) == 4, "within the limit: every rank's share"
+    mesh4.run("one = obj if rank == 0 else None").result()
+    with pytest.raises(TooLargeError, match=r"max_bytes=8 \* 2\*\*20"):  # each rank gets a quarter
+        mesh4.pull("one", max_bytes=1 << 20)
+    assert mesh4.pull("one", max_bytes=8 << 20)[0].t.numel() == 1 << 19, "the limit it named lets it through"
+
+
+def test_a_pulled_value_the_notebook_cannot_unpickle_names_its_rank(mesh2: meshbook.Mesh) -> None:
+    mesh2.run("import operator\nclass Unreadable:\n    def __reduce__(self):\n"
+              "        return (operator.truediv, (1, 0))\nu = Unreadable() if rank == 1 else 'fine'").result()
+    with pytest.raises(meshbook.MeshError, match=r"the value of rank 1 cannot be unpickled in the notebook "
+                                                 r"\(ZeroDivisionError"):
+        mesh2.pull("u")
+    assert mesh2.pull("u", ranks=[0])[0] == "fine"
 
 
 def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:

@@ -288,7 +288,10 @@ def _fetch(mesh: MeshView, name: str, sizes: Mapping[int, int], max_bytes: int |
     over = {rank: answer.nbytes for rank, answer in answers.items() if isinstance(answer, Overweight)}
     if over:
         assert max_bytes is not None  # no rank weighs against no limit
-        raise TooLargeError(_too_large(name, {**sizes, **over}, max_bytes, over))
+        # Each rank may send what its metadata said and an equal share of the rest (_limits):
+        # the limit that lets the heaviest through gives every rank that much more.
+        needed = sum(sizes.values()) + len(sizes) * max(nbytes - sizes[rank] for rank, nbytes in over.items())
+        raise TooLargeError(_too_large(name, {**sizes, **over}, max_bytes, over, needed))
     return answers.replaced(values)
 
 
@@ -329,8 +332,15 @@ def _load(landing: Landing, rank: int, payload: Payload, what: str) -> Any:
     except WriterExited:
         raise MeshError(f"{what}: rank {rank} died after it answered, before the notebook read its "
                         f"value; restart it (mesh.restart([{rank}])) and pull again") from None
+    except MeshError:
+        raise  # out of descriptors: it says what to do
     except RuntimeError as exc:
         raise MeshError(f"{what}: the value of rank {rank} cannot be read: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever unpickling raises (a class only the ranks import)
+        raise MeshError(f"{what}: the value of rank {rank} cannot be unpickled in the notebook "
+                        f"({type(exc).__name__}: {exc}); pull a part of it that is plain data (tensors, "
+                        f"numbers, lists and dicts of them), or make what it needs importable here "
+                        f"too") from None
 
 
 def _release(mesh: MeshView, run: Run, slots: Mapping[int, Slot]) -> None:
@@ -339,7 +349,8 @@ def _release(mesh: MeshView, run: Run, slots: Mapping[int, Slot]) -> None:
     offered = {slot.token for slot in slots.values()}
     lent = {rank: answer.shared.token for rank, answer in run.values().items()
             if isinstance(answer, Payload) and answer.shared and answer.shared.token not in offered}
-    if lent:
+    lent = {rank: token for rank, token in lent.items() if mesh.controller.ranks[rank].state != "dead"}
+    if lent:  # a dead rank's files went with it; one dead must not keep the others' pinned
         with contextlib.suppress(MeshError):  # a stopped mesh's ranks are gone, files and all
             mesh.call(ops.unshare, lent, ranks=sorted(lent), what=f"{run.what}: release")
 
@@ -437,14 +448,17 @@ def _axis(tensor: torch.Tensor, dim: int) -> int:
     return dim % tensor.dim()
 
 
-def _too_large(name: str, sizes: Mapping[int, int], limit: int, weighed: Mapping[int, int] | None = None) -> str:
+def _too_large(name: str, sizes: Mapping[int, int], limit: int, weighed: Mapping[int, int] | None = None,
+               needed: int | None = None) -> str:
     """Why a pull of ``sizes`` (rank -> bytes) is refused, and the limit that would let it
-    through. ``weighed``: the ranks that refused it as they pickled it (at least that much)."""
+    through (``needed``, where it is not their sum). ``weighed``: the ranks that refused it as
+    they pickled it (at least that much)."""
     total = sum(sizes.values())
     per_rank = "; ".join(f"[{format_ranks(r)}] {format_bytes(int(b))}"
                          for r, b in group_by_text({r: str(b) for r, b in sizes.items()}))
-    power, unit = (30, "G") if total >= 2 ** 30 else (20, "M")
-    enough = math.ceil(total / 2 ** power)
+    needed = total if needed is None else needed
+    power, unit = (30, "G") if needed >= 2 ** 30 else (20, "M")
+    enough = math.ceil(needed / 2 ** power)
     how = (f"at least {format_bytes(total)} ({per_rank}; weighed on rank(s) {format_ranks(weighed)} "
            f"as they pickled it, which its metadata could not tell), over the {format_bytes(limit)} "
            f"limit; nothing was kept" if weighed else

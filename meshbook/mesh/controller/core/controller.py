@@ -19,7 +19,8 @@ engine imports nothing above it. :class:`~meshbook.mesh.controller.api.mesh.Mesh
 user-facing view; this module is its engine.
 
 Threads and locks (see DESIGN, "The notebook process"): ``_lock`` guards the book (taken by
-callers and the receiver, held briefly, never while sending); the transport's ``send_lock``
+callers and the receiver, held briefly: in ``submit`` while a request is queued, never while
+waiting); the transport's ``send_lock``
 guards the sockets callers send on; ``recovery_lock`` is held by whatever re-creates the process
 groups, and is taken before ``_lock``, never after.
 """

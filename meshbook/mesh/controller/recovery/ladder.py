@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 ABORT_AFTER_S = 0.2
 #: How long shut-down sockets get to end a collective before the rank is re-forked.
 KILL_AFTER_S = 2.0
+#: How long a recovery waits for the ranks to say what they run (a control thread answers at
+#: once unless C code holds the GIL: the book's word stands for such a rank).
+ASK_RUNNING_S = 1.0
 #: How long ranks get to join re-created groups after a step check before being re-forked.
 RESYNC_TIMEOUT_S = 30.0
 
@@ -110,34 +113,40 @@ def _recover(controller: "Controller", restart: list[int], timeout: float) -> Re
     restarted = [r for r, s in controller.ranks.items() if s.state == "dead"]
     generation = controller.new_generation()
     survivors = [r for r in controller.ranks if r not in restarted]
-    # What each runs, asked of the ranks themselves: an endpoint another rank's actor called is
-    # in no book of this controller. Whatever they run is aborted by what follows.
-    running = _running(controller, survivors)
-    interrupted = [r for r in survivors if running.get(r, controller.current_request(r)) is not None]
     # Re-forked first: a host re-formed elsewhere brings the store with it (across hosts).
     controller.respawn(restarted, generation)
     joined = controller.call(reinit, generation, controller.store_addr, ranks=survivors,
                              what="re-create the process group") if survivors else None
+    if joined is None:
+        controller.wait_generation(generation, list(controller.ranks), timeout, "recovery")
+        return Recovery(sorted(restarted), [], [], generation, time.monotonic() - started)
+    # What each runs, asked of the ranks themselves as well as read from the book: an endpoint
+    # another rank's actor called is in no book of this controller. A rank that does not answer
+    # at once (its control thread cannot run) keeps the book's word. Whatever they run other
+    # than joining is aborted by what follows.
+    running = _running(controller, survivors)
+    interrupted = [r for r in survivors if running.get(r, controller.current_request(r)) not in (None, joined.id)]
 
     def stuck() -> list[int]:
-        """Ranks yet to join that run something else: as they said last, or the book says."""
-        if joined is None:
-            return []
+        """Ranks yet to join that run something else, as the book says or they said last."""
         waiting = set(joined.pending)
         return [r for r in survivors if r in waiting and (
-            running[r] not in (None, joined.id) if r in running else controller.busy_with_other(r, joined.id))]
+            controller.busy_with_other(r, joined.id) or running.get(r) not in (None, joined.id))]
 
     def still_stuck() -> list[int]:
-        """:func:`stuck`, asked of the ranks again: one that began to join meanwhile is spared."""
+        """:func:`stuck`, asked of the ranks again; one that says it began to join is spared
+        (the book may not have its last answer yet)."""
         running.update(_running(controller, stuck()))
-        return stuck()
+        return [r for r in stuck() if running.get(r) != joined.id]
 
     aborted: list[int] = []
     while stuck():
         waited = time.monotonic() - started
         if not aborted and waited >= ABORT_AFTER_S:
             aborted = still_stuck()
-            abort(controller, aborted, stuck_in=running)
+            # In what each said it is stuck; a rank that said nothing, or idle, in what the book
+            # says (a request on its way to it, or one whose answer is on its way here).
+            abort(controller, aborted, stuck_in={r: running.get(r) or controller.current_request(r) for r in aborted})
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = still_stuck()
             controller.kill(hopeless)
@@ -203,12 +212,13 @@ def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int,
 
 def _running(controller: "Controller", ranks: list[int]) -> dict[int, int | None]:
     """The request each of ``ranks`` runs now, as its control thread says (a negative number:
-    an endpoint another rank's actor called); a rank that does not say is left out."""
+    an endpoint another rank's actor called); a rank that does not say within
+    :data:`ASK_RUNNING_S` (its control thread cannot run) is left out."""
     live = [r for r in ranks if controller.ranks[r].state != "dead"]
     if not live:
         return {}
     asked = controller.call(heartbeat, ranks=live, what="what the ranks run")
-    asked.wait(5)
+    asked.wait(ASK_RUNNING_S)
     return {rank: metrics["request"] for rank, metrics in asked.values().items()}
 
 
