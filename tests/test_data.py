@@ -810,3 +810,13 @@ def test_who_reports_the_variables_a_restarted_rank_lost(mesh2: meshbook.Mesh) -
     assert mesh2.who().lost == {1: ("weights",)}
     mesh2.restart([1])  # what the restarted rank made since is lost again, with the rest
     assert mesh2.who().lost == {1: ("fresh", "lr", "weights")}
+
+
+def test_a_push_lands_on_the_ranks_device_whatever_a_cell_named_device(mesh2: meshbook.Mesh) -> None:
+    """``device`` is the user's to rebind in a cell; pushed values still land on the rank's."""
+    mesh2.run("saved, device = device, 'rebound by a cell'").result()
+    try:
+        mesh2.push(pushed=torch.ones(3))
+        assert set(mesh2.run("str(pushed.device)").result().values()) == {"cpu"}
+    finally:
+        mesh2.run("device = saved; del saved").result()

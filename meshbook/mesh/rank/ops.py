@@ -305,7 +305,7 @@ def store(worker: Any, payload: Payload) -> None:
         if sorted(buffers) != list(range(len(payload.staged.sizes))):
             raise RuntimeError("pieces of this push went missing before it was stored; push again")
         payload = Payload(payload.body, [buffers[i] for i in range(len(buffers))])
-    values = on_device(payload.load(), worker.namespace["device"])
+    values = on_device(payload.load(), worker.device)
     worker.namespace.update(values)  # only once every value arrived: all of them or none
 
 
@@ -363,7 +363,7 @@ def plan_probe(worker: "Worker", factory: Callable[[], Any], layouts: tuple[Any,
     on a stand-in (every rank at once: it all-reduces and makes process groups)."""
     from . import probe  # torch's parallel APIs: only on a rank that plans
 
-    return probe.probe(worker.namespace["device"], factory, layouts, _meshes(worker))
+    return probe.probe(worker.device, factory, layouts, _meshes(worker))
 
 
 def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predicted: dict[int, int],
