@@ -183,7 +183,10 @@ class RemoteLink:
         if not ordered or to is not None:
             self._send(0, frames, to)
             return
-        cut = fragments.split(frames)
+        cut = fragments.split(frames)  # measures the message: numbering it need not again
+        if not cut.fragments:
+            self._send(self.outgoing.number(frames, cut.nbytes), frames)
+            return
         for part in (*cut.fragments, cut.last()):
             self._send(self.outgoing.number(part, of=cut.nbytes), part)
 

@@ -97,9 +97,6 @@ class Controller:
         self._changed = threading.Condition(self._lock)
         #: Held by whatever re-creates the process groups (recovery, a step check's resync).
         self.recovery_lock = threading.Lock()
-        #: Held while a thread checks the agents (the receiver's tick, a start-up's wait): two at
-        #: once would both find an agent gone and report its ranks' death twice.
-        self._checking_agents = threading.Lock()
         #: The last minutes of each rank's memory (for sparklines), kept from the start.
         self.history = MetricsHistory()
         #: When every rank entered and left each collective: exact waiting, who arrives last.
@@ -691,18 +688,12 @@ class Controller:
                 listener(rank, cause)
 
     def _check_agents(self) -> None:
-        if not self._checking_agents.acquire(blocking=False):
-            return  # another thread is at it (see _checking_agents): its findings will do
-        try:
-            self._check_agents_now()
-        finally:
-            self._checking_agents.release()
-
-    def _check_agents_now(self) -> None:
+        """Agents gone: their ranks die (a death found twice, here and on another thread, is
+        booked once: see _ranks_died)."""
         if self.stopped or not self.agents.handles:
             return
         for host, agent in self.agents.gone():
-            ranks = [r for r in self.agents.plans[host].ranks if self.ranks[r].state != "dead"]
+            ranks = self.agents.plans[host].ranks
             if self.remote:  # the other hosts' ranks live on: the mesh is degraded, not stopped
                 self._ranks_died(ranks, {"cause": agent.exit_reason()})
                 continue
@@ -820,7 +811,7 @@ class Controller:
 
     def _agent_stopped(self, link: HostLink, why: str) -> None:
         """``link``'s agent stopped on its own: its ranks that are not dead yet die with it."""
-        self._ranks_died([r for r in link.ranks if self.ranks[r].state != "dead"],
+        self._ranks_died(link.ranks,
                          {"cause": f"the agent of host {link.name} stopped ({why}): ranks {format_ranks(link.ranks)}",
                           "lost_hosts": [link.address]})
 
@@ -829,8 +820,7 @@ class Controller:
         network = self.transport.network
         cause = (f"host {link.name} lost: ranks {format_ranks(link.ranks)} (nothing heard from its "
                  f"agent for {network.lost_s if network else 0:g} s)")
-        self._ranks_died([r for r in link.ranks if self.ranks[r].state != "dead"],
-                         {"cause": cause, "lost_hosts": [link.address]})
+        self._ranks_died(link.ranks, {"cause": cause, "lost_hosts": [link.address]})
 
     # -- shutdown ----------------------------------------------------------------------------
 
