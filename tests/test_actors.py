@@ -500,6 +500,12 @@ def test_supervision_rank_death_respawn(two: tuple[meshbook.Mesh, meshbook.Mesh]
         spare.stop()
     with pytest.raises(MeshError, match="stopped"):
         sleepy.where.call()
+    # The whole mesh stopped: each supervisor hears it once, for each actor mesh it watches.
+    _until(lambda: len(events) == 2 and len(watcher.seen.call().result()[0]) == 2)
+    assert [(e.mesh, e.actor, e.rank) for e in events] == [("spare", "sleepy", 1), ("spare", "sleepy", None)]
+    assert str(events[1]) == "actor 'sleepy' on mesh 'spare' failed: its mesh stopped (stopped by the user)"
+    assert watcher.seen.call().result()[0][1] == ("actor 'watched' on mesh 'spare' failed: its mesh stopped "
+                                                  "(stopped by the user)")
 
 
 def _until(predicate: object, timeout: float = 30.0) -> None:

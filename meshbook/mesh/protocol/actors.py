@@ -118,15 +118,17 @@ class ActorAddress:
 
 @dataclass(frozen=True)
 class SupervisionEvent:
-    """An actor mesh failed: a rank it lives on died (or its whole mesh stopped)."""
+    """An actor mesh failed: a rank it lives on died (``rank``), or its whole mesh stopped
+    (``rank`` None: every actor of it is gone)."""
 
     mesh: str
     actor: str
-    rank: int
+    rank: int | None
     cause: str
 
     def __str__(self) -> str:
-        return f"actor {self.actor!r} on mesh {self.mesh!r} failed: rank {self.rank} {self.cause}"
+        where = f"rank {self.rank}" if self.rank is not None else "its mesh"
+        return f"actor {self.actor!r} on mesh {self.mesh!r} failed: {where} {self.cause}"
 
 
 class NoEndpointError(MeshError, AttributeError):

@@ -108,6 +108,7 @@ def spawn(mesh: MeshView, name: str, cls: type, *args: Any, supervisor: Any = No
     registry = _registry().setdefault(controller, {})
     if not registry:
         controller.add_death_listener(lambda rank, cause: _rank_died(controller, rank, cause))
+        controller.add_stop_listener(lambda: _mesh_stopped(controller))
     registry[name] = state
     return ActorMesh(state)
 
@@ -178,9 +179,27 @@ def _rank_died(controller: Controller, rank: int, cause: str) -> None:
             continue
         state.lost.add(rank)
         state.failed = state.failed or f"rank {rank} died ({cause})"
-        event = SupervisionEvent(controller.name, state.name, rank, f"died ({cause})")
-        for supervisor in state.supervisors:
-            threading.Thread(target=_supervise, args=(supervisor, event), daemon=True).start()
+        _tell(state, SupervisionEvent(controller.name, state.name, rank, f"died ({cause})"))
+
+
+def _mesh_stopped(controller: Controller) -> None:
+    """A stop listener: every actor mesh of ``controller`` is gone with it. Its supervisors
+    hear it once, except those living on the same mesh (stopped too). A kept mesh this kernel
+    let go of (detached) keeps its actors: nothing failed."""
+    if controller.detached:
+        return
+    for state in list(_actors.get(controller, {}).values()):
+        _tell(state, SupervisionEvent(controller.name, state.name, None, f"stopped ({controller.stop_reason})"),
+              gone=controller)
+
+
+def _tell(state: ActorState, event: SupervisionEvent, gone: Controller | None = None) -> None:
+    """``event`` to each of ``state``'s supervisors, each on a thread of its own (an actor
+    supervisor answers through the receiver this may run on); none on mesh ``gone``."""
+    for supervisor in state.supervisors:
+        if isinstance(supervisor, ActorMesh) and supervisor.state.controller is gone:
+            continue
+        threading.Thread(target=_supervise, args=(supervisor, event), daemon=True).start()
 
 
 def _supervise(supervisor: Any, event: SupervisionEvent) -> None:

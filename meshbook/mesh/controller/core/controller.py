@@ -87,6 +87,8 @@ class Controller:
                 self.transport.connect_rank(r, 0)
         self.stopped = False
         self.stop_reason = ""
+        #: Stopped by letting go of a kept mesh: its ranks (and actors) live on without us.
+        self.detached = False
         self._stop_begun = False  # by whichever thread came first; the others wait for it
         self._stop_done = threading.Event()
         #: Why this controller may no longer drive the mesh: another kernel attached it.
@@ -837,6 +839,7 @@ class Controller:
             already = self._stop_begun
             self._stop_begun = True
             self._mark_stopped(reason)
+            self.detached = self.detached or (detach and not already)
         if already:  # stopping on another thread (the mesh ended on its own): wait for it
             if threading.current_thread() is not self.transport.receiver:
                 self._stop_done.wait(60)
