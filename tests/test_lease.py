@@ -11,6 +11,9 @@ import json
 import os
 import signal
 import stat
+import sys
+import threading
+import time
 
 import psutil
 import pytest
@@ -85,6 +88,38 @@ def test_the_lease_running_out_ends_the_agent_and_ranks_and_leaves_nothing() -> 
     assert wait_gone(pids, 10.0) == []
     assert not os.path.exists(path) and not os.path.exists(log)
     assert all(r.id != os.path.basename(path)[:-5] for r in meshbook.list_meshes())
+
+
+#: Paths whose os.utime hangs until released (an audit hook: a hung network home directory).
+_HUNG: dict[str, threading.Event] = {}
+
+
+def _hang_utime(event: str, args: tuple) -> None:
+    if event == "os.utime" and args and args[0] in _HUNG:
+        _HUNG[args[0]].wait(120)
+
+
+def test_a_hung_home_directory_stalls_the_lease_renewal_only() -> None:
+    sys.addaudithook(_hang_utime)  # for the rest of this process: it only waits on _HUNG's paths
+    mesh = meshbook.start(2, keep="10m")
+    path = _mesh_file(mesh.controller.lease.id)
+    try:
+        _HUNG[path] = threading.Event()
+        time.sleep(3.0)  # pings were answered: a renewal is under way, and hangs
+        before = os.stat(path).st_mtime
+        for _ in range(3):  # the receiver, which hears the pings, hears the ranks too
+            assert dict(mesh.run("rank").result(timeout=10)) == {0: 0, 1: 1}
+        assert os.stat(path).st_mtime == before
+        _HUNG.pop(path).set()
+        deadline = time.monotonic() + 10
+        while os.stat(path).st_mtime == before:  # the renewal goes on
+            assert time.monotonic() < deadline, "the lease was not renewed once the file system answered"
+            time.sleep(0.1)
+    finally:
+        event = _HUNG.pop(path, None)
+        if event is not None:
+            event.set()
+        mesh.stop()
 
 
 def test_attaching_fences_the_first_controller_off() -> None:

@@ -869,6 +869,8 @@ class Controller:
                 state.state, state.cause = "dead", "mesh stopped"
         self.transport.close()
         self.landing.close()
+        if self.lease is not None:
+            self.lease.close()
         _LIVE.discard(self)
 
 

@@ -30,6 +30,7 @@ import fcntl
 import os
 import re
 import secrets
+import threading
 import time
 
 from ...protocol.errors import MeshError
@@ -61,21 +62,42 @@ def new_mesh_file() -> tuple[str, str]:
 
 
 class Lease:
-    """A controller's hold on a kept mesh: renews the mesh file's time as pings are answered."""
+    """A controller's hold on a kept mesh: renews the mesh file's time as pings are answered.
+
+    The touching is done by a thread of its own: the file lives in the home directory, which
+    on a cluster is often a network file system, and a hung one must stall no more than the
+    renewal (the receiver thread, which hears the pings, would stall every answer)."""
+
+    #: At most one renewal in this many seconds (pings come every second, per host).
+    EVERY_S = 0.5
 
     def __init__(self, record: MeshRecord) -> None:
         self.record = record
         self.id = record.id
-        self._touched = 0.0
+        self._due = threading.Event()
+        self._closed = False
+        threading.Thread(target=self._renew, name=f"meshbook-lease-{record.id}", daemon=True).start()
 
     def renewed(self) -> None:
-        now = time.monotonic()
-        if now - self._touched >= 0.5:
-            self._touched = now
+        """A ping was answered: the lease runs from now (never waits)."""
+        self._due.set()
+
+    def close(self) -> None:
+        """This controller lets go: no renewal from now on (the thread ends)."""
+        self._closed = True
+        self._due.set()
+
+    def _renew(self) -> None:
+        while True:
+            self._due.wait()
+            if self._closed:
+                return
+            self._due.clear()
             try:
                 os.utime(self.record.path)
             except OSError:
                 pass  # the mesh ended (or was stopped from elsewhere)
+            time.sleep(self.EVERY_S)
 
 
 def ended(record: MeshRecord) -> bool:
