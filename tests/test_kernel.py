@@ -57,6 +57,11 @@ def test_selection_options(kernel: Kernel) -> None:
     assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[0] 0\n[2] 2"
     reply = kernel.ok("%%mesh --where tp=1\nrank")
     assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[1] 1\n[3] 3"
+    # Given twice: the ranks add up, and both conditions hold (the last alone picked others).
+    reply = kernel.ok("%%mesh --where dp=0 --where tp=1\nrank")
+    assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[1] 1"
+    reply = kernel.ok("%%mesh --ranks 0 --ranks 3\nrank")
+    assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[0] 0\n[3] 3"
 
 
 def test_errors_are_grouped_with_cell_line_numbers_and_the_cell_fails(kernel: Kernel) -> None:
@@ -84,6 +89,12 @@ def test_syntax_error_is_shown_before_anything_is_sent(kernel: Kernel) -> None:
     ("%mesh start --dims dp=2,tp", "cannot read --dims"),
     ("%mesh start -n 2", "a mesh is already running"),
     ("%mesh frobnicate", "unknown command %mesh frobnicate"),
+    ("%%mesh --where tp=0 --where tp=1\n1", "names 'tp' twice"),
+    ("%%mesh --timeout -1\nkept = -1", "argument --timeout/-t: give a number of seconds above 0, e.g. 30 (got '-1')"),
+    ("%%mesh --timeout 0\nkept = -1", "give a number of seconds above 0"),
+    ("%%mesh --out 1x\nkept = -1", "--out takes a variable name (letters, digits and _), not '1x'"),
+    ("%mesh start -n 2 --collective-timeout -1", "argument --collective-timeout: give a number of seconds"),
+    ("%mesh start -n 2 --timeout 0", "argument --timeout: give a number of seconds above 0"),
 ])
 def test_bad_input_is_one_line_and_leaves_the_mesh_alone(kernel: Kernel, cell: str, message: str) -> None:
     kernel.ok("%%mesh\nkept = rank")
@@ -94,6 +105,19 @@ def test_bad_input_is_one_line_and_leaves_the_mesh_alone(kernel: Kernel, cell: s
     assert "\n" not in reply.content["evalue"].strip()
     assert kernel.ok("%%mesh\nkept").of_type("execute_result")[0]["content"]["data"][
         "text/plain"] == "[0] 0\n[1] 1\n[2] 2\n[3] 3"
+
+
+def test_restart_of_a_mesh_started_from_python_says_how(kernel: Kernel) -> None:
+    kernel.ok("import meshbook\napi = meshbook.start(2, name='api')")
+    try:
+        kernel.ok("%mesh use api")
+        reply = kernel.execute("%mesh restart")
+        assert reply.content["ename"] == "UsageError"
+        assert ("mesh 'api': 2 ranks (world=2, cpu) was started from Python: restart its ranks instead "
+                "(fresh namespaces), %mesh restart 0-1") in reply.content["evalue"]
+        assert kernel.ok("%mesh restart 0-1").stream().startswith("ranks 0,1 restarted: their variables are lost")
+    finally:
+        kernel.ok("%mesh use mesh\napi.stop()")
 
 
 def test_late_output_goes_to_the_cell_that_started_it(kernel: Kernel) -> None:

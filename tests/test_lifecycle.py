@@ -29,6 +29,10 @@ from meshbook.mesh.protocol.proc import Liveness
     ({}, "give the number of ranks"),
     ({"n": 2, "backend": "mpi-ish"}, "backend 'mpi-ish'"),
     ({"n": 2, "launcher": "teleport"}, "unknown launcher 'teleport'"),
+    ({"n": 2, "timeout": -1}, r"timeout=-1: give a number of seconds above 0"),
+    ({"n": 2, "collective_timeout": 0}, r"collective_timeout=0: give a number of seconds above 0"),
+    ({"n": 2, "collective_timeout": float("nan")}, r"collective_timeout=nan"),
+    ({"n": 2, "timeout": "soon"}, r"timeout='soon'"),
 ])
 def test_bad_start_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(MeshError, match=message):
@@ -44,6 +48,14 @@ def test_context_manager_stops_and_stopped_mesh_refuses_work() -> None:
                    for p in pids)
     with pytest.raises(MeshStoppedError, match="start a new one"):
         mesh.run("1")
+
+
+def test_a_wait_of_no_time_is_refused_and_the_run_goes_on(mesh2: meshbook.Mesh) -> None:
+    run = mesh2.run("rank")
+    for bad in (0, -1):
+        with pytest.raises(MeshError, match=f"timeout={bad}: give a number of seconds above 0"):
+            run.result(timeout=bad)
+    assert dict(run.result(timeout=30)) == {0: 0, 1: 1}
 
 
 def test_rank_killed_mid_request_fails_the_run_and_keeps_other_results(mesh2: meshbook.Mesh) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import keyword
 from typing import Any, Callable
 
 from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument
 
-from ..mesh import Mesh, MeshError, MeshStoppedError, current, mesh_named
+from ..mesh import Mesh, MeshError, MeshStoppedError, check_seconds, current, mesh_named, parse_where
 
 Command = Callable[[Any, str], Any]
 
@@ -19,6 +22,47 @@ def command(fn: Command) -> Command:
     fn.mesh_command = fn.__name__.rstrip("_")  # type: ignore[attr-defined]
     fn.mesh_summary = (fn.__doc__ or "").strip().splitlines()[0]  # type: ignore[attr-defined]
     return fn
+
+
+def selection(what: str) -> Callable[[Command], Command]:
+    """``--ranks`` and ``--where``, for every command that picks ranks (``what``: "to run on"),
+    read with :func:`selected`. Each may come more than once, as a user adds a condition to a
+    line: ranks add up, and every condition holds (``--where dp=0 --where tp=1`` is
+    ``--where dp=0,tp=1``), where the last alone would silently pick other ranks."""
+
+    def declare(fn: Command) -> Command:
+        fn = argument("--where", "-w", action="append",
+                      help="select ranks by mesh coordinates: dp=0 or dp=0,tp=0-1")(fn)
+        return argument("--ranks", "-r", action="append", help=f"ranks {what}: 0,2 or 0-3 (default: all)")(fn)
+
+    return declare
+
+
+def selected(args: argparse.Namespace) -> tuple[str | None, dict[str, list[int]] | None]:
+    """The ranks and the conditions :func:`selection` declared, as the API takes them."""
+    try:
+        where = parse_where(",".join(args.where)) if args.where else None
+    except MeshError as exc:
+        raise UsageError(str(exc)) from None
+    return (",".join(args.ranks) if args.ranks else None), where
+
+
+def out_name(args: argparse.Namespace) -> str | None:
+    """``--out``'s variable, checked before anything runs: a name no cell can write (``1x``,
+    ``a.b``) would store the values where nothing can reach them."""
+    name = args.out
+    if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
+        raise UsageError(f"--out takes a variable name (letters, digits and _), not {name!r}")
+    return name
+
+
+def seconds_arg(text: str) -> float:
+    """An option's seconds (``type=`` of every ``--timeout``): above 0, or argparse's usage
+    error saying so."""
+    try:
+        return check_seconds(text, "")
+    except MeshError:
+        raise argparse.ArgumentTypeError(f"give a number of seconds above 0, e.g. 30 (got {text!r})") from None
 
 
 def notebook_values(shell: Any, names: list[str], retry: str) -> dict[str, Any]:

@@ -11,18 +11,14 @@ A mixin of :class:`~meshbook.magics.mesh_magic.MeshMagics`; each command is a th
 
 from __future__ import annotations
 
-import keyword
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..mesh import DEFAULT_MAX_BYTES, RankValues, format_bytes, format_ranks, parse_where
+from ..mesh import DEFAULT_MAX_BYTES, RankValues, format_bytes, format_ranks
 from ..mesh import parse_size as size_in_bytes
-from .base import command, notebook_values, require_mesh
-
-_RANKS_HELP = "ranks: 0,2 or 0-3 (default: all)"
-_WHERE_HELP = "select ranks by mesh coordinates: dp=0 or dp=0,tp=0-1"
+from .base import command, notebook_values, out_name, require_mesh, selected, selection
 
 
 class DataCommands:
@@ -31,32 +27,29 @@ class DataCommands:
     shell: Any
 
     @magic_arguments(name="mesh who")
-    @argument("--ranks", "-r", help=_RANKS_HELP)
-    @argument("--where", "-w", help=_WHERE_HELP)
+    @selection("to look at")
     @command
     def who(self, line: str) -> None:
         """List the ranks' variables: type, shape, dtype, device, bytes, DTensor placements."""
         args = parse_argstring(self.who, line)
-        print(repr(require_mesh().who(args.ranks, where=_where(args.where))))
+        ranks, where = selected(args)
+        print(repr(require_mesh().who(ranks, where=where)))
 
     @magic_arguments(name="mesh push")
     @argument("names", nargs="+", help="notebook variables to send, e.g. lr batch")
-    @argument("--ranks", "-r", help=_RANKS_HELP)
-    @argument("--where", "-w", help=_WHERE_HELP)
+    @selection("to send to")
     @command
     def push(self, line: str) -> None:
         """Send notebook variables to the ranks' namespaces, under the same names."""
         args = parse_argstring(self.push, line)
         values = notebook_values(self.shell, args.names, f"%mesh push {' '.join(args.names)}")
-        mesh, where = require_mesh(), _where(args.where)
-        mesh.push(values, ranks=args.ranks, where=where)
-        print(f"pushed {', '.join(args.names)} to ranks "
-              f"{format_ranks(mesh.select(args.ranks, where))}")
+        (ranks, where), mesh = selected(args), require_mesh()
+        mesh.push(values, ranks=ranks, where=where)
+        print(f"pushed {', '.join(args.names)} to ranks {format_ranks(mesh.select(ranks, where))}")
 
     @magic_arguments(name="mesh pull")
     @argument("name", help="the ranks' variable to bring back")
-    @argument("--ranks", "-r", help=_RANKS_HELP)
-    @argument("--where", "-w", help=_WHERE_HELP)
+    @selection("to bring it from")
     @argument("--max-bytes", default=str(DEFAULT_MAX_BYTES),
               help=f"refuse to move more than this in total, e.g. 512M or 8G "
                    f"(default {format_bytes(DEFAULT_MAX_BYTES)})")
@@ -65,16 +58,15 @@ class DataCommands:
     def pull(self, line: str) -> RankValues | None:
         """Bring a variable back from the ranks, as per-rank values (tensors on the CPU)."""
         args = parse_argstring(self.pull, line)
-        if args.out is not None and (not args.out.isidentifier() or keyword.iskeyword(args.out)):
-            raise UsageError(f"--out takes a variable name (letters, digits and _), not {args.out!r}")
-        values = require_mesh().pull(args.name, args.ranks, where=_where(args.where),
+        out, (ranks, where) = out_name(args), selected(args)
+        values = require_mesh().pull(args.name, ranks, where=where,
                                      max_bytes=parse_size(args.max_bytes))
-        if args.out is None:
+        if out is None:
             return values
         # Not returned as well: IPython's Out[n] and _ would hold the values (and their
         # memory) after `del` of the name they were stored under.
-        self.shell.user_ns[args.out] = values
-        print(f"pulled {args.name} from ranks {format_ranks(values.ranks)} into {args.out}")
+        self.shell.user_ns[out] = values
+        print(f"pulled {args.name} from ranks {format_ranks(values.ranks)} into {out}")
         return None
 
 
@@ -86,5 +78,3 @@ def parse_size(text: str, what: str = "--max-bytes") -> int:
         raise UsageError(str(exc)) from None
 
 
-def _where(text: str | None) -> dict[str, list[int]] | None:
-    return parse_where(text) if text else None

@@ -26,12 +26,11 @@ from ..mesh import (
     list_meshes,
     meshes,
     parse_dims,
-    parse_where,
     start,
     status_table,
     use,
 )
-from .base import command, describe, require_mesh, running_mesh
+from .base import command, describe, out_name, require_mesh, running_mesh, seconds_arg, selected, selection
 from .data_commands import DataCommands, parse_size
 from .debug_commands import DebugCommands
 from .plan_commands import PlanCommands
@@ -54,9 +53,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
     @magic_arguments(name="%mesh")
     @argument("--mesh", "-m", dest="mesh_name", help="run on the mesh of this name (default: the current "
                                                      "one, see %%mesh use)")
-    @argument("--ranks", "-r", help="ranks to run on: 0,2 or 0-3 (default: all)")
-    @argument("--where", "-w", help="select ranks by mesh coordinates: dp=0 or dp=0,tp=0-1")
-    @argument("--timeout", "-t", type=float,
+    @selection("to run on")
+    @argument("--timeout", "-t", type=seconds_arg,
               help="stop waiting after this many seconds; the ranks keep running")
     @argument("--out", "-o", help="also store the per-rank results (RankValues) in this variable")
     @argument("--ordered", action="store_true",
@@ -93,15 +91,15 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
 
     def _cell(self, line: str, cell: str) -> Any:
         args = parse_argstring(self.mesh, line)
+        out, (ranks, where) = out_name(args), selected(args)
         mesh = require_mesh(args.mesh_name)
-        where = parse_where(args.where) if args.where else None
-        run = mesh.run(cell, args.ranks, where=where, first_line=args.first_line,
+        run = mesh.run(cell, ranks, where=where, first_line=args.first_line,
                        name=self.shell.execution_count,
                        max_bytes=parse_size(args.max_bytes) if args.max_bytes else None)
         values = show_run(run, RenderOptions(ordered=args.ordered, timeout=args.timeout), mesh,
                           view=self.cell_view(mesh, run, enabled=not args.no_status))
-        if args.out:
-            self.shell.user_ns[args.out] = values
+        if out:
+            self.shell.user_ns[out] = values
         if args.quiet or all(v is None for v in values.values()):
             return None
         return values
@@ -140,8 +138,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
     @argument("-n", type=int, help="number of ranks (or give --dims)")
     @argument("--dims", "-d", help="named mesh dimensions, e.g. dp=2,tp=2 (product = ranks)")
     @argument("--backend", default="auto", help="auto (gloo on CPU, NCCL on GPUs), gloo, nccl")
-    @argument("--timeout", type=float, default=120.0, help="seconds to wait for the ranks to start")
-    @argument("--collective-timeout", type=float, default=300.0,
+    @argument("--timeout", type=seconds_arg, default=120.0, help="seconds to wait for the ranks to start")
+    @argument("--collective-timeout", type=seconds_arg, default=300.0,
               help="seconds before a hung collective fails on its own (default 300)")
     @argument("--name", help="name the mesh, to run several (%%%%mesh --mesh NAME, "
                                    "%%mesh use NAME)")
@@ -198,7 +196,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
     @magic_arguments(name="mesh attach")
     @argument("id", help="the mesh's id, from %%mesh list")
     @argument("--name", help="its name in this notebook (default: the one it was started with)")
-    @argument("--timeout", type=float, default=60.0, help="seconds to wait for its agents to answer")
+    @argument("--timeout", type=seconds_arg, default=60.0, help="seconds to wait for its agents to answer")
     @command
     def attach(self, line: str) -> None:
         """Take back a kept mesh after a kernel restart: %mesh attach ID (same ranks, same variables)"""
@@ -251,6 +249,11 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
         mesh = running_mesh()
         options = self._start_args.get(mesh.name) if mesh is not None else \
             next(reversed(self._start_args.values()), None)
+        if options is None and mesh is not None:
+            every = f"0-{mesh.world_size - 1}" if mesh.world_size > 1 else "0"
+            raise UsageError(f"%mesh restart repeats the %mesh start of the current mesh, and {describe(mesh)} was "
+                             f"started from Python: restart its ranks instead (fresh namespaces), "
+                             f"%mesh restart {every}")
         if options is None:
             raise UsageError("nothing to restart: start a mesh with %mesh start first")
         if mesh is not None:

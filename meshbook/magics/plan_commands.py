@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..mesh import CHECKPOINTING, MeshError, PlanReport, parse_batch
-from .base import command, notebook_values, require_mesh
+from .base import command, notebook_values, out_name, require_mesh
 
 
 class PlanCommands:
@@ -39,6 +39,7 @@ class PlanCommands:
     def plan(self, line: str) -> PlanReport:
         """Predict every layout's per-rank peak memory and step time; the best fitting first."""
         args = parse_argstring(self.plan, line)
+        out = out_name(args)
         build = notebook_values(self.shell, [args.build], f"%mesh plan {line.strip()}")[args.build]
         try:
             shape = parse_batch(args.batch)
@@ -55,8 +56,8 @@ class PlanCommands:
         report = require_mesh().plan(build, shape, optimizer=args.optimizer, budget=args.budget,
                                      only=only, checkpointing=checkpointing)
         self.last_plan = report
-        if args.out:
-            self.shell.user_ns[args.out] = report
+        if out:
+            self.shell.user_ns[out] = report
         return report
 
     @magic_arguments(name="mesh parallelize")

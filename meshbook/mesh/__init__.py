@@ -36,7 +36,7 @@ _WHERE = {
                     "protocol.events"),
     **dict.fromkeys(["MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
                      "SendError", "CellSyntaxError", "RankFailure", "MissingNameError", "TooLargeError",
-                     "ShapeError"], "protocol.errors"),
+                     "ShapeError", "check_seconds"], "protocol.errors"),
     # for the notebook face
     "add_start_listener": "controller.api.mesh", "remove_start_listener": "controller.api.mesh",
     "EventRenderer": "controller.core.render", "write_stream": "controller.core.render",
@@ -61,7 +61,7 @@ __all__ = [
     "Output", "Display", "Result", "Error", "InputRequest", "DebugEnd", "Event", "RankFailure",
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
-    "RemoteRef", "Namespaces", "VarInfo", "MissingNameError", "TooLargeError", "ShapeError",
+    "RemoteRef", "Namespaces", "VarInfo", "MissingNameError", "TooLargeError", "ShapeError", "check_seconds",
     "add_start_listener", "remove_start_listener", "EventRenderer", "write_stream", "print_late",
     "follow", "FollowOptions", "View", "add_start_arguments", "launcher_from_args", "launchers",
     "MemoryRow", "StragglerReport", "DURATION_FACTOR", "slow_by_duration", "DEFAULT_MAX_BYTES",
@@ -124,6 +124,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
         SendError,
         ShapeError,
         TooLargeError,
+        check_seconds,
     )
     from .protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result
     from .protocol.layout import CHECKPOINTING, Layout, ModelFacts

@@ -46,6 +46,18 @@ class ShapeError(MeshError, ValueError):
     """A tensor cannot be split or assembled as asked; nothing was sent."""
 
 
+def check_seconds(value: Any, what: str) -> float:
+    """``value`` as a limit in seconds, or a :class:`MeshError` saying what to give: a limit
+    of 0 s or less (or NaN, or not a number) would only fail later, and say less."""
+    try:
+        limit = float(value)
+    except (TypeError, ValueError):
+        limit = float("nan")
+    if isinstance(value, bool) or not 0 < limit < float("inf"):
+        raise MeshError(f"{what}={value!r}: give a number of seconds above 0, e.g. 30")
+    return limit
+
+
 class CellSyntaxError(MeshError):
     """The submitted code does not compile; it was caught before anything was sent.
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ...protocol import messages as msg
 from ...protocol.backends import Backend, check_requested
 from ...protocol.cell import cell_filename, compile_cell
-from ...protocol.errors import MeshError, MeshStoppedError
+from ...protocol.errors import MeshError, MeshStoppedError, check_seconds
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.topology import DimSelector, Topology, resolve
 from ...protocol.values import RankValues
@@ -85,6 +85,8 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
     mesh outlive this process by up to that long after it was last heard from: reattach it
     from another kernel with :func:`meshbook.attach` (see :mod:`..launch.kept`).
     """
+    timeout = check_seconds(timeout, "timeout")
+    collective_timeout = check_seconds(collective_timeout, "collective_timeout")
     name = new_name(name)
     chosen = get_launcher(launcher)
     if n is None and dims is None:
@@ -155,6 +157,7 @@ def attach(mesh_id: str, name: str | None = None, timeout: float = 60.0) -> "Mes
     a kernel restart: same ranks, same variables. It becomes the current mesh, under ``name``
     (default: its name when started). Any other kernel that drove it is fenced off: its next
     cell fails and says this one attached it."""
+    timeout = check_seconds(timeout, "timeout")
     record, known = find(mesh_id), launchers()
     if record.launcher not in known:  # before taking the next epoch: a refused attach fences nobody
         raise MeshError(f"kept mesh {mesh_id} was started with the {record.launcher!r} launcher, which this "

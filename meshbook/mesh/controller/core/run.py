@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from ...protocol import messages as msg
-from ...protocol.errors import MeshTimeout, RankFailure, RemoteError
+from ...protocol.errors import MeshTimeout, RankFailure, RemoteError, check_seconds
 from ...protocol.events import Display, Error, Event, Output, Result, Results
 from ...protocol.text import format_ranks
 from ...protocol.topology import Topology
@@ -206,6 +206,8 @@ class Run:
         not stop (``mesh.recover()``). Without ``echo``, Ctrl-C interrupts the ranks and
         returns at once (``KeyboardInterrupt``).
         """
+        if timeout is not None:
+            timeout = check_seconds(timeout, "timeout")
         if echo and self._follow is not None and threading.current_thread() is threading.main_thread():
             # A cell's way of waiting (hints, a second Ctrl-C frees ranks) is for the user's
             # thread; meshbook's own waits on its threads (a supervisor, Slurm's time-limit
