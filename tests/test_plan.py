@@ -9,16 +9,19 @@ MeshError in the cell, and the mesh goes on working.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
 import psutil
 import pytest
+import torch
 
 import meshbook
 from bench import models
 from meshbook import Layout, MeshError
+from meshbook.mesh.protocol.layout import split_points, stage_of
 
 BUILD = partial(models.gpt, vocab=256, dim=64, layers=4, heads=4)
 BATCH = (8, 16)
@@ -110,6 +113,47 @@ def test_pipeline_stages_train_and_the_loss_comes_back_on_the_last(mesh: meshboo
     assert losses[0] == losses[1] == [None] * 6
     assert all(losses[r][-1] < losses[r][0] for r in (2, 3)), losses  # type: ignore[operator]
     assert set(pp.stage_peaks) == {0, 1}
+
+
+FULL = """
+from torch.distributed.tensor import DTensor
+full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()}
+"""
+
+
+def test_every_layout_starts_from_the_plain_model_and_leaves_each_rank_its_own_random_state(
+        mesh: meshbook.Mesh) -> None:
+    torch.manual_seed(0)
+    plain = BUILD().state_dict()
+    pieces = len(BUILD())
+    for layout in (Layout(dp_shard=4), Layout(dp_shard=2, tp=2), Layout(dp_replicate=2, pp=2, microbatches=2)):
+        mesh.parallelize(BUILD, layout)
+        drawn = dict(mesh.run("torch.rand(3).tolist()").result(echo=False))
+        assert len({tuple(v) for v in drawn.values()}) == 4, f"{layout.describe()}: the ranks draw alike: {drawn}"
+        mesh.run(FULL).result()
+        for rank, full in mesh.pull("full").items():
+            start = split_points(pieces, layout.pp)[stage_of(layout, rank)][0]
+            for name, value in full.items():  # a stage names its pieces from 0
+                first, rest = name.split(".", 1)
+                assert torch.equal(value, plain[f"{int(first) + start}.{rest}"]), (layout.describe(), rank, name)
+
+
+def test_a_layout_plan_would_drop_is_refused_with_its_reason(mesh: meshbook.Mesh) -> None:
+    def mlp() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),
+                                   torch.nn.Linear(8, 8))
+
+    with pytest.raises(MeshError, match=r"TP \(tp=4; ac=none\) cannot run this model: tp needs repeated blocks"):
+        mesh.parallelize(mlp, Layout(tp=4))
+    with pytest.raises(MeshError, match=r"pp 4 makes stage 2 \(pieces 3-3\) one without parameters"):
+        mesh.parallelize(mlp, Layout(pp=4))
+    for bad, message in ((dict(checkpointing="all"), "checkpointing='all'): choose from none, block, selective"),
+                         (dict(pp=2, schedule="zigzag"), "schedule='zigzag'): choose from 1f1b, gpipe"),
+                         (dict(dp_shard=0, dp_replicate=4), "dp_shard=0): give a whole number of 1 or more")):
+        with pytest.raises(MeshError, match=re.escape(message)):
+            Layout(**bad)
+    assert mesh.run("1 + 1").result(echo=False) == {0: 2, 1: 2, 2: 2, 3: 2}
 
 
 def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:

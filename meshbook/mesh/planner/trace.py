@@ -82,7 +82,7 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
 
     def materialize(model: nn.Module) -> None:
         with mode:
-            parallel.allocate(model, "cpu", 0, None)
+            parallel.allocate(model, "cpu")
 
     built = parallel.build(factory, layout, mesh, rank, optimizer=optimizer, materialize=materialize)
     with mode:

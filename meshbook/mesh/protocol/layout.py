@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+from .errors import MeshError
+
 #: Activation checkpointing: none, every block, or every other block (torchtitan's "selective
 #: layer" policy: half the recompute for part of the saving).
 CHECKPOINTING = ("none", "block", "selective")
@@ -35,6 +37,16 @@ class Layout:
     microbatches: int = 1
     schedule: str = "1f1b"
     reshard: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MeshError(f"Layout({name}={value!r}): give a whole number of 1 or more")
+        if self.checkpointing not in CHECKPOINTING:
+            raise MeshError(f"Layout(checkpointing={self.checkpointing!r}): choose from {', '.join(CHECKPOINTING)}")
+        if self.schedule not in SCHEDULES:
+            raise MeshError(f"Layout(schedule={self.schedule!r}): choose from {', '.join(SCHEDULES)}")
 
     @property
     def world(self) -> int:
@@ -94,6 +106,8 @@ class ModelFacts:
     #: The model is a sequence of its children (``nn.Sequential``): stages are slices of it;
     #: else (or weights tied across pieces) why pipelining cannot cut it.
     stages: int = 0
+    #: How many parameters each of those pieces holds (a stage of none has nothing to train).
+    piece_params: tuple[int, ...] = ()
     pp_reason: str = ""
     #: Tensor parallelism: why not ("" when it can), and the sizes tp must divide.
     tp_reason: str = "repeated blocks (a ModuleList of one class); none found"
@@ -131,13 +145,12 @@ def factorisations(world: int) -> Iterator[tuple[int, int, int, int]]:
                     yield pp, dpr, dps, world // rest
 
 
-def why_invalid(layout: Layout, facts: ModelFacts, batch: int, per_host: int) -> str:
-    """Why ``layout`` cannot run this model on this mesh ("" when it can)."""
+def why_unbuildable(layout: Layout, facts: ModelFacts) -> str:
+    """Why ``layout`` cannot be applied to this model at all ("" when it can): what
+    ``parallelize`` refuses, and the first thing ``plan`` checks."""
     if layout.tp > 1:
         if facts.tp_reason:
             return f"tp needs {facts.tp_reason}"
-        if layout.tp > per_host:
-            return f"tp {layout.tp} > {per_host} ranks per host (tensor parallelism stays within a host)"
         for what, size in facts.tp_divides:
             if size % layout.tp:
                 return f"{what} {size} not divisible by tp {layout.tp}"
@@ -146,13 +159,27 @@ def why_invalid(layout: Layout, facts: ModelFacts, batch: int, per_host: int) ->
             return f"pp needs {facts.pp_reason}"
         if layout.pp > facts.stages:
             return f"pp {layout.pp} > {facts.stages} pieces to split into stages"
+        for stage, (start, stop) in enumerate(split_points(facts.stages, layout.pp)):
+            if facts.piece_params and not sum(facts.piece_params[start:stop]):
+                return (f"pp {layout.pp} makes stage {stage} (pieces {start}-{stop - 1}) one without "
+                        f"parameters: nothing to train there")
+    if layout.checkpointing != "none" and not facts.blocks:
+        return "activation checkpointing needs repeated blocks (a ModuleList of one class)"
+    return ""
+
+
+def why_invalid(layout: Layout, facts: ModelFacts, batch: int, per_host: int) -> str:
+    """Why ``layout`` cannot run this model on this mesh ("" when it can)."""
+    reason = why_unbuildable(layout, facts)
+    if reason:
+        return reason
+    if layout.tp > per_host:
+        return f"tp {layout.tp} > {per_host} ranks per host (tensor parallelism stays within a host)"
     if batch % layout.dp:
         return f"batch {batch} not divisible by dp {layout.dp}"
     local = batch // layout.dp
     if local % layout.microbatches:
         return f"batch per data-parallel rank {local} not divisible by {layout.microbatches} micro-batches"
-    if layout.checkpointing != "none" and not facts.blocks:
-        return "activation checkpointing needs repeated blocks (a ModuleList of one class)"
     return ""
 
 

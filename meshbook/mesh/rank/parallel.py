@@ -10,13 +10,20 @@ The order is torchtitan's: the model is built with its parameters on the meta de
 real, they are small and often computed), cut to this rank's pipeline stage, tensor-parallel
 linears are sharded (``parallelize_module``), blocks are checkpointed, then sharded or
 replicated block by block and at the root (``fully_shard`` / ``replicate``), and only then are
-parameters allocated (``to_empty``) and initialised, each rank its own part.
+parameters allocated (``to_empty``) and filled, each rank its own part.
+
+Filled from the plain model: ``factory()`` built again, on the CPU, and initialised as plain
+torch would after ``manual_seed(seed)``; each rank copies its part of every parameter it holds
+(its shard, its stage's). So a seed gives one model whatever the layout, the plain one (DDP,
+FSDP, TP and PP start from the same weights), where initialising the sharded parameters in
+place drew every CPU shard from the same stream (FSDP's shards started equal) and every
+pipeline stage from the seed's start (stages began with the same weights). The cost: the
+plain model's parameters in CPU memory once per rank, while it starts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +34,7 @@ from torch import nn
 
 from ..protocol import config
 from ..protocol.errors import MeshError
-from ..protocol.layout import Layout, ModelFacts, split_points, stage_of
+from ..protocol.layout import Layout, ModelFacts, split_points, stage_of, why_unbuildable
 from ..protocol.text import format_bytes
 from . import torch_compat
 
@@ -132,9 +139,20 @@ def inspect(model: nn.Module) -> ModelFacts:
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         blocks=cls, n_blocks=len(blocks),
         stages=len(model) if isinstance(model, nn.Sequential) else 0, pp_reason=_pp_reason(model),
+        piece_params=tuple(sum(p.numel() for p in piece.parameters()) for piece in model)
+        if isinstance(model, nn.Sequential) else (),
         tp_reason=tp_reason, tp_divides=divides,
         vocab=first.num_embeddings if isinstance(first, nn.Embedding) else None,
         in_features=first.in_features if isinstance(first, nn.Linear) else None)
+
+
+def refuse_unbuildable(layout: Layout, model: nn.Module) -> None:
+    """A :class:`MeshError` where ``plan`` would drop ``layout`` for this model, with its
+    reason: applied anyway, tensor parallelism without blocks sharded nothing and left each
+    rank training on its own."""
+    reason = why_unbuildable(layout, inspect(model))
+    if reason:
+        raise MeshError(f"{layout.describe()} cannot run this model: {reason} (mesh.plan lists the layouts that can)")
 
 
 def _pp_reason(model: nn.Module) -> str:
@@ -313,6 +331,8 @@ def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, ra
     tensors); every rank seeds with ``seed`` first, so replicated parameters start equal.
     """
     model = make(factory)
+    refuse_unbuildable(layout, model)
+    plain = list(model.modules())  # before the stage's cut and the wrappers: the plain model's
     cls, _ = block_class(model)
     stage = stage_of(layout, rank)
     if layout.pp > 1:
@@ -325,7 +345,8 @@ def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, ra
     if materialize is not None:
         materialize(model)
     else:
-        allocate(model, device, seed, init)
+        allocate(model, device)
+        fill(model, plain, factory, seed, init)
     opt = make_optimizer(optimizer, model, lr)
     built = Built(model, opt, layout, stage=stage, loss_fn=loss_fn)
     if layout.pp > 1:
@@ -379,19 +400,55 @@ def apply_dp(model: nn.Module, cls: str | None, layout: Layout, device_mesh: Any
     wrap(model, last=True)
 
 
-def allocate(model: nn.Module, device: Any, seed: int, init: Callable[[nn.Module], None] | None) -> None:
-    """Storage for the parameters on ``device``, buffers kept, then ``init(model)`` with the
-    same seed on every rank (default: :func:`initialise`)."""
+def allocate(model: nn.Module, device: Any) -> None:
+    """Storage for the parameters on ``device`` (uninitialised), buffers kept."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
     model.to_empty(device=device)
-    with torch.no_grad(), warnings.catch_warnings():
-        # DTensor's random ops on a CPU mesh: each rank draws its shard from the seeded stream
-        # (what we want); torch warns of it once per rank, in every user's cell.
-        warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
+    with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-        torch.manual_seed(seed)
-        (init or initialise)(model)
+
+
+def fill(model: nn.Module, plain: list[nn.Module], factory: Callable[[], nn.Module], seed: int,
+         init: Callable[[nn.Module], None] | None) -> None:
+    """Every parameter this rank holds in ``model``, from the plain model: ``factory()`` on
+    the CPU after seeding the CPU generator with ``seed`` (as ``torch.manual_seed(seed);
+    factory()`` would be), then ``init(model)`` if given; a factory that builds on the meta
+    device is initialised with :func:`initialise`. ``plain``: ``model``'s modules as built,
+    before any cut or wrapper, in the order the plain model lists its own. This rank's random
+    state is left as it was: ``parallelize`` must not give every rank the same batches and
+    dropout masks from then on."""
+    held = {id(module) for module in model.modules()}
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed)
+        reference = factory()
+        with torch.no_grad():
+            if init is not None:
+                init(reference)
+            elif any(p.is_meta for p in reference.parameters()):
+                reference.to_empty(device="cpu")
+                initialise(reference)
+    with torch.no_grad():
+        twins = list(reference.modules())
+        if len(twins) != len(plain):
+            raise MeshError(f"build() made {len(twins)} modules once and {len(plain)} another time: it must build "
+                            "the same model every time it is called")
+        for mine, twin in zip(plain, twins):
+            if id(mine) in held:
+                for name, value in twin.named_parameters(recurse=False):
+                    _fill(getattr(mine, name), value)
+
+
+def _fill(held: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of ``full`` into ``held``: all of it, or a DTensor's local piece
+    (FSDP's shard, a tensor-parallel slice, both)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(held, DTensor):
+        held.copy_(full)
+        return
+    shape, offset = torch_compat.local_piece(full.shape, held.device_mesh, held.placements)
+    held.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 
 def initialise(model: nn.Module) -> None:
@@ -498,8 +555,9 @@ def apply(namespace: dict[str, Any], rank: int, meshes: Callable[[Layout, str], 
     gc.collect()
     device = namespace["device"]
     settle_allocator(device)
-    reset_peak(device)
     built = build(factory, layout, meshes(layout, device.type), rank, device=device, **options)
+    gc.collect()
+    reset_peak(device)  # the steps' peak, which a plan predicts: not the plain model filled from
     step = Reporting(built, predicted.get(built.stage, 0), predicted_s, device)
     namespace.update(dict(zip(names, (built.model, built.optimizer, step))))
     where = f"stage {built.stage} of {layout.pp}" if layout.pp > 1 else "its part"

@@ -136,6 +136,14 @@ def replicate(module: Any, mesh: Any) -> Any:
     return apply(module, mesh=mesh)
 
 
+def local_piece(shape: Any, mesh: Any, placements: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of this rank's piece of a tensor of ``shape`` laid out by ``placements`` on
+    ``mesh``, and where it starts in the whole (what a sharded checkpoint's load reads)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(shape, mesh, placements)
+
+
 def init_fake_group(rank: int, world_size: int) -> None:
     """A process group that communicates nothing (``backend="fake"``): one process plays
     ``rank`` of ``world_size`` to trace what that rank allocates and sends."""

@@ -353,8 +353,11 @@ class PlanOps:
         ``step(inputs, targets=None)`` runs forward, loss, backward and the optimizer step
         (the pipeline schedule when pp > 1) and returns the loss where it is computed; its
         first three calls print each rank's measured peak memory and time beside the
-        prediction. Parameters start from ``init(model)`` (default: each module's
-        ``reset_parameters``) after ``torch.manual_seed(seed)`` on every rank.
+        prediction. Parameters start as the plain model's, whatever the layout: what
+        ``torch.manual_seed(seed); build()`` gives (then ``init(model)`` if given), each rank
+        holding its piece; the ranks' own random state is left as it was. A layout ``plan``
+        would drop for this model (tensor parallelism without repeated blocks, a pipeline stage
+        without parameters) is refused with the same reason.
         """
         row = layout if isinstance(layout, Row) else None
         chosen = row.layout if row is not None else layout
