@@ -668,6 +668,11 @@ def test_other_bad_requests(dtensors: meshbook.Mesh) -> None:
         dtensors.ref("g").full_tensor()
     with pytest.raises(ShapeError, match="use .full_tensor\\(\\) for a DTensor"):
         dtensors.ref("w").gather()
+    with pytest.raises(MeshError, match="max_bytes=0: give a number of bytes above 0"):
+        dtensors.pull("g", max_bytes=0)
+    with pytest.raises(MeshError, match=r"ranks=1.5: give a rank"):
+        dtensors.pull("g", ranks=1.5)  # type: ignore[arg-type]
+    assert dtensors.pull("g", ranks=[0], max_bytes="1M")[0].shape == dtensors.pull("g", ranks=[0])[0].shape
 
 
 # -- a broken mesh ------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from meshbook.mesh.protocol.proc import Liveness
     ({"n": 2, "collective_timeout": 0}, r"collective_timeout=0: give a number of seconds above 0"),
     ({"n": 2, "collective_timeout": float("nan")}, r"collective_timeout=nan"),
     ({"n": 2, "timeout": "soon"}, r"timeout='soon'"),
+    ({"n": 2, "max_result_bytes": 0}, r"max_result_bytes=0: give a number of bytes above 0"),
 ])
 def test_bad_start_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(MeshError, match=message):

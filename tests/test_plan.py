@@ -170,6 +170,8 @@ def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:
         mesh.plan(BUILD, (8,), only=lambda lay: lay.family == "FSDP", checkpointing=("none",))
     with pytest.raises(MeshError, match="budget 'lots'"):
         mesh.plan(BUILD, BATCH, budget="lots")
+    with pytest.raises(MeshError, match=r"budget=-1: give a number of bytes above 0"):  # before any tracing
+        mesh.plan(BUILD, BATCH, budget=-1)
     assert mesh.run("1 + 1").result(echo=False) == {0: 2, 1: 2, 2: 2, 3: 2}
     assert planners_left() == []
 

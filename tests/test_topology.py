@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy
 import pytest
 
-from meshbook import RankValues, SelectionError, Topology
+from meshbook import MeshError, RankValues, SelectionError, Topology
+from meshbook.mesh.protocol.errors import check_bytes, check_seconds
 from meshbook.mesh.protocol.text import format_ranks
 from meshbook.mesh.protocol.topology import parse_dims, parse_index_list, parse_where, resolve
 
@@ -33,6 +35,27 @@ def test_resolve_stays_within_the_view() -> None:
         resolve(topo, [3], None, [0, 1])
     with pytest.raises(SelectionError, match="no rank matches"):
         resolve(topo, None, {"dp": 1}, [0, 1])
+
+
+def test_ranks_of_any_whole_numbers_and_nothing_else() -> None:
+    topo, every = Topology.create(4), [0, 1, 2, 3]
+    assert resolve(topo, numpy.array([2, 0]), None, every) == [0, 2]
+    assert resolve(topo, numpy.int64(3), None, every) == [3]
+    assert resolve(topo, range(2), None, every) == [0, 1]
+    for bad in (1.5, [0, 1.0], True, [True], object()):
+        with pytest.raises(SelectionError, match=r"ranks=.*: give a rank \(2\), a list of ranks \(\[0, 2\]\)"):
+            resolve(topo, bad, None, every)
+
+
+def test_limits_are_numbers_above_0_or_sizes() -> None:
+    assert check_bytes("1M", "max_bytes") == 1 << 20 and check_bytes(5, "max_bytes") == 5
+    assert check_seconds(0.5, "timeout") == 0.5 and check_seconds("2", "timeout") == 2.0
+    for bad in (0, -1, 1.5, "lots", True, None):
+        with pytest.raises(MeshError, match="max_bytes[= ]"):
+            check_bytes(bad, "max_bytes")
+    for bad in (0, -1, float("nan"), float("inf"), "soon", True, None):
+        with pytest.raises(MeshError, match="timeout="):
+            check_seconds(bad, "timeout")
 
 
 def test_format_ranks() -> None:

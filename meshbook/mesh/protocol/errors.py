@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .text import format_ranks, group_by_text
+from .text import format_ranks, group_by_text, parse_size
 
 
 class MeshError(Exception):
@@ -56,6 +56,20 @@ def check_seconds(value: Any, what: str) -> float:
     if isinstance(value, bool) or not 0 < limit < float("inf"):
         raise MeshError(f"{what}={value!r}: give a number of seconds above 0, e.g. 30")
     return limit
+
+
+def check_bytes(value: Any, what: str) -> int:
+    """``value`` as a number of bytes: a whole number above 0, or a size such as ``"512M"``
+    or ``"8G"``; else a :class:`MeshError` saying so (a limit of 0 or less refuses everything,
+    and a string compared with a number fails deep inside, with a ``TypeError``)."""
+    if isinstance(value, str):
+        try:
+            value = parse_size(value, what)
+        except ValueError as exc:
+            raise MeshError(str(exc)) from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshError(f"{what}={value!r}: give a number of bytes above 0, or a size such as 512M or 8G")
+    return value
 
 
 class CellSyntaxError(MeshError):

@@ -9,9 +9,10 @@ controller and a rank's position in its ``device_mesh`` always agree: with
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 from .errors import MeshError, SelectionError
 
@@ -153,6 +154,22 @@ def parse_where(text: str) -> dict[str, list[int]]:
             for name, value in parse_assignments(text, "--where").items()}
 
 
+def _rank_list(ranks: Any) -> list[int]:
+    """A rank, or ranks (any iterable of whole numbers, numpy's too), as a list; else a
+    :class:`SelectionError` saying what to give (``ranks=1.5`` raised a bare ``TypeError``)."""
+    try:
+        try:
+            items = [operator.index(ranks)]
+        except TypeError:
+            items = list(ranks)
+        if isinstance(ranks, bool) or any(isinstance(r, bool) for r in items):
+            raise TypeError("a bool is not a rank") from None
+        return [operator.index(r) for r in items]
+    except TypeError:
+        raise SelectionError(f"ranks={ranks!r}: give a rank (2), a list of ranks ([0, 2]) or a string such as "
+                             f"'0,2' or '0-3'") from None
+
+
 def resolve(topology: Topology, ranks: Sequence[int] | str | int | None,
             where: Mapping[str, DimSelector] | None, within: Sequence[int]) -> list[int]:
     """Turn a user's selection into ranks, intersected with the view's own ranks ``within``."""
@@ -160,8 +177,8 @@ def resolve(topology: Topology, ranks: Sequence[int] | str | int | None,
     if ranks is not None:
         if isinstance(ranks, str):
             ranks = parse_index_list(ranks)
-        elif isinstance(ranks, int):
-            ranks = [ranks]
+        else:
+            ranks = _rank_list(ranks)
         explicit = topology.check_ranks(ranks)
         outside = [r for r in explicit if r not in within]
         if outside:

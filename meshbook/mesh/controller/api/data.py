@@ -54,6 +54,7 @@ from ...protocol.errors import (
     SelectionError,
     ShapeError,
     TooLargeError,
+    check_bytes,
 )
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.namespaces import SEEDED, Layout, Namespaces
@@ -147,15 +148,18 @@ class DataOps:
         _deliver(self, [(group, {name: piece}) for group, piece in zip(groups, pieces)], "scatter")
 
     def pull(self: MeshView, name: str, ranks: Ranks = None, *, where: Where = None,
-             max_bytes: int | None = DEFAULT_MAX_BYTES) -> RankValues:
+             max_bytes: int | str | None = DEFAULT_MAX_BYTES) -> RankValues:
         """The value of ``name`` on each selected rank, as a :class:`RankValues`.
 
         Tensors arrive on the CPU; a DTensor arrives as each rank's local shard. Refused,
         before anything moves, if ``name`` is missing on some rank or if the tensors would
-        add up to more than ``max_bytes`` (2 GiB by default; None: no limit). What its metadata
+        add up to more than ``max_bytes`` (bytes, or a size such as ``"512M"``; 2 GiB by default;
+        None: no limit). What its metadata
         cannot size (objects of your own, bytes, deep containers, a value changed since) is
         weighed on each rank as it is pickled, against that rank's share of the limit.
         """
+        if max_bytes is not None:
+            max_bytes = check_bytes(max_bytes, "max_bytes")
         chosen = self.select(ranks, where)
         sizes = {rank: info.nbytes or 0 for rank, info in _infos(self, name, chosen).items()}
         if max_bytes is not None and sum(sizes.values()) > max_bytes:

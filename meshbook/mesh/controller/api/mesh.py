@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ...protocol import messages as msg
 from ...protocol.backends import Backend, check_requested
 from ...protocol.cell import cell_filename, compile_cell
-from ...protocol.errors import MeshError, MeshStoppedError, check_seconds
+from ...protocol.errors import MeshError, MeshStoppedError, check_bytes, check_seconds
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.topology import DimSelector, Topology, resolve
 from ...protocol.values import RankValues
@@ -62,7 +62,7 @@ MEASURE_TIMEOUT_S = 2.0
 
 def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backend: str = "auto",
           launcher: str | Launcher = "local", timeout: float = 120.0,
-          collective_timeout: float = 300.0, max_result_bytes: int = DEFAULT_MAX_BYTES,
+          collective_timeout: float = 300.0, max_result_bytes: int | str = DEFAULT_MAX_BYTES,
           name: str | None = None, keep: str | float | None = None,
           env: Mapping[str, str | None] | Sequence[str] | None = None) -> "Mesh":
     """Start a mesh of ranks and return it once torch.distributed is ready on every rank.
@@ -87,6 +87,7 @@ def start(n: int | None = None, *, dims: Mapping[str, int] | None = None, backen
     """
     timeout = check_seconds(timeout, "timeout")
     collective_timeout = check_seconds(collective_timeout, "collective_timeout")
+    max_result_bytes = check_bytes(max_result_bytes, "max_result_bytes")
     name = new_name(name)
     chosen = get_launcher(launcher)
     if n is None and dims is None:
@@ -332,7 +333,7 @@ class Mesh(DebugOps, DataOps, PlanOps):
 
     def run(self, code: str, ranks: Sequence[int] | str | int | None = None, *,
             where: Mapping[str, DimSelector] | None = None, first_line: int = 1,
-            name: str | int | None = None, max_bytes: int | None = None) -> Run:
+            name: str | int | None = None, max_bytes: int | str | None = None) -> Run:
         """Run ``code`` in each selected rank's namespace; the value of a final expression is
         that rank's result. A ``SyntaxError`` is raised here, before anything is sent.
 
@@ -349,7 +350,8 @@ class Mesh(DebugOps, DataOps, PlanOps):
         compile_cell(code, cell_filename(cell_name), first_line)
         body = {"code": code, "first_line": first_line, "name": cell_name,
                 "stdin": self.controller.stdin_probe(),
-                "max_bytes": self.controller.max_result_bytes if max_bytes is None else max_bytes}
+                "max_bytes": (self.controller.max_result_bytes if max_bytes is None
+                              else check_bytes(max_bytes, "max_bytes"))}
         return self.controller.submit(msg.EXEC, body, chosen, _describe_code(code))
 
     def apply(self, fn: Callable[..., Any], *args: Any,

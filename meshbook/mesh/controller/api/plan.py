@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...protocol.errors import MeshError
+from ...protocol.errors import MeshError, check_bytes
 from ...protocol.layout import CHECKPOINTING, Layout, ModelFacts, Rejected, candidates, warm_up_layouts
 from ...protocol.plan import (
     BUDGET_SHARE,
@@ -37,7 +37,7 @@ from ...protocol.plan import (
     read_frame,
     write_frame,
 )
-from ...protocol.text import format_bytes, parse_size, status_table
+from ...protocol.text import format_bytes, status_table
 from ...protocol.values import RankValues
 from ...rank import ops
 from .view import MeshView
@@ -264,13 +264,6 @@ def probe(mesh: MeshView, build: Callable[[], Any], ranks_on_host: dict[int, int
                  per_group=max(v["per_group"] for v in values), budget=int(memory * BUDGET_SHARE), device=device)
 
 
-def _budget(budget: str | int) -> int:
-    try:
-        return int(budget) if isinstance(budget, int) else parse_size(budget, "budget")
-    except ValueError as exc:
-        raise MeshError(str(exc)) from None
-
-
 def _order(row: Row) -> tuple[int, float, int, str]:
     """Fitting rows by step time (to 0.1%), then memory; the others by memory; ties by name."""
     rank = {"OK": 0, "UNTRACEABLE": 1, "OOM": 2, "INVALID": 3}.get(row.status, 4)
@@ -307,7 +300,7 @@ class PlanOps:
             raise MeshError(f"checkpointing {sorted(unknown)}: choose from {', '.join(CHECKPOINTING)}")
         started = time.monotonic()
         deadline = started + PLAN_TIMEOUT_S
-        limit = None if budget is None else _budget(budget)
+        limit = None if budget is None else check_bytes(budget, "budget")
         ranks_on_host = Counter(self.controller.host_of.values())
         with Planners(max(1, min(planners or MAX_PLANNERS, os.cpu_count() or 1))) as pool:
             facts = pool.ask(0, "inspect", build)  # first, where a failing build harms nothing
