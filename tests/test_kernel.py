@@ -131,6 +131,24 @@ def test_late_output_goes_to_the_cell_that_started_it(kernel: Kernel) -> None:
         time.sleep(0.1)
 
 
+def test_a_cell_that_timed_out_still_shows_its_output_and_how_it_ended(kernel: Kernel) -> None:
+    cell = ("%%mesh --timeout 1\nimport time\ntime.sleep(3)\nprint('slept', rank)\n"
+            "if rank == 1:\n    1 / 0\n'value'")
+    reply = kernel.execute(cell)
+    assert reply.status == "error" and "still running on rank(s) 0-3 after 1 s" in reply.content["evalue"]
+    assert "how the cell ends, still comes here" in reply.content["evalue"]
+    deadline = time.monotonic() + 30
+    while "ended after the wait" not in (seen := "".join(
+            m["content"].get("text", "") for _, m in kernel.outputs_of(reply.msg_id))):
+        assert time.monotonic() < deadline, f"the timed-out cell's end never reached it: {seen!r}"
+        time.sleep(0.1)
+    assert all(f"[{r}] slept {r}" in seen for r in range(4)), seen
+    assert ("ended after the wait for it timed out: [0,2,3] finished; [1] ZeroDivisionError: division by zero "
+            "(%mesh debug 1 shows where)") in seen, seen
+    assert kernel.ok("%%mesh\nrank").of_type("execute_result")[0]["content"]["data"]["text/plain"] == (
+        "[0] 0\n[1] 1\n[2] 2\n[3] 3")
+
+
 def test_display_on_a_rank_reaches_the_cell(kernel: Kernel) -> None:
     reply = kernel.ok("%%mesh --ranks 2\nclass R:\n    def _repr_html_(self):\n"
                       "        return '<i>hi</i>'\ndisplay(R())")

@@ -43,22 +43,31 @@ class KernelBridge:
 
     def attach(self, run: Run) -> None:
         if self.kernel is not None:
-            run.on_late_output = partial(self.publish, self.kernel.get_parent())
+            parent = self.kernel.get_parent()
+            run.on_late_output = partial(self.publish, parent)
+            run.on_late_end = partial(self.publish_text, parent, "stderr")
 
     def publish(self, parent: dict[str, Any], event: Event) -> None:
         """Send late output to the cell whose ``parent`` header is given (any thread)."""
         kernel = self.kernel
         assert kernel is not None  # attach() hooks this up only in a kernel
         if isinstance(event, Output):
-            text = "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines())
-            kernel.session.send(kernel.iopub_socket, "stream", {"name": event.stream, "text": text},
-                                parent=parent, ident=b"stream." + event.stream.encode())
+            self.publish_text(parent, event.stream,
+                              "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines()))
         elif isinstance(event, Display):
             kernel.session.send(kernel.iopub_socket, "display_data",
                                 {"data": event.data, "metadata": {"meshbook": {"rank": event.rank}},
                                  "transient": {}}, parent=parent)
         else:
             print_late(event)
+
+
+    def publish_text(self, parent: dict[str, Any], stream: str, text: str) -> None:
+        """``text`` on ``stream`` of the cell whose ``parent`` header is given (any thread)."""
+        kernel = self.kernel
+        assert kernel is not None
+        kernel.session.send(kernel.iopub_socket, "stream", {"name": stream, "text": text.rstrip("\n") + "\n"},
+                            parent=parent, ident=b"stream." + stream.encode())
 
 
 def cell_allows_stdin(kernel: Any) -> bool:

@@ -14,7 +14,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..mesh import Display, EventRenderer, FollowOptions, Mesh, RankValues, Run, View, follow, write_stream
+from ..mesh import (
+    Display,
+    EventRenderer,
+    FollowOptions,
+    Mesh,
+    MeshTimeout,
+    RankValues,
+    Run,
+    View,
+    follow,
+    write_stream,
+)
 
 
 @dataclass
@@ -32,5 +43,10 @@ def publish_display(event: Display) -> None:
 def show_run(run: Run, options: RenderOptions, mesh: Mesh, view: View | None = None) -> RankValues:
     """Stream ``run`` into the cell and return its values (or raise its error)."""
     renderer = EventRenderer(run, write_stream, publish_display, ordered=options.ordered)
-    steps = "inspect them with %mesh stacks, stop them with %mesh interrupt"
-    return follow(run, mesh, renderer, FollowOptions(options.timeout, "the cell", steps), view)
+    steps = ("inspect them with %mesh stacks, stop them with %mesh interrupt; what they print, and "
+             "how the cell ends, still comes here")
+    try:
+        return follow(run, mesh, renderer, FollowOptions(options.timeout, "the cell", steps), view)
+    except MeshTimeout:
+        run.let_go()  # nobody can follow it again: its output and its end come to this cell
+        raise

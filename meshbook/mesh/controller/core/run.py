@@ -89,15 +89,20 @@ class Run:
         self._pending = set(ranks)
         self.echoed = 0  #: events already printed (by result(), or the follower of a cell)
         #: Called with each Output/Display event that arrives after the run finished (also
-        #: after this object is gone: the controller keeps the callable for a while).
+        #: after this object is gone: the controller keeps the callable for a while), or
+        #: after nobody follows it (:meth:`let_go`).
         self.on_late_output: Callable[[Event], None] = print_late
+        #: Called with how a run nobody follows ended (one line; where late output goes).
+        self.on_late_end: Callable[[str], None] = lambda text: write_stream("stderr", text + "\n")
+        self.followed = True
 
     # -- fed by the controller's receiver thread ---------------------------------------------
 
     def add_event(self, event: Event) -> None:
         """An event for this run (the controller's receiver thread)."""
         with self._cond:
-            late = not self._pending and isinstance(event, (Output, Display))
+            late = (not self._pending or not self.followed) and isinstance(event, (Output, Display))
+            running = bool(self._pending)
             first = self.first_done_at is None
             if isinstance(event, Results):
                 fresh = self._fresh(event)
@@ -125,8 +130,35 @@ class Run:
             # the results in between are picked up with the next event.
             if not isinstance(event, (Result, Results)) or not self._pending or first:
                 self._cond.notify_all()
+            ended = self._how_it_ended() if running and not self._pending and not self.followed else ""
         if late:
             self.on_late_output(event)
+        if ended:
+            self.on_late_end(ended)
+
+    def let_go(self) -> None:
+        """Nobody follows this run from now on (a cell that stopped waiting at its timeout):
+        what its ranks print, and how it ends, go where late output goes (that cell), where
+        nobody would see them again."""
+        with self._cond:
+            self.followed = False
+            missed = [e for e in self._events[self.echoed:] if isinstance(e, (Output, Display))]
+            self.echoed = len(self._events)
+            ended = "" if self._pending else self._how_it_ended()
+        for event in missed:
+            self.on_late_output(event)
+        if ended:
+            self.on_late_end(ended)
+
+    def _how_it_ended(self) -> str:
+        """How the run ended, one line: the ranks that finished, and each error with its ranks."""
+        parts = [f"[{format_ranks(self._values)}] finished"] if self._values else []
+        errors: dict[str, list[int]] = {}
+        for rank, failure in sorted(self._failures.items()):
+            errors.setdefault(f"{failure.type_name}: {failure.message}", []).append(rank)
+        parts += [f"[{format_ranks(ranks)}] {text}" for text, ranks in errors.items()]
+        hint = f" (%mesh debug {min(self._failures)} shows where)" if self._failures else ""
+        return f"meshbook: {self.what} ended after the wait for it timed out: {'; '.join(parts)}{hint}"
 
     def _fresh(self, group: Results) -> Results | None:
         """The part of ``group`` from ranks that had not answered yet (None: no part)."""
