@@ -136,6 +136,20 @@ def test_several_ranks_at_breakpoints_are_served_one_after_another(kernel: Kerne
     assert result_text(reply) == "[0] 0\n[1] 1"
 
 
+def test_input_on_ranks_asks_the_notebook_one_rank_after_another(kernel: Kernel) -> None:
+    reply, prompts = kernel.execute_with_input("%%mesh --ranks 1,3\nname = input('name? ')\nname.upper()",
+                                               ["ada", "grace"])
+    assert reply.status == "ok", reply.error_text
+    assert sorted(prompts) == ["[1] name? ", "[3] name? "]
+    answers = dict(zip((int(p[1]) for p in prompts), ("ADA", "GRACE")))
+    assert result_text(reply) == f"[1] {answers[1]!r}\n[3] {answers[3]!r}"
+    # Where nobody can answer (a batch run: no stdin), input() says so at once.
+    refused = kernel.execute("%%mesh --ranks 0\ninput('name? ')")
+    assert refused.status == "error"
+    assert "EOFError: input() on rank 0: nobody can answer it here" in refused.error_text
+    assert "mesh.push(name=value)" in refused.error_text
+
+
 def test_a_debugger_session_keeps_the_cell_status_out_of_its_transcript(kernel: Kernel) -> None:
     # the prompt's answer keeps the rank busy 1.5 s inside pdb: a status would show by then
     at_once, _ = kernel.execute_with_input("%%mesh --ranks 0\nbreakpoint()\nrank",

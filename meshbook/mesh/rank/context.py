@@ -65,6 +65,8 @@ class RankContext(Protocol):
     #: This rank's device (a ``torch.device``), where arguments and pushed values land: the
     #: namespace's ``device`` is the user's to rebind in a cell.
     device: Any
+    #: The request the main thread runs now (None: idle).
+    request: int | None
     stdin_available: bool
     input_replies: "queue.Queue[str]"
     stdout: Any

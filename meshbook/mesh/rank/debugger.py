@@ -1,4 +1,4 @@
-"""``breakpoint()`` on a rank, answered from the notebook.
+"""``breakpoint()`` and ``input()`` on a rank, answered from the notebook.
 
 On a rank, ``breakpoint()`` (and ``mesh.debug(rank)``'s post-mortem) opens a pdb whose
 prompt reads ``(Pdb rank 2)``. Each time pdb wants a line it sends an ``input`` request to the
@@ -7,15 +7,19 @@ stdin, and the answer comes back on the rank's control channel. Several ranks at
 are served one after another: the notebook keeps talking to one rank until its pdb session
 ends (``c``, ``q``), then takes the next.
 
-Where nobody can answer (nbval, a script without a terminal), the request said so up front:
-the breakpoint is skipped with a one-line note instead of hanging the mesh.
+``input(prompt)`` in a cell's code asks the same way, ``[2] prompt``, one line per call (the
+session ends with it). Where nobody can answer (nbval, a script without a terminal), the
+request said so up front: the breakpoint is skipped with a one-line note instead of hanging
+the mesh, and ``input()`` raises ``EOFError`` saying why, as it does without a terminal.
 """
 
 from __future__ import annotations
 
 import pdb
+import queue
 import sys
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..protocol import messages as msg
 
@@ -63,6 +67,32 @@ class RankPdb(pdb.Pdb):
     def _session_over(self) -> None:
         self.worker.stdout.flush()
         self.worker.emit(msg.DEBUG_END, self.worker.current_request(), None)
+
+
+def input_hook(worker: "RankContext") -> Callable[..., str]:
+    """``builtins.input`` of a rank: a cell's own code asks the notebook."""
+
+    def ask(prompt: object = "") -> str:
+        worker.stdout.flush()
+        worker.stderr.flush()
+        request = worker.request
+        if request is None or not worker.stdin_available or threading.current_thread() is not threading.main_thread():
+            raise EOFError(f"input() on rank {worker.rank}: nobody can answer it here (a cell's own code may ask "
+                           f"when its notebook lets cells read input; not a batch run, a background thread or "
+                           f"a call from Python); send the value instead: mesh.push(name=value)")
+        while True:  # an answer that came after its question was interrupted is not this one's
+            try:
+                worker.input_replies.get_nowait()
+            except queue.Empty:
+                break
+        worker.emit(msg.INPUT, request, {"prompt": f"[{worker.rank}] {prompt}"})
+        try:
+            line = worker.input_replies.get()
+        finally:
+            worker.emit(msg.DEBUG_END, request, None)  # one line: the next rank's question may come
+        return line.rstrip("\n")
+
+    return ask
 
 
 def breakpoint_hook(worker: "RankContext") -> Any:

@@ -21,6 +21,7 @@ it has no handler for is counted in ``unknown_kinds`` and logged.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import hmac
@@ -194,8 +195,9 @@ class Worker:
         self.init_group, self.destroy_group = torchrun.install(self)
         self.clock.install()
         see_through(self.clock.codes)
-        from .debugger import breakpoint_hook
+        from .debugger import breakpoint_hook, input_hook
         sys.breakpointhook = breakpoint_hook(self)
+        builtins.input = input_hook(self)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         self._requests = self._listen(cfg.request_addr)
         self._control_requests = self._listen(cfg.control_addr)  # handed to the control thread
