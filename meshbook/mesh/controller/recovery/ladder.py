@@ -64,6 +64,10 @@ class Recovery:
                          f"(no process restarted).")
         if self.kept:
             lines.append(f"{ranks_text(self.kept)} kept {_their(self.kept)} variables.")
+        if self.aborted:
+            lines.append(f"What an aborted collective wrote into may hold partial results on "
+                         f"{ranks_text(self.aborted)} (a collective writes as it goes, and may differ between "
+                         f"ranks): compute it again before you use it.")
         lines.append(f"The process group was re-created on all ranks (generation {self.generation}) "
                      f"in {self.seconds:.1f} s; objects built on the old one (DDP/FSDP modules, "
                      f"DTensors, subgroups) must be re-created from the new `device_mesh`.")
