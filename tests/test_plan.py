@@ -139,6 +139,39 @@ def test_every_layout_starts_from_the_plain_model_and_leaves_each_rank_its_own_r
                 assert torch.equal(value, plain[f"{int(first) + start}.{rest}"]), (layout.describe(), rank, name)
 
 
+def test_buffers_and_models_built_on_meta_start_from_the_plain_model_too(mesh: meshbook.Mesh) -> None:
+    class Noisy(torch.nn.Module):  # defined here: it travels to the ranks by value
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.register_buffer("noise", torch.randn(8))  # a random buffer
+
+    def noisy() -> torch.nn.Module:
+        return torch.nn.Sequential(Noisy(), Noisy())
+
+    def noisy_on_meta() -> torch.nn.Module:
+        with torch.device("meta"):
+            return noisy()
+
+    def init(model: torch.nn.Module) -> None:
+        for block in model:
+            torch.nn.init.normal_(block.lin.weight)
+            torch.nn.init.zeros_(block.lin.bias)
+            block.noise.uniform_()
+
+    torch.manual_seed(0)
+    plain = noisy().state_dict()
+    torch.manual_seed(0)
+    on_meta = noisy_on_meta().to_empty(device="cpu")
+    init(on_meta)
+    for build, given, expected in ((noisy, None, plain), (noisy_on_meta, init, on_meta.state_dict())):
+        mesh.parallelize(build, Layout(dp_shard=4), init=given)
+        mesh.run(FULL).result()
+        for rank, full in mesh.pull("full").items():
+            assert full.keys() == expected.keys()
+            assert all(torch.equal(full[k], expected[k]) for k in full), (build.__name__, rank)
+
+
 def test_a_layout_plan_would_drop_is_refused_with_its_reason(mesh: meshbook.Mesh) -> None:
     def mlp() -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),

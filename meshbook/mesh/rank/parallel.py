@@ -327,10 +327,11 @@ def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, ra
           materialize: Callable[[nn.Module], None] | None = None) -> Built:
     """Build this rank's part of ``factory()`` laid out as ``layout`` on ``device_mesh``.
 
-    ``materialize`` replaces allocation and initialisation (the planner allocates under fake
-    tensors); every rank seeds with ``seed`` first, so replicated parameters start equal.
+    ``materialize`` replaces allocation and filling (the planner allocates under fake tensors);
+    else every parameter and buffer is filled from the plain model of ``seed`` (:func:`fill`).
     """
-    model = make(factory)
+    with own_random_state(device):  # a build's own draws (a random buffer) leave the rank's alone
+        model = make(factory)
     refuse_unbuildable(layout, model)
     plain = list(model.modules())  # before the stage's cut and the wrappers: the plain model's
     cls, _ = block_class(model)
@@ -346,7 +347,7 @@ def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, ra
         materialize(model)
     else:
         allocate(model, device)
-        fill(model, plain, factory, seed, init)
+        fill(model, plain, factory, seed, init, device)
     opt = make_optimizer(optimizer, model, lr)
     built = Built(model, opt, layout, stage=stage, loss_fn=loss_fn)
     if layout.pp > 1:
@@ -410,24 +411,25 @@ def allocate(model: nn.Module, device: Any) -> None:
 
 
 def fill(model: nn.Module, plain: list[nn.Module], factory: Callable[[], nn.Module], seed: int,
-         init: Callable[[nn.Module], None] | None) -> None:
-    """Every parameter this rank holds in ``model``, from the plain model: ``factory()`` on
-    the CPU after seeding the CPU generator with ``seed`` (as ``torch.manual_seed(seed);
-    factory()`` would be), then ``init(model)`` if given; a factory that builds on the meta
-    device is initialised with :func:`initialise`. ``plain``: ``model``'s modules as built,
-    before any cut or wrapper, in the order the plain model lists its own. This rank's random
-    state is left as it was: ``parallelize`` must not give every rank the same batches and
-    dropout masks from then on."""
+         init: Callable[[nn.Module], None] | None, device: Any = "cpu") -> None:
+    """Every parameter and buffer this rank holds in ``model``, from the plain model:
+    ``factory()`` after ``torch.manual_seed(seed)``, as a user would build it (on the CPU
+    unless the factory says otherwise), then ``init(model)`` if given. A factory that builds
+    on the meta device is allocated on the CPU and initialised with :func:`initialise` (or
+    ``init``). ``plain``: ``model``'s modules as built, before any cut or wrapper, in the order
+    the plain model lists its own. This rank's random state is left as it was: ``parallelize``
+    must not give every rank the same batches and dropout masks from then on."""
     held = {id(module) for module in model.modules()}
-    with torch.random.fork_rng(devices=[]):
-        torch.random.default_generator.manual_seed(seed)
+    with own_random_state(device):
+        torch.manual_seed(seed)
         reference = factory()
         with torch.no_grad():
+            if any(t.is_meta for t in (*reference.parameters(), *reference.buffers())):
+                reference.to_empty(device="cpu")
+                if init is None:
+                    initialise(reference)
             if init is not None:
                 init(reference)
-            elif any(p.is_meta for p in reference.parameters()):
-                reference.to_empty(device="cpu")
-                initialise(reference)
     with torch.no_grad():
         twins = list(reference.modules())
         if len(twins) != len(plain):
@@ -435,8 +437,17 @@ def fill(model: nn.Module, plain: list[nn.Module], factory: Callable[[], nn.Modu
                             "the same model every time it is called")
         for mine, twin in zip(plain, twins):
             if id(mine) in held:
-                for name, value in twin.named_parameters(recurse=False):
+                for name, value in (*twin.named_parameters(recurse=False), *twin.named_buffers(recurse=False)):
                     _fill(getattr(mine, name), value)
+
+
+@contextlib.contextmanager
+def own_random_state(device: Any) -> Iterator[None]:
+    """This rank's random state (the CPU's, and its GPU's) as it was before the block."""
+    device = torch.device(device)
+    gpu = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpu):
+        yield
 
 
 def _fill(held: torch.Tensor, full: torch.Tensor) -> None:
