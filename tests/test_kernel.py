@@ -113,8 +113,9 @@ def test_restart_of_a_mesh_started_from_python_says_how(kernel: Kernel) -> None:
         kernel.ok("%mesh use api")
         reply = kernel.execute("%mesh restart")
         assert reply.content["ename"] == "UsageError"
-        assert ("mesh 'api': 2 ranks (world=2, cpu) was started from Python: restart its ranks instead "
-                "(fresh namespaces), %mesh restart 0-1") in reply.content["evalue"]
+        assert ("mesh 'api': 2 ranks (world=2, cpu) was not started by %mesh start in this kernel (but from "
+                "Python, or attached): restart its ranks instead (fresh namespaces), %mesh restart 0-1"
+                ) in reply.content["evalue"]
         assert kernel.ok("%mesh restart 0-1").stream().startswith("ranks 0,1 restarted: their variables are lost")
     finally:
         kernel.ok("%mesh use mesh\napi.stop()")

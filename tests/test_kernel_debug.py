@@ -151,6 +151,23 @@ def test_input_on_ranks_asks_the_notebook_one_rank_after_another(kernel: Kernel)
     assert "mesh.push(name=value)" in refused.error_text
 
 
+def test_a_question_left_when_the_cell_stops_waiting_gets_an_end_of_input(kernel: Kernel) -> None:
+    msg_id, _ = kernel.submit("%%mesh --ranks 0,1 --timeout 2\nx = input('x? ')\nx", allow_stdin=True)
+    first = kernel.client.get_stdin_msg(timeout=60)["content"]["prompt"]
+    time.sleep(3)  # answered after the cell's timeout: the other rank's question is still queued
+    kernel.client.input("late")
+    reply = kernel.client.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "error"
+    other = 1 - int(first[1])
+    deadline = time.monotonic() + 30
+    while "ended after the wait" not in (seen := "".join(
+            m["content"].get("text", "") for _, m in kernel.outputs_of(msg_id))):
+        assert time.monotonic() < deadline, f"the rank left asking never ended: {seen!r}"
+        time.sleep(0.1)
+    assert f"[{other}] EOFError: input() on rank {other}: the notebook stopped waiting for this cell" in seen, seen
+    assert kernel.ok("%%mesh\nrank").status == "ok"
+
+
 def test_a_debugger_session_keeps_the_cell_status_out_of_its_transcript(kernel: Kernel) -> None:
     # the prompt's answer keeps the rank busy 1.5 s inside pdb: a status would show by then
     at_once, _ = kernel.execute_with_input("%%mesh --ranks 0\nbreakpoint()\nrank",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import zmq
 from jupyter_kernels import wait_gone
 
 import meshbook
-from meshbook import MeshError, MeshStoppedError, RemoteError
+from meshbook import MeshError, MeshStoppedError, MeshTimeout, RemoteError
 from meshbook.mesh.protocol.events import Error
 from meshbook.mesh.protocol.proc import Liveness
 
@@ -51,10 +52,12 @@ def test_context_manager_stops_and_stopped_mesh_refuses_work() -> None:
         mesh.run("1")
 
 
-def test_a_wait_of_no_time_is_refused_and_the_run_goes_on(mesh2: meshbook.Mesh) -> None:
-    run = mesh2.run("rank")
-    for bad in (0, -1):
-        with pytest.raises(MeshError, match=f"timeout={bad}: give a number of seconds above 0"):
+def test_a_wait_of_less_than_no_time_is_refused_and_the_run_goes_on(mesh2: meshbook.Mesh) -> None:
+    run = mesh2.run("import time\ntime.sleep(1)\nrank")
+    with pytest.raises(MeshTimeout):
+        run.result(timeout=0)  # look now: not done yet
+    for bad in (-1, float("nan"), 1e300):
+        with pytest.raises(MeshError, match=re.escape(f"timeout={bad}: give a number of seconds 0 or more")):
             run.result(timeout=bad)
     assert dict(run.result(timeout=30)) == {0: 0, 1: 1}
 

@@ -49,13 +49,15 @@ def test_ranks_of_any_whole_numbers_and_nothing_else() -> None:
 
 def test_limits_are_numbers_above_0_or_sizes() -> None:
     assert check_bytes("1M", "max_bytes") == 1 << 20 and check_bytes(5, "max_bytes") == 5
+    assert check_bytes(numpy.int64(7), "max_bytes") == 7 and check_bytes(4e9, "max_bytes") == 4_000_000_000
     assert check_seconds(0.5, "timeout") == 0.5 and check_seconds("2", "timeout") == 2.0
     for bad in (0, -1, 1.5, "lots", True, None):
         with pytest.raises(MeshError, match="max_bytes[= ]"):
             check_bytes(bad, "max_bytes")
-    for bad in (0, -1, float("nan"), float("inf"), "soon", True, None):
+    for bad in (0, -1, float("nan"), float("inf"), 1e300, "soon", True, None):
         with pytest.raises(MeshError, match="timeout="):
             check_seconds(bad, "timeout")
+    assert check_seconds(0, "timeout", now=True) == 0.0
 
 
 def test_format_ranks() -> None:

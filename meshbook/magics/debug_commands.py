@@ -10,7 +10,7 @@ from typing import Any
 
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .base import command, require_mesh
+from .base import command, require_mesh, selected, selection
 from .render import RenderOptions, show_run
 
 
@@ -18,20 +18,20 @@ class DebugCommands:
     shell: Any
 
     @magic_arguments(name="mesh stacks")
-    @argument("--ranks", "-r", help="ranks to show: 0,2 or 0-3 (default: all)")
+    @selection("to show", where=False)
     @command
     def stacks(self, line: str) -> None:
         """Show every rank's Python stack, merged into one call tree (taken while busy)."""
-        args = parse_argstring(self.stacks, line)
-        print(require_mesh().stacks(args.ranks).render())
+        ranks, _ = selected(parse_argstring(self.stacks, line))
+        print(require_mesh().stacks(ranks).render())
 
     @magic_arguments(name="mesh diagnose")
-    @argument("--ranks", "-r", help="ranks to look at (default: all)")
+    @selection("to look at", where=False)
     @command
     def diagnose(self, line: str) -> None:
         """Explain a hang: which ranks wait in which collective, and for whom."""
-        args = parse_argstring(self.diagnose, line)
-        print(require_mesh().diagnose(args.ranks).render())
+        ranks, _ = selected(parse_argstring(self.diagnose, line))
+        print(require_mesh().diagnose(ranks).render())
 
     @magic_arguments(name="mesh interrupt")
     @argument("ranks", nargs="?", help="ranks to interrupt: 0,2 or 0-3 (default: all)")

@@ -252,8 +252,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
         if options is None and mesh is not None:
             every = f"0-{mesh.world_size - 1}" if mesh.world_size > 1 else "0"
             raise UsageError(f"%mesh restart repeats the %mesh start of the current mesh, and {describe(mesh)} was "
-                             f"started from Python: restart its ranks instead (fresh namespaces), "
-                             f"%mesh restart {every}")
+                             f"not started by %mesh start in this kernel (but from Python, or attached): restart "
+                             f"its ranks instead (fresh namespaces), %mesh restart {every}")
         if options is None:
             raise UsageError("nothing to restart: start a mesh with %mesh start first")
         if mesh is not None:

@@ -8,6 +8,8 @@ list, so eight ranks failing the same way read like one failure.
 
 from __future__ import annotations
 
+import operator
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,15 +48,17 @@ class ShapeError(MeshError, ValueError):
     """A tensor cannot be split or assembled as asked; nothing was sent."""
 
 
-def check_seconds(value: Any, what: str) -> float:
+def check_seconds(value: Any, what: str, now: bool = False) -> float:
     """``value`` as a limit in seconds, or a :class:`MeshError` saying what to give: a limit
-    of 0 s or less (or NaN, or not a number) would only fail later, and say less."""
+    of 0 s or less (or NaN, or not a number) would only fail later, and say less. ``now``: 0
+    is a limit too (look, without waiting). Past threading's longest wait is no limit to give."""
     try:
         limit = float(value)
     except (TypeError, ValueError):
         limit = float("nan")
-    if isinstance(value, bool) or not 0 < limit < float("inf"):
-        raise MeshError(f"{what}={value!r}: give a number of seconds above 0, e.g. 30")
+    if isinstance(value, bool) or not (0 <= limit if now else 0 < limit) or not limit <= threading.TIMEOUT_MAX:
+        least = "0 or more" if now else "above 0"
+        raise MeshError(f"{what}={value!r}: give a number of seconds {least}, e.g. 30 (None: no limit)")
     return limit
 
 
@@ -62,14 +66,21 @@ def check_bytes(value: Any, what: str) -> int:
     """``value`` as a number of bytes: a whole number above 0, or a size such as ``"512M"``
     or ``"8G"``; else a :class:`MeshError` saying so (a limit of 0 or less refuses everything,
     and a string compared with a number fails deep inside, with a ``TypeError``)."""
+    given = value
     if isinstance(value, str):
         try:
             value = parse_size(value, what)
         except ValueError as exc:
             raise MeshError(str(exc)) from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MeshError(f"{what}={value!r}: give a number of bytes above 0, or a size such as 512M or 8G")
-    return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 4e9
+    try:
+        nbytes = operator.index(value)  # an int, numpy's too
+    except TypeError:
+        nbytes = 0
+    if isinstance(value, bool) or nbytes < 1:
+        raise MeshError(f"{what}={given!r}: give a number of bytes above 0, or a size such as 512M or 8G")
+    return nbytes
 
 
 class CellSyntaxError(MeshError):

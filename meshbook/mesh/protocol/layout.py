@@ -10,6 +10,7 @@ user can act on (``tp 4 > 2 GPUs per host``, ``24 heads not divisible by tp 5``)
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
@@ -41,8 +42,13 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "microbatches"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            try:
+                whole = operator.index(value)  # an int, numpy's too
+            except TypeError:
+                whole = 0
+            if isinstance(value, bool) or whole < 1:
                 raise MeshError(f"Layout({name}={value!r}): give a whole number of 1 or more")
+            object.__setattr__(self, name, whole)  # a plain int: a layout is hashed and compared
         if self.checkpointing not in CHECKPOINTING:
             raise MeshError(f"Layout(checkpointing={self.checkpointing!r}): choose from {', '.join(CHECKPOINTING)}")
         if self.schedule not in SCHEDULES:

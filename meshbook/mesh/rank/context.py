@@ -68,7 +68,8 @@ class RankContext(Protocol):
     #: The request the main thread runs now (None: idle).
     request: int | None
     stdin_available: bool
-    input_replies: "queue.Queue[str]"
+    #: Lines typed in the notebook for this rank's ``input()`` or pdb; None: the end of input.
+    input_replies: "queue.Queue[str | None]"
     stdout: Any
     stderr: Any
     actors: Any

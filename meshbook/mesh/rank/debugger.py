@@ -38,10 +38,13 @@ class RemoteStdin:
         worker = self.worker
         worker.stdout.flush()
         worker.stderr.flush()
+        _drop_stale_answers(worker)
         worker.emit(msg.INPUT, worker.current_request(), {"prompt": self.prompt})
         try:
             line = worker.input_replies.get()
         except KeyboardInterrupt:
+            return "q\n"
+        if line is None:  # the end of input: nobody waits for this cell any more
             return "q\n"
         return line if line.endswith("\n") else line + "\n"
 
@@ -78,21 +81,29 @@ def input_hook(worker: "RankContext") -> Callable[..., str]:
         request = worker.request
         if request is None or not worker.stdin_available or threading.current_thread() is not threading.main_thread():
             raise EOFError(f"input() on rank {worker.rank}: nobody can answer it here (a cell's own code may ask "
-                           f"when its notebook lets cells read input; not a batch run, a background thread or "
-                           f"a call from Python); send the value instead: mesh.push(name=value)")
-        while True:  # an answer that came after its question was interrupted is not this one's
-            try:
-                worker.input_replies.get_nowait()
-            except queue.Empty:
-                break
+                           f"when its notebook lets cells read input; not a batch run or a background "
+                           f"thread); send the value instead: mesh.push(name=value)")
+        _drop_stale_answers(worker)
         worker.emit(msg.INPUT, request, {"prompt": f"[{worker.rank}] {prompt}"})
         try:
             line = worker.input_replies.get()
         finally:
             worker.emit(msg.DEBUG_END, request, None)  # one line: the next rank's question may come
+        if line is None:
+            raise EOFError(f"input() on rank {worker.rank}: the notebook stopped waiting for this cell "
+                           f"(its timeout), so nobody will answer")
         return line.rstrip("\n")
 
     return ask
+
+
+def _drop_stale_answers(worker: "RankContext") -> None:
+    """An answer that came after its question was interrupted is not the next question's."""
+    while True:
+        try:
+            worker.input_replies.get_nowait()
+        except queue.Empty:
+            return
 
 
 def breakpoint_hook(worker: "RankContext") -> Any:

@@ -101,7 +101,7 @@ class Worker:
         #: The most the running request's result may weigh (None: no limit, meshbook's own calls).
         self.result_limit: int | None = None
         #: Lines typed in the notebook for this rank's debugger, delivered by the control thread.
-        self.input_replies: queue.Queue[str] = queue.Queue()
+        self.input_replies: queue.Queue[str | None] = queue.Queue()
         #: Verdicts of step checks (see :mod:`meshbook.mesh.controller.recovery.step`), delivered by the control thread.
         self.verdicts: queue.Queue[tuple[int, int | None]] = queue.Queue()
         #: Requests interrupted before their user code started: dropped when their turn comes,

@@ -106,9 +106,9 @@ def spawn(mesh: MeshView, name: str, cls: type, *args: Any, supervisor: Any = No
     state = ActorState(mesh, name, cls, args, dict(kwargs), supervisors=[supervisor] if supervisor else [])
     _spawn_on(state, mesh.ranks)
     registry = _registry().setdefault(controller, {})
-    if not registry:
-        controller.add_death_listener(lambda rank, cause: _rank_died(controller, rank, cause))
-        controller.add_stop_listener(lambda: _mesh_stopped(controller))
+    if not registry:  # this dict, not a lookup: a stopped controller's entry leaves the registry first
+        controller.add_death_listener(lambda rank, cause: _rank_died(controller, registry, rank, cause))
+        controller.add_stop_listener(lambda: _mesh_stopped(controller, registry))
     registry[name] = state
     return ActorMesh(state)
 
@@ -172,9 +172,9 @@ def _code_places(cls: type) -> dict[str, tuple[str, str]]:
     return places
 
 
-def _rank_died(controller: Controller, rank: int, cause: str) -> None:
+def _rank_died(controller: Controller, registry: dict[str, ActorState], rank: int, cause: str) -> None:
     """A death listener (the receiver thread): fail the actor meshes living on ``rank``."""
-    for state in list(_actors.get(controller, {}).values()):
+    for state in list(registry.values()):
         if rank not in state.peers:
             continue
         state.lost.add(rank)
@@ -182,13 +182,13 @@ def _rank_died(controller: Controller, rank: int, cause: str) -> None:
         _tell(state, SupervisionEvent(controller.name, state.name, rank, f"died ({cause})"))
 
 
-def _mesh_stopped(controller: Controller) -> None:
+def _mesh_stopped(controller: Controller, registry: dict[str, ActorState]) -> None:
     """A stop listener: every actor mesh of ``controller`` is gone with it. Its supervisors
     hear it once, except those living on the same mesh (stopped too). A kept mesh this kernel
     let go of (detached) keeps its actors: nothing failed."""
     if controller.detached:
         return
-    for state in list(_actors.get(controller, {}).values()):
+    for state in list(registry.values()):
         _tell(state, SupervisionEvent(controller.name, state.name, None, f"stopped ({controller.stop_reason})"),
               gone=controller)
 

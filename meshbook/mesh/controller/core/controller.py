@@ -334,8 +334,9 @@ class Controller:
         states = self.book.ranks  # the parts themselves, not the facade's properties: per rank, per send
         return not self.stopped and any(states[r].state != "dead" for r in ranks)
 
-    def send_input(self, rank: int, text: str) -> None:
-        """A line typed in the notebook, for ``rank``'s debugger (its control thread)."""
+    def send_input(self, rank: int, text: str | None) -> None:
+        """A line typed in the notebook, for ``rank``'s ``input()`` or debugger (its control
+        thread); None: the end of input (nobody will answer)."""
         self._send_to_ranks(self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, text), [rank], msg.CONTROL)
 
     def kill(self, ranks: list[int], timeout: float = 10.0) -> None:

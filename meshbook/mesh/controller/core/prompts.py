@@ -32,8 +32,11 @@ class PromptServer:
         if isinstance(event, InputRequest):
             self._waiting.append(event)
             self.used = True
-        elif isinstance(event, DebugEnd) and event.rank == self._serving:
-            self._serving = None
+        elif isinstance(event, DebugEnd):
+            if event.rank == self._serving:
+                self._serving = None
+            else:  # it gave up waiting (interrupted): its question is not asked any more
+                self._waiting = deque(r for r in self._waiting if r.rank != event.rank)
         while self._waiting:
             request = next((r for r in self._waiting if r.rank == self._serving), None)
             if request is None and self._serving is not None:

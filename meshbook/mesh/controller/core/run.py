@@ -23,11 +23,12 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from ...protocol import messages as msg
 from ...protocol.errors import MeshTimeout, RankFailure, RemoteError, check_seconds
-from ...protocol.events import Display, Error, Event, Output, Result, Results
+from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
 from ...protocol.text import format_ranks
 from ...protocol.topology import Topology
 from ...protocol.values import RankValues
 from .render import EventRenderer, print_late, write_stream
+from .transport import log
 
 #: How long a run's result waits for the step check that follows an irregular end.
 STEP_CHECK_WAIT_S = 30.0
@@ -54,7 +55,7 @@ class Run:
     """Handle on one request to a set of ranks."""
 
     def __init__(self, request_id: int, ranks: list[int], topology: Topology, what: str,
-                 interrupt: Callable[["Run"], None], send_input: Callable[[int, str], None],
+                 interrupt: Callable[["Run"], None], send_input: Callable[[int, str | None], None],
                  kind: str = msg.EXEC, follow: Follow | None = None) -> None:
         self.id = request_id
         self.ranks = list(ranks)
@@ -95,6 +96,10 @@ class Run:
         #: Called with how a run nobody follows ended (one line; where late output goes).
         self.on_late_end: Callable[[str], None] = lambda text: write_stream("stderr", text + "\n")
         self.followed = True
+        #: Ranks whose input request (``input()``, pdb) waits for an answer.
+        self._asking: set[int] = set()
+        #: Held while what nobody follows is handed on: in the order it came.
+        self._handing = threading.Lock()
 
     # -- fed by the controller's receiver thread ---------------------------------------------
 
@@ -104,6 +109,11 @@ class Run:
             late = (not self._pending or not self.followed) and isinstance(event, (Output, Display))
             running = bool(self._pending)
             first = self.first_done_at is None
+            if isinstance(event, InputRequest):
+                self._asking.add(event.rank)
+            elif isinstance(event, DebugEnd):
+                self._asking.discard(event.rank)
+            unanswered = event.rank if isinstance(event, InputRequest) and not self.followed else None
             if isinstance(event, Results):
                 fresh = self._fresh(event)
                 if fresh is None:
@@ -131,24 +141,37 @@ class Run:
             if not isinstance(event, (Result, Results)) or not self._pending or first:
                 self._cond.notify_all()
             ended = self._how_it_ended() if running and not self._pending and not self.followed else ""
-        if late:
-            self.on_late_output(event)
-        if ended:
-            self.on_late_end(ended)
+        if late or ended or unanswered is not None:
+            with self._handing:
+                self._hand_on([event] if late else [], ended, [] if unanswered is None else [unanswered])
 
     def let_go(self) -> None:
         """Nobody follows this run from now on (a cell that stopped waiting at its timeout):
         what its ranks print, and how it ends, go where late output goes (that cell), where
-        nobody would see them again."""
-        with self._cond:
-            self.followed = False
-            missed = [e for e in self._events[self.echoed:] if isinstance(e, (Output, Display))]
-            self.echoed = len(self._events)
-            ended = "" if self._pending else self._how_it_ended()
-        for event in missed:
-            self.on_late_output(event)
-        if ended:
-            self.on_late_end(ended)
+        nobody would see them again; a rank's input request gets an end of input, where
+        nobody would answer it."""
+        with self._handing:
+            with self._cond:
+                self.followed = False
+                missed = [e for e in self._events[self.echoed:] if isinstance(e, (Output, Display))]
+                self.echoed = len(self._events)
+                ended = "" if self._pending else self._how_it_ended()
+                asking = sorted(self._asking)
+            self._hand_on(missed, ended, asking)
+
+    def _hand_on(self, events: Sequence[Event], ended: str, asking: list[int]) -> None:
+        """What nobody follows, to where late output goes (under ``_handing``, so in order).
+        A failing hand-off (the kernel's socket gone at exit) is logged: it must not fail the
+        receiver's booking of this run."""
+        try:
+            for event in events:
+                self.on_late_output(event)
+            if ended:
+                self.on_late_end(ended)
+            for rank in asking:
+                self.send_input(rank, None)  # end of input: input() raises EOFError, pdb quits
+        except Exception as exc:  # noqa: BLE001 - whatever the callbacks raise
+            log(f"the late output of {self.what} was lost: {type(exc).__name__}: {exc}")
 
     def _how_it_ended(self) -> str:
         """How the run ended, one line: the ranks that finished, and each error with its ranks."""
@@ -157,7 +180,8 @@ class Run:
         for rank, failure in sorted(self._failures.items()):
             errors.setdefault(f"{failure.type_name}: {failure.message}", []).append(rank)
         parts += [f"[{format_ranks(ranks)}] {text}" for text, ranks in errors.items()]
-        hint = f" (%mesh debug {min(self._failures)} shows where)" if self._failures else ""
+        raised = [rank for rank, failure in self._failures.items() if not failure.died]
+        hint = f" (%mesh debug {min(raised)} shows where)" if raised else ""
         return f"meshbook: {self.what} ended after the wait for it timed out: {'; '.join(parts)}{hint}"
 
     def _fresh(self, group: Results) -> Results | None:
@@ -239,7 +263,7 @@ class Run:
         returns at once (``KeyboardInterrupt``).
         """
         if timeout is not None:
-            timeout = check_seconds(timeout, "timeout")
+            timeout = check_seconds(timeout, "timeout", now=True)
         if echo and self._follow is not None and threading.current_thread() is threading.main_thread():
             # A cell's way of waiting (hints, a second Ctrl-C frees ranks) is for the user's
             # thread; meshbook's own waits on its threads (a supervisor, Slurm's time-limit
