@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import resource
 import signal
 import threading
@@ -673,6 +674,12 @@ def test_other_bad_requests(dtensors: meshbook.Mesh) -> None:
     with pytest.raises(MeshError, match=r"ranks=1.5: give a rank"):
         dtensors.pull("g", ranks=1.5)  # type: ignore[arg-type]
     assert dtensors.pull("g", ranks=[0], max_bytes="1M")[0].shape == dtensors.pull("g", ranks=[0])[0].shape
+    dtensors.run("uneven = torch.zeros(2, 1 + rank % 2)").result()
+    with pytest.raises(ShapeError, match=re.escape("gather() of 'uneven' along dim 0 joins pieces alike in every "
+                                                   "other dimension, and they are [0,2] (2, 1), [1,3] (2, 2); "
+                                                   "nothing was moved")):
+        dtensors.ref("uneven").gather()
+    assert dtensors.ref("uneven").gather(dim=1).shape == (2, 6)
 
 
 # -- a broken mesh ------------------------------------------------------------------------------

@@ -121,6 +121,15 @@ def test_restart_of_a_mesh_started_from_python_says_how(kernel: Kernel) -> None:
         kernel.ok("%mesh use mesh\napi.stop()")
 
 
+def test_a_forced_start_says_which_mesh_it_stopped(kernel: Kernel) -> None:
+    kernel.ok("%mesh start -n 1 --name side")
+    try:
+        out = kernel.ok("%mesh start -n 1 --name side --force").stream()
+        assert out.startswith("stopped mesh 'side': 1 ranks (world=1, cpu) (--force)\nstarted mesh 'side'"), out
+    finally:
+        kernel.ok("%mesh use mesh\nimport meshbook\nmeshbook.mesh_named('side').stop()")
+
+
 def test_late_output_goes_to_the_cell_that_started_it(kernel: Kernel) -> None:
     first = kernel.ok("%%mesh --ranks 1\nimport threading, time\n"
                       "threading.Thread(target=lambda: (time.sleep(1), print('late line'))).start()")

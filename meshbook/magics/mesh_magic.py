@@ -176,6 +176,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
                 raise UsageError(f"a mesh is already running ({running!r}); %mesh stop it first, "
                                  f"use %mesh start --force to replace it, or --name another one")
             running.stop()
+            print(f"stopped {describe(running)} (--force)")  # it may be another name's: say which
         mesh = start(**options)
         self._start_args[mesh.name] = dict(options, name=mesh.name)
         lease = mesh.controller.lease

@@ -226,6 +226,7 @@ class RemoteRef:
                              f"{'/'.join(sorted(kinds))} on some ranks{hint}")
         groups = _groups(self.mesh, self.ranks, mesh_dim)
         sources = [group[0] for group in groups]
+        _check_joinable(self.name, {rank: infos[rank].shape or () for rank in sources}, dim)
         values = self.fetch(sources, max_bytes=max_bytes)
         pieces = [_from_numpy(values[rank], f"gather() of {self.name!r}") for rank in sources]
         return torch.cat(pieces, dim=_axis(pieces[0], dim))
@@ -444,6 +445,21 @@ def _groups(mesh: MeshView, ranks: list[int], mesh_dim: str | None) -> list[list
     for rank in ranks:
         by_coord.setdefault(topology.coords(rank)[mesh_dim], []).append(rank)
     return [by_coord[c] for c in sorted(by_coord)]
+
+
+def _check_joinable(name: str, shapes: Mapping[int, tuple[int, ...]], dim: int) -> None:
+    """``gather()``'s pieces, by their shapes: alike in every dimension but ``dim``, or a
+    :class:`ShapeError` naming each rank's shape, before anything moves."""
+    ndims = {len(shape) for shape in shapes.values()}
+    ndim = ndims.pop() if len(ndims) == 1 else 0
+    if ndim and not -ndim <= dim < ndim:
+        raise ShapeError(f"dim {dim} is out of range for {name!r}, which has {ndim} dimensions")
+    others = {tuple(s for i, s in enumerate(shape) if i != dim % ndim) for shape in shapes.values()} if ndim else ()
+    if not ndim or len(others) > 1:
+        listed = group_by_text({rank: str(tuple(shape)) for rank, shape in shapes.items()})
+        raise ShapeError(f"gather() of {name!r} along dim {dim} joins pieces alike in every other dimension, and "
+                         f"they are " + ", ".join(f"[{format_ranks(ranks)}] {shape}" for ranks, shape in listed) +
+                         "; nothing was moved")
 
 
 def _axis(tensor: torch.Tensor, dim: int) -> int:
