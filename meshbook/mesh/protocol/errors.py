@@ -74,13 +74,21 @@ def check_bytes(value: Any, what: str) -> int:
             raise MeshError(str(exc)) from None
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # 4e9
-    try:
-        nbytes = operator.index(value)  # an int, numpy's too
-    except TypeError:
-        nbytes = 0
-    if isinstance(value, bool) or nbytes < 1:
+    nbytes = whole(value)
+    if nbytes < 1:
         raise MeshError(f"{what}={given!r}: give a number of bytes above 0, or a size such as 512M or 8G")
     return nbytes
+
+
+def whole(value: Any) -> int:
+    """``value`` as a whole number (an int, numpy's too), or 0 where it is none (a bool, a
+    float, text): what a count or a size must be."""
+    if isinstance(value, bool):
+        return 0
+    try:
+        return operator.index(value)
+    except TypeError:
+        return 0
 
 
 class CellSyntaxError(MeshError):

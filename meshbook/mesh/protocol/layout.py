@@ -10,11 +10,10 @@ user can act on (``tp 4 > 2 GPUs per host``, ``24 heads not divisible by tp 5``)
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from .errors import MeshError
+from .errors import MeshError, whole
 
 #: Activation checkpointing: none, every block, or every other block (torchtitan's "selective
 #: layer" policy: half the recompute for part of the saving).
@@ -42,13 +41,10 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "microbatches"):
             value = getattr(self, name)
-            try:
-                whole = operator.index(value)  # an int, numpy's too
-            except TypeError:
-                whole = 0
-            if isinstance(value, bool) or whole < 1:
+            degree = whole(value)
+            if degree < 1:
                 raise MeshError(f"Layout({name}={value!r}): give a whole number of 1 or more")
-            object.__setattr__(self, name, whole)  # a plain int: a layout is hashed and compared
+            object.__setattr__(self, name, degree)  # a plain int: a layout is hashed and compared
         if self.checkpointing not in CHECKPOINTING:
             raise MeshError(f"Layout(checkpointing={self.checkpointing!r}): choose from {', '.join(CHECKPOINTING)}")
         if self.schedule not in SCHEDULES:
