@@ -164,8 +164,16 @@ def test_a_question_left_when_the_cell_stops_waiting_gets_an_end_of_input(kernel
             m["content"].get("text", "") for _, m in kernel.outputs_of(msg_id))):
         assert time.monotonic() < deadline, f"the rank left asking never ended: {seen!r}"
         time.sleep(0.1)
-    assert f"[{other}] EOFError: input() on rank {other}: the notebook stopped waiting for this cell" in seen, seen
+    assert f"[{other}] EOFError: input() on rank {other}: nobody in the notebook will answer it" in seen, seen
     assert kernel.ok("%%mesh\nrank").status == "ok"
+
+
+def test_a_wait_that_shows_nothing_answers_a_question_with_an_end_of_input(kernel: Kernel) -> None:
+    reply, prompts = kernel.execute_with_input(
+        "import meshbook\nasked = meshbook.current().run(\"input('x? ')\", ranks=[0])\ntry:\n"
+        "    asked.result(echo=False)\nexcept meshbook.RemoteError as exc:\n    print(exc)", [])
+    assert reply.status == "ok" and prompts == [], prompts
+    assert "EOFError: input() on rank 0: nobody in the notebook will answer it" in reply.stream()
 
 
 def test_a_debugger_session_keeps_the_cell_status_out_of_its_transcript(kernel: Kernel) -> None:

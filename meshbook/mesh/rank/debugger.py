@@ -90,8 +90,8 @@ def input_hook(worker: "RankContext") -> Callable[..., str]:
         finally:
             worker.emit(msg.DEBUG_END, request, None)  # one line: the next rank's question may come
         if line is None:
-            raise EOFError(f"input() on rank {worker.rank}: the notebook stopped waiting for this cell "
-                           f"(its timeout), so nobody will answer")
+            raise EOFError(f"input() on rank {worker.rank}: nobody in the notebook will answer it (its cell "
+                           f"stopped waiting at its timeout, or waits without showing the ranks' output)")
         return line.rstrip("\n")
 
     return ask

@@ -311,6 +311,10 @@ class Run:
             if renderer:
                 renderer.feed(events)
                 self.echoed = seen
+            else:  # a wait that shows nothing asks nothing: a rank's question gets an end of input
+                for event in events:
+                    if isinstance(event, InputRequest):
+                        self.send_input(event.rank, None)
             if self.done() and seen == len(self._events):
                 break
             if deadline is not None and time.monotonic() >= deadline:
