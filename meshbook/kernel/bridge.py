@@ -22,6 +22,7 @@ from ..mesh import (
     Run,
     add_start_listener,
     current,
+    late_lines,
     print_late,
     remove_start_listener,
 )
@@ -52,15 +53,13 @@ class KernelBridge:
         kernel = self.kernel
         assert kernel is not None  # attach() hooks this up only in a kernel
         if isinstance(event, Output):
-            self.publish_text(parent, event.stream,
-                              "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines()))
+            self.publish_text(parent, event.stream, late_lines(event))
         elif isinstance(event, Display):
             kernel.session.send(kernel.iopub_socket, "display_data",
                                 {"data": event.data, "metadata": {"meshbook": {"rank": event.rank}},
                                  "transient": {}}, parent=parent)
         else:
             print_late(event)
-
 
     def publish_text(self, parent: dict[str, Any], stream: str, text: str) -> None:
         """``text`` on ``stream`` of the cell whose ``parent`` header is given (any thread)."""

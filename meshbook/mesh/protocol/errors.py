@@ -55,10 +55,11 @@ def check_seconds(value: Any, what: str, now: bool = False) -> float:
     try:
         limit = float(value)
     except (TypeError, ValueError):
-        limit = float("nan")
-    if isinstance(value, bool) or not (0 <= limit if now else 0 < limit) or not limit <= threading.TIMEOUT_MAX:
-        least = "0 or more" if now else "above 0"
-        raise MeshError(f"{what}={value!r}: give a number of seconds {least}, e.g. 30 (None: no limit)")
+        limit = float("nan")  # refused below, as NaN fails every comparison
+    least = 0 <= limit if now else 0 < limit
+    if isinstance(value, bool) or not (least and limit <= threading.TIMEOUT_MAX):
+        raise MeshError(f"{what}={value!r}: give a number of seconds {'0 or more' if now else 'above 0'}, "
+                        f"e.g. 30 (None: no limit)")
     return limit
 
 

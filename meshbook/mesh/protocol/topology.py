@@ -157,13 +157,12 @@ def parse_where(text: str) -> dict[str, list[int]]:
 def _rank_list(ranks: Any) -> list[int]:
     """A rank, or ranks (any iterable of whole numbers, numpy's too), as a list; else a
     :class:`SelectionError` saying what to give (``ranks=1.5`` raised a bare ``TypeError``)."""
+    if type(ranks) is int:  # the common cases first: Iterable's isinstance costs a microsecond
+        return [ranks]
+    items = ranks if isinstance(ranks, (list, tuple)) else list(ranks) if isinstance(ranks, Iterable) else [ranks]
     try:
-        try:
-            items = [operator.index(ranks)]
-        except TypeError:
-            items = list(ranks)
-        if isinstance(ranks, bool) or any(isinstance(r, bool) for r in items):
-            raise TypeError("a bool is not a rank") from None
+        if any(isinstance(r, bool) for r in items):
+            raise TypeError("a bool is not a rank")
         return [operator.index(r) for r in items]
     except TypeError:
         raise SelectionError(f"ranks={ranks!r}: give a rank (2), a list of ranks ([0, 2]) or a string such as "

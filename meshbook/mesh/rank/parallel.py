@@ -146,15 +146,6 @@ def inspect(model: nn.Module) -> ModelFacts:
         in_features=first.in_features if isinstance(first, nn.Linear) else None)
 
 
-def refuse_unbuildable(layout: Layout, model: nn.Module) -> None:
-    """A :class:`MeshError` where ``plan`` would drop ``layout`` for this model, with its
-    reason: applied anyway, tensor parallelism without blocks sharded nothing and left each
-    rank training on its own."""
-    reason = why_unbuildable(layout, inspect(model))
-    if reason:
-        raise MeshError(f"{layout.describe()} cannot run this model: {reason} (mesh.plan lists the layouts that can)")
-
-
 def _pp_reason(model: nn.Module) -> str:
     if not isinstance(model, nn.Sequential):
         return f"a model that is a sequence of stages (nn.Sequential); {type(model).__name__} is not"
@@ -332,9 +323,12 @@ def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, ra
     """
     with own_random_state(device):  # a build's own draws (a random buffer) leave the rank's alone
         model = make(factory)
-    refuse_unbuildable(layout, model)
+    facts = inspect(model)
+    reason = why_unbuildable(layout, facts)
+    if reason:  # applied anyway, tensor parallelism without blocks shards nothing: each rank trains alone
+        raise MeshError(f"{layout.describe()} cannot run this model: {reason} (mesh.plan lists the layouts that can)")
     plain = list(model.modules())  # before the stage's cut and the wrappers: the plain model's
-    cls, _ = block_class(model)
+    cls = facts.blocks
     stage = stage_of(layout, rank)
     if layout.pp > 1:
         model = stage_module(model, layout, stage)

@@ -229,7 +229,7 @@ class RemoteRef:
         _check_joinable(self.name, {rank: infos[rank].shape or () for rank in sources}, dim)
         values = self.fetch(sources, max_bytes=max_bytes)
         pieces = [_from_numpy(values[rank], f"gather() of {self.name!r}") for rank in sources]
-        return torch.cat(pieces, dim=_axis(pieces[0], dim))
+        return torch.cat(pieces, dim=dim)  # the shapes were checked: they join
 
     def __repr__(self) -> str:
         try:
@@ -450,12 +450,12 @@ def _groups(mesh: MeshView, ranks: list[int], mesh_dim: str | None) -> list[list
 def _check_joinable(name: str, shapes: Mapping[int, tuple[int, ...]], dim: int) -> None:
     """``gather()``'s pieces, by their shapes: alike in every dimension but ``dim``, or a
     :class:`ShapeError` naming each rank's shape, before anything moves."""
-    ndims = {len(shape) for shape in shapes.values()}
-    ndim = ndims.pop() if len(ndims) == 1 else 0
+    ndim = len(next(iter(shapes.values())))
     if ndim and not -ndim <= dim < ndim:
         raise ShapeError(f"dim {dim} is out of range for {name!r}, which has {ndim} dimensions")
-    others = {tuple(s for i, s in enumerate(shape) if i != dim % ndim) for shape in shapes.values()} if ndim else ()
-    if not ndim or len(others) > 1:
+    rest = {(len(shape), shape[:dim % ndim] + shape[dim % ndim + 1:]) if ndim else (len(shape), shape)
+            for shape in shapes.values()}
+    if ndim == 0 or len(rest) > 1:  # a 0-d piece joins nothing either
         listed = group_by_text({rank: str(tuple(shape)) for rank, shape in shapes.items()})
         raise ShapeError(f"gather() of {name!r} along dim {dim} joins pieces alike in every other dimension, and "
                          f"they are " + ", ".join(f"[{format_ranks(ranks)}] {shape}" for ranks, shape in listed) +

@@ -840,7 +840,8 @@ class Controller:
             already = self._stop_begun
             self._stop_begun = True
             self._mark_stopped(reason)
-            self.detached = self.detached or (detach and not already)
+            if not already:
+                self.detached = detach
         if already:  # stopping on another thread (the mesh ended on its own): wait for it
             if threading.current_thread() is not self.transport.receiver:
                 self._stop_done.wait(60)

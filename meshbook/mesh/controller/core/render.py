@@ -43,7 +43,12 @@ def print_display(event: Display) -> None:
 def print_late(event: Event) -> None:
     """Output that arrived after its run was rendered (a rank's background thread)."""
     if isinstance(event, Output):
-        write_stream(event.stream, "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines()))
+        write_stream(event.stream, late_lines(event))
+
+
+def late_lines(event: Output) -> str:
+    """What a rank printed, each line marked with the rank: output shown away from its run."""
+    return "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines())
 
 
 class EventRenderer:

@@ -109,11 +109,11 @@ class Run:
             late = (not self._pending or not self.followed) and isinstance(event, (Output, Display))
             running = bool(self._pending)
             first = self.first_done_at is None
-            if isinstance(event, InputRequest):
-                self._asking.add(event.rank)
-            elif isinstance(event, DebugEnd):
-                self._asking.discard(event.rank)
-            unanswered = event.rank if isinstance(event, InputRequest) and not self.followed else None
+            unanswered = None
+            if isinstance(event, (InputRequest, DebugEnd)):  # a prompt opened or closed
+                asking = isinstance(event, InputRequest)
+                (self._asking.add if asking else self._asking.discard)(event.rank)
+                unanswered = event.rank if asking and not self.followed else None
             if isinstance(event, Results):
                 fresh = self._fresh(event)
                 if fresh is None:
