@@ -143,6 +143,28 @@ def test_big_messages_cross_the_network_in_fragments_both_ways(joined: tuple[mes
     assert [h.state for h in mesh.hosts()] == ["ok", "ok"]
 
 
+def test_parallelize_builds_the_plain_model_once_on_each_host(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
+    mesh, _ = joined
+
+    def layers() -> torch.nn.Module:
+        return torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+
+    def build() -> torch.nn.Module:  # notes on each rank whether it built the plain model there
+        import __main__
+
+        model = layers()
+        __main__.built_plain = getattr(__main__, "built_plain", False) or not model[0].weight.is_meta
+        return model
+
+    mesh.parallelize(build, meshbook.Layout(dp_shard=4))
+    assert mesh.run("built_plain").result(echo=False) == {0: True, 1: False, 2: True, 3: False}
+    torch.manual_seed(0)
+    plain = layers().state_dict()
+    mesh.run("full = {k: v.full_tensor() for k, v in model.state_dict().items()}").result()
+    for full in mesh.pull("full").values():
+        assert full.keys() == plain.keys() and all(torch.equal(full[k], plain[k]) for k in plain)
+
+
 def test_status_shows_each_host(joined: tuple[meshbook.Mesh, ExternalLauncher]) -> None:
     mesh, outside = joined
     deadline = time.monotonic() + 10

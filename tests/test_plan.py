@@ -172,6 +172,38 @@ def test_buffers_and_models_built_on_meta_start_from_the_plain_model_too(mesh: m
             assert all(torch.equal(full[k], expected[k]) for k in full), (build.__name__, rank)
 
 
+def test_the_plain_model_is_built_once_per_host_and_a_failed_build_fails_every_rank(mesh: meshbook.Mesh) -> None:
+    def counted() -> torch.nn.Module:  # travels by value: it counts on each rank, in its namespace
+        import __main__
+
+        model = BUILD()
+        if not next(model.parameters()).is_meta:  # the plain model (parallelize's own build is on meta)
+            __main__.plain_builds = getattr(__main__, "plain_builds", 0) + 1
+        return model
+
+    torch.manual_seed(0)
+    plain = BUILD().state_dict()
+    mesh.parallelize(counted, Layout(dp_shard=4))
+    # The host's first rank built it; the others mapped its file.
+    assert mesh.run("globals().get('plain_builds', 0)").result(echo=False) == {0: 1, 1: 0, 2: 0, 3: 0}
+    mesh.run(FULL).result()
+    for full in mesh.pull("full").values():
+        assert all(torch.equal(full[k], plain[k]) for k in plain)
+
+    def fails_for_real() -> torch.nn.Module:
+        model = BUILD()
+        if not next(model.parameters()).is_meta:
+            raise ValueError("no weights on this disk")
+        return model
+
+    with pytest.raises(MeshError) as caught:
+        mesh.parallelize(fails_for_real, Layout(dp_shard=4))
+    said = str(caught.value)
+    assert "build() failed on rank 0, which builds the plain model for its host: ValueError: no weights on this disk" \
+        in said and "[0-3]" in said, said
+    assert mesh.run("rank").result(echo=False) == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
 def test_a_layout_plan_would_drop_is_refused_with_its_reason(mesh: meshbook.Mesh) -> None:
     def mlp() -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),

@@ -467,14 +467,15 @@ class Landing:
 
 
 @contextlib.contextmanager
-def pack(values: Mapping[str, Any], shared: bool, what: str = "push") -> Iterator[Payload]:
-    """Pickle ``values`` once; with ``shared`` and enough bytes, put the buffers in a memfd.
+def pack(values: Mapping[str, Any], shared: bool, what: str = "push", least: int = SHARE_MIN) -> Iterator[Payload]:
+    """Pickle ``values`` once; with ``shared`` and buffers of ``least`` bytes or more, put the
+    buffers in a memfd (a payload that travels as frames else).
 
     The memfd stays open while the ``with`` block runs: wait there for every rank to load it.
     Raises :class:`~meshbook.SendError` naming the value that cannot be pickled (and its type).
     """
     body, views, buffers = pickled(values, what)
-    if not shared or not worth_sharing(views):
+    if not shared or not views or sum(v.nbytes for v in views) < least:
         yield Payload(body, list(buffers))
         return
     file, fd = in_new_file("meshbook-push", views)

@@ -371,8 +371,9 @@ def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predi
     """Build a layout on this rank (every rank at once: it creates process groups)."""
     from . import parallel
 
+    cfg = worker.cfg
     return parallel.apply(worker.namespace, worker.rank, _meshes(worker), factory, layout, predicted, predicted_s,
-                          names, options)
+                          names, options, parallel.Host(cfg.group_rank, cfg.local_rank == 0))
 
 
 def _meshes(worker: "Worker") -> Callable[[Any, str], Any]:

@@ -18,7 +18,8 @@ torch would after ``manual_seed(seed)``; each rank copies its part of every para
 FSDP, TP and PP start from the same weights), where initialising the sharded parameters in
 place drew every CPU shard from the same stream (FSDP's shards started equal) and every
 pipeline stage from the seed's start (stages began with the same weights). The cost: the
-plain model's parameters in CPU memory once per rank, while it starts.
+plain model's parameters in CPU memory once per host while it starts (its first rank builds
+it into shared memory, the others map it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import nn
 from ..protocol import config
 from ..protocol.errors import MeshError
 from ..protocol.layout import Layout, ModelFacts, split_points, stage_of, why_unbuildable
+from ..protocol.payload import Payload, pack
 from ..protocol.text import format_bytes
 from . import torch_compat
 
@@ -315,11 +317,12 @@ def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, ra
           device: Any = "cpu", optimizer: Any = "adamw", lr: float = 1e-3, seed: int = 0,
           init: Callable[[nn.Module], None] | None = None,
           loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-          materialize: Callable[[nn.Module], None] | None = None) -> Built:
+          materialize: Callable[[nn.Module], None] | None = None, host: Host | None = None) -> Built:
     """Build this rank's part of ``factory()`` laid out as ``layout`` on ``device_mesh``.
 
     ``materialize`` replaces allocation and filling (the planner allocates under fake tensors);
-    else every parameter and buffer is filled from the plain model of ``seed`` (:func:`fill`).
+    else every parameter and buffer is filled from the plain model of ``seed`` (:func:`fill`),
+    built once per host when ``host`` says where this rank runs (every rank builds at once).
     """
     with own_random_state(device):  # a build's own draws (a random buffer) leave the rank's alone
         model = make(factory)
@@ -341,7 +344,7 @@ def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, ra
         materialize(model)
     else:
         allocate(model, device)
-        fill(model, plain, factory, seed, init, device)
+        fill(model, plain, factory, seed, init, device, host)
     opt = make_optimizer(optimizer, model, lr)
     built = Built(model, opt, layout, stage=stage, loss_fn=loss_fn)
     if layout.pp > 1:
@@ -405,15 +408,31 @@ def allocate(model: nn.Module, device: Any) -> None:
 
 
 def fill(model: nn.Module, plain: list[nn.Module], factory: Callable[[], nn.Module], seed: int,
-         init: Callable[[nn.Module], None] | None, device: Any = "cpu") -> None:
-    """Every parameter and buffer this rank holds in ``model``, from the plain model:
-    ``factory()`` after ``torch.manual_seed(seed)``, as a user would build it (on the CPU
-    unless the factory says otherwise), then ``init(model)`` if given. A factory that builds
-    on the meta device is allocated on the CPU and initialised with :func:`initialise` (or
-    ``init``). ``plain``: ``model``'s modules as built, before any cut or wrapper, in the order
-    the plain model lists its own. This rank's random state is left as it was: ``parallelize``
-    must not give every rank the same batches and dropout masks from then on."""
+         init: Callable[[nn.Module], None] | None, device: Any = "cpu", host: Host | None = None) -> None:
+    """Every parameter and buffer this rank holds in ``model``, from the plain model
+    (:func:`plain_model`; with ``host``, built once on this host, :func:`plain_tensors`).
+    ``plain``: ``model``'s modules as built, before any cut or wrapper, in the order the plain
+    model lists its own."""
     held = {id(module) for module in model.modules()}
+    with plain_tensors(factory, seed, init, device, host) as twins:
+        if len(twins) != len(plain):
+            raise MeshError(f"build() made {len(twins)} modules once and {len(plain)} another time: it must build "
+                            "the same model every time it is called")
+        with torch.no_grad():
+            for mine, tensors in zip(plain, twins):
+                if id(mine) in held:
+                    for name, value in tensors.items():
+                        _fill(getattr(mine, name), value)
+
+
+def plain_model(factory: Callable[[], nn.Module], seed: int, init: Callable[[nn.Module], None] | None,
+                device: Any) -> list[dict[str, torch.Tensor]]:
+    """The plain model's own parameters and buffers, module by module in the order it lists
+    them: ``factory()`` after ``torch.manual_seed(seed)``, as a user would build it (on the CPU
+    unless the factory says otherwise), then ``init(model)`` if given. A factory that builds on
+    the meta device is allocated on the CPU and initialised with :func:`initialise` (or
+    ``init``). This rank's random state is left as it was: ``parallelize`` must not give every
+    rank the same batches and dropout masks from then on."""
     with own_random_state(device):
         torch.manual_seed(seed)
         reference = factory()
@@ -424,15 +443,56 @@ def fill(model: nn.Module, plain: list[nn.Module], factory: Callable[[], nn.Modu
                     initialise(reference)
             if init is not None:
                 init(reference)
-    with torch.no_grad():
-        twins = list(reference.modules())
-        if len(twins) != len(plain):
-            raise MeshError(f"build() made {len(twins)} modules once and {len(plain)} another time: it must build "
-                            "the same model every time it is called")
-        for mine, twin in zip(plain, twins):
-            if id(mine) in held:
-                for name, value in (*twin.named_parameters(recurse=False), *twin.named_buffers(recurse=False)):
-                    _fill(getattr(mine, name), value)
+    return [dict((*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)))
+            for module in reference.modules()]
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where a rank runs: its host's index (torchrun's ``GROUP_RANK``), and whether it is the
+    host's first rank (``LOCAL_RANK`` 0), the one that builds the plain model for them all."""
+
+    index: int
+    first: bool
+
+
+@contextlib.contextmanager
+def plain_tensors(factory: Callable[[], nn.Module], seed: int, init: Callable[[nn.Module], None] | None,
+                  device: Any, host: Host | None) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """The plain model's tensors (:func:`plain_model`), for the block.
+
+    With ``host`` (every rank of the process group at once: it gathers), the host's first
+    rank builds it and writes it once into a memfd (:func:`~..protocol.payload.pack`), and every
+    rank of the host maps that file: one copy of a model per host while it starts, where a
+    build on each rank held one per rank (eight ranks of a host filling a 7B model: 28 GB,
+    not 224). A build that fails there fails on every rank of the host, saying where.
+    """
+    import torch.distributed as dist
+
+    if host is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        yield plain_model(factory, seed, init, device)
+        return
+    with contextlib.ExitStack() as stack:
+        offer: Payload | str | None = None
+        if host.first:
+            try:
+                values = {"plain": plain_model(factory, seed, init, device)}
+                offer = stack.enter_context(pack(values, shared=True, what="the plain model", least=0))
+                del values  # the file holds them now
+            except Exception as exc:  # noqa: BLE001 - said on every rank of the host, below
+                offer = f"{type(exc).__name__}: {exc}"
+        offers: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(offers, (host.index, offer))
+        builder, mine = next((r, o) for r, (h, o) in enumerate(offers) if h == host.index and o is not None)
+        if isinstance(mine, str):
+            raise MeshError(f"build() failed on rank {builder}, which builds the plain model for its host: {mine}")
+        values, release = mine.open("the plain model")
+        dist.barrier()  # every rank of the host mapped the file: its builder may close it
+    try:
+        yield values["plain"]
+    finally:
+        del values
+        release()
 
 
 @contextlib.contextmanager
@@ -548,10 +608,11 @@ def settle_allocator(device: Any) -> None:
 
 def apply(namespace: dict[str, Any], rank: int, meshes: Callable[[Layout, str], Any],
           factory: Callable[[], nn.Module], layout: Layout, predicted: dict[int, int], predicted_s: float,
-          names: tuple[str, str, str], options: dict[str, Any]) -> str:
+          names: tuple[str, str, str], options: dict[str, Any], host: Host | None = None) -> str:
     """``mesh.parallelize`` on one rank: build its part of ``factory()`` as ``layout`` on the
     DeviceMesh ``meshes(layout, device_type)`` gives (:func:`mesh_for`) and bind model,
-    optimizer and step in ``namespace``. What those names held goes first, so a model built
+    optimizer and step in ``namespace`` (the plain model built once per ``host``, see
+    :func:`plain_tensors`). What those names held goes first, so a model built
     again does not share memory with the one it replaces."""
     import gc
 
@@ -560,7 +621,7 @@ def apply(namespace: dict[str, Any], rank: int, meshes: Callable[[Layout, str], 
     gc.collect()
     device = namespace["device"]
     settle_allocator(device)
-    built = build(factory, layout, meshes(layout, device.type), rank, device=device, **options)
+    built = build(factory, layout, meshes(layout, device.type), rank, device=device, host=host, **options)
     gc.collect()
     reset_peak(device)  # the steps' peak, which a plan predicts: not the plain model filled from
     step = Reporting(built, predicted.get(built.stage, 0), predicted_s, device)
