@@ -270,6 +270,41 @@ def test_bad_input_is_a_clear_error_and_leaves_the_meshes_alone(two: tuple[meshb
     assert dict(bad.where.call().result()) == {0: (0, {"world": 0}), 1: (1, {"world": 1})}
 
 
+def test_a_spawn_waiting_for_ranks_outside_it_is_explained_and_freed(two: tuple[meshbook.Mesh, meshbook.Mesh],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _, generators = two
+
+    class Joins(meshbook.Actor):
+        def __init__(self) -> None:
+            import torch.distributed as dist
+
+            dist.barrier()  # rank 1, outside the spawn, never joins
+
+        @meshbook.endpoint
+        def ping(self) -> int:
+            return 1
+
+    said: list[str] = []
+
+    def free_once_explained() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "has not joined" not in "".join(said):
+            said.append(capsys.readouterr().err)
+            time.sleep(0.2)
+        generators.recover()
+
+    rescue = threading.Thread(target=free_once_explained)
+    rescue.start()
+    with pytest.raises(RemoteError) as info:
+        generators.narrow([0]).spawn("joins", Joins)
+    rescue.join()
+    text = "".join(said)
+    assert "rank(s) 0 wait in a collective (for over 5 s) that a rank of its group has not joined." in text
+    assert "rank 1 finished the cell without joining it (idle)" in text
+    assert info.value.failures[0].type_name == "CollectiveAborted"
+    assert generators.narrow([0]).spawn("joins", Policy, 2).where.call().result()[0][0] == 0  # nothing half-built
+
+
 def test_an_actor_cannot_take_a_name_meshbook_sets_on_the_ranks(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
     """It would replace ``device`` (or ``rank``, ``torch``...) in the ranks' namespaces, which
     cells use; and a cell that rebinds ``device`` does not move actors' arguments elsewhere."""

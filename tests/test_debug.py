@@ -186,6 +186,27 @@ def test_a_hang_is_explained_while_no_rank_has_finished(mesh: meshbook.Mesh, cap
     assert run.done()
 
 
+def test_a_slice_waiting_for_ranks_outside_it_is_explained(mesh: meshbook.Mesh, capsys) -> None:
+    """Every rank of the run waits, so the heartbeats alone show no rank elsewhere: the
+    diagnosis says who is missing, ranks outside the run."""
+    from meshbook.mesh import EventRenderer, FollowOptions, follow
+
+    run = mesh.run("dist.barrier()", ranks=[0, 1])
+    with pytest.raises(meshbook.MeshTimeout):
+        follow(run, mesh, EventRenderer(run), FollowOptions(timeout=8, stuck_hint=2.0))
+    note = capsys.readouterr().err
+    assert "rank(s) 0,1 wait in a collective (for over 2 s) that a rank of its group has not joined." in note
+    assert note.count("wait in a collective (for over") == 1, "the hint was repeated"
+    assert "ranks 2,3 finished the cell without joining it (idle)" in note
+    mesh.recover()
+    with pytest.raises(RemoteError) as info:  # the recovery's reason, not gloo's "connection closed"
+        run.result(echo=False)
+    assert {f.type_name for f in info.value.failures.values()} == {"CollectiveAborted"}, info.value.failures
+    assert info.value.failures[0].message == ("meshbook aborted the collective it waited in, to free the ranks "
+                                              "(mesh.recover()); the process group was re-created")
+    assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}
+
+
 def test_waiting_on_stuck_ranks_after_explaining_does_not_spin(mesh: meshbook.Mesh) -> None:
     from meshbook.mesh import EventRenderer, FollowOptions, follow
 

@@ -122,12 +122,16 @@ def reinit(worker: "Worker", generation: int, store: tuple[str, int] | None = No
 
 
 @rank_op(channel=msg.CONTROL)
-def prepare_abort(worker: "Worker", stuck_in: dict[int, int], reasons: dict[int, str]) -> list[int]:
+def prepare_abort(worker: "Worker", stuck_in: dict[int, int], reasons: dict[int, str],
+                  if_waiting: bool = False) -> list[int]:
     """The first round of an abort (control thread): a rank about to have its collective
     aborted learns why, so its error says so even if a peer's shut-down connection fails the
-    collective first; every rank answers the ports it listens on."""
+    collective first; every rank answers the ports it listens on. ``if_waiting``: only a rank
+    waiting in a collective now learns it (a recovery, before the ranks it does not abort
+    leave the old group and so close their connections)."""
     request = worker.request
-    if worker.rank in reasons and request is not None and request == stuck_in.get(worker.rank):
+    if worker.rank in reasons and request is not None and request == stuck_in.get(worker.rank) \
+            and (not if_waiting or pending_collectives()):
         worker.abort_reasons[request] = reasons[worker.rank]
     return listening_ports(worker)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from ...protocol import messages as msg
 from ...protocol.cell import is_internal
 from ...protocol.reports import RankSnapshot
+from ...protocol.text import format_ranks
 from ...protocol.topology import DimSelector, Topology
 from ...rank import ops
 from ..core.controller import Controller
@@ -80,7 +81,7 @@ class DebugOps:
         chosen = self.select(ranks)
         if on is not None:
             self.controller.agents.move(chosen, on)
-        return recover(self.controller, chosen, timeout)
+        return recover(self.controller, chosen, timeout, f"mesh.restart() of rank(s) {format_ranks(chosen)}")
 
     def recover(self, timeout: float = 120.0) -> Recovery:
         """Free every stuck rank, restarting as few as possible (usually none), and

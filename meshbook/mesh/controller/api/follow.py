@@ -84,6 +84,7 @@ class _Follow:
         self.interrupted_at: float | None = None
         self.explained = False  # the hang hint was printed
         self.interrupt_explained = False  # the "did not stop after the interrupt" note was printed
+        self.asked_at = float("-inf")  # when the diagnosis was last asked whether a collective is blocked
         self.recovery_report = ""
 
     def show(self) -> RankValues:
@@ -159,22 +160,39 @@ class _Follow:
                 f"are: {self.options.next_steps}." + (f"\n{diagnosis}" if diagnosis else ""))
 
     def _check_stuck(self) -> None:
-        """Explain ranks waiting in a collective call the other ranks have not joined."""
+        """Explain ranks waiting in a collective call the other ranks have not joined: ranks
+        of the run (their heartbeats say so), or, when every rank of the run waits, ranks
+        outside it or in another collective (the diagnosis says so; asked once per
+        ``stuck_hint``, as a long collective every member is in may yet complete)."""
+        now = time.monotonic()
         if self.explained or self.interrupted_at is not None \
                 or self.renderer.prompts.used \
-                or time.monotonic() - self.started < self.options.stuck_hint:  # no rank can have waited that long yet
+                or now - self.started < self.options.stuck_hint:  # no rank can have waited that long yet
             return
         waiting = self.mesh.stuck(self.run)
+        if max(waiting.values(), default=0.0) < self.options.stuck_hint:
+            return
+        headline = f"rank(s) {format_ranks(waiting)} wait in a collective (for over {self.options.stuck_hint:g} s)"
         elsewhere = [r for r in self.run.ranks if r not in waiting]
-        if elsewhere and max(waiting.values(), default=0.0) >= self.options.stuck_hint:
+        if elsewhere:
             self.explained = True  # once per run: the heartbeats say the same every half second
-            self._explain(f"rank(s) {format_ranks(waiting)} wait in a collective (for over "
-                          f"{self.options.stuck_hint:g} s) while rank(s) {format_ranks(elsewhere)} "
-                          f"are elsewhere.")
+            self._explain(f"{headline} while rank(s) {format_ranks(elsewhere)} are elsewhere.")
+        elif now >= self.asked_at + self.options.stuck_hint:
+            self.asked_at = now
+            diagnosis = self._diagnose()
+            if diagnosis is not None and diagnosis.blocked:
+                self.explained = True
+                self._explain(f"{headline} that a rank of its group has not joined.", diagnosis)
 
-    def _explain(self, headline: str) -> None:
+    def _explain(self, headline: str, diagnosis: Any = None) -> None:
         self.renderer.flush()
-        _note(headline + "\n" + self._diagnosis())
+        _note(headline + "\n" + ("\n".join(diagnosis.verdict) if diagnosis is not None else self._diagnosis()))
+
+    def _diagnose(self) -> Any:
+        try:
+            return self.mesh.diagnose()
+        except Exception:  # noqa: BLE001 - a diagnosis must never make things worse
+            return None
 
     def _diagnosis(self) -> str:
         try:

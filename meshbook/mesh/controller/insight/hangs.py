@@ -25,6 +25,9 @@ from .stacks import Stacks
 class Diagnosis:
     verdict: list[str]
     stacks: Stacks
+    #: Some rank waits in a collective that a member of its group has not joined (it cannot
+    #: complete as things are), where a long collective every member is in may yet complete.
+    blocked: bool = False
 
     @property
     def snapshots(self) -> dict[int, RankSnapshot]:
@@ -42,7 +45,8 @@ def diagnose(snapshots: dict[int, RankSnapshot], topology: Topology) -> Diagnosi
     groups: dict[tuple[str, int, str], list[int]] = {}
     for rank, collective in sorted(waiting.items()):
         groups.setdefault((collective.group, collective.seq, collective.op), []).append(rank)
-    verdict = [_explain(ranks, waiting, snapshots, topology) for ranks in groups.values()]
+    explained = [_explain(ranks, waiting, snapshots, topology) for ranks in groups.values()]
+    verdict = [line for line, _ in explained]
     if not verdict:
         busy = [r for r, s in snapshots.items() if s.busy]
         if busy:
@@ -51,22 +55,24 @@ def diagnose(snapshots: dict[int, RankSnapshot], topology: Topology) -> Diagnosi
                 f"{ranks_text(r)} at {where}" for r, where in places))
         else:
             verdict.append("every rank is idle")
-    return Diagnosis(verdict, Stacks(snapshots))
+    return Diagnosis(verdict, Stacks(snapshots), blocked=any(blocked for _, blocked in explained))
 
 
 def _explain(ranks: list[int], waiting: dict[int, Collective],
-             snapshots: dict[int, RankSnapshot], topology: Topology) -> str:
+             snapshots: dict[int, RankSnapshot], topology: Topology) -> tuple[str, bool]:
+    """The verdict's line for ``ranks`` waiting in one collective, and whether a member of its
+    group is missing from it."""
     collective = waiting[ranks[0]]
     places = {snapshots[r].where() for r in ranks}
     at = f" at {places.pop()}" if len(places) == 1 else ""
     line = f"{ranks_text(ranks)} wait in {collective.describe()}{at}"
     members = group_members(collective, ranks[0], topology)
     if members is None:
-        return line + " (a group meshbook does not know the members of)"
+        return line + " (a group meshbook does not know the members of)", False
     absent = {r: _absence(r, waiting, snapshots) for r in members if r not in ranks}
     if not absent:
-        return line + "; every member of its group is there: it should complete"
-    return line + "; " + "; ".join(f"{ranks_text(r)} {why}" for r, why in group_by_text(absent))
+        return line + "; every member of its group is there: it should complete", False
+    return line + "; " + "; ".join(f"{ranks_text(r)} {why}" for r, why in group_by_text(absent)), True
 
 
 def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, RankSnapshot]) -> str:

@@ -104,19 +104,31 @@ def cancel_checks(controller: "Controller") -> None:
         check.cancel()
 
 
-def recover(controller: "Controller", restart: list[int], timeout: float) -> Recovery:
-    """Free every rank and re-create the process group on all of them (see module doc)."""
+def recover(controller: "Controller", restart: list[int], timeout: float, cause: str = "mesh.recover()") -> Recovery:
+    """Free every rank and re-create the process group on all of them (see module doc).
+    ``cause`` is what a rank whose collective is aborted says it was aborted for."""
     cancel_checks(controller)  # ranks held for a check would never reach the re-creation
     with controller.recovery_lock:
-        return _recover(controller, restart, timeout)
+        return _recover(controller, restart, timeout, cause)
 
 
-def _recover(controller: "Controller", restart: list[int], timeout: float) -> Recovery:
+def _recover(controller: "Controller", restart: list[int], timeout: float, cause: str) -> Recovery:
     started = time.monotonic()
     controller.kill(restart)
     restarted = [r for r, s in controller.ranks.items() if s.state == "dead"]
     generation = controller.new_generation()
     survivors = [r for r in controller.ranks if r not in restarted]
+    # What each runs, asked of the ranks themselves as well as read from the book: an endpoint
+    # another rank's actor called is in no book of this controller. A rank that does not answer
+    # at once (its control thread cannot run) keeps the book's word. Whatever they run other
+    # than joining is aborted by what follows.
+    running = _running(controller, survivors)
+    interrupted = [r for r in survivors if running.get(r, controller.current_request(r)) is not None]
+    reason = f"meshbook aborted the collective it waited in, to free the ranks ({cause}); the process group was re-created"
+    if interrupted:  # told first: ranks that leave the old group free a collective with a closed connection
+        controller.call(prepare_abort, {r: running.get(r) or controller.current_request(r) for r in interrupted},
+                        dict.fromkeys(interrupted, reason), True, ranks=interrupted,
+                        what="why collectives end").wait(ASK_RUNNING_S)
     # Re-forked first: a host re-formed elsewhere brings the store with it (across hosts).
     controller.respawn(restarted, generation)
     joined = controller.call(reinit, generation, controller.store_addr, ranks=survivors,
@@ -124,12 +136,6 @@ def _recover(controller: "Controller", restart: list[int], timeout: float) -> Re
     if joined is None:
         controller.wait_generation(generation, list(controller.ranks), timeout, "recovery")
         return Recovery(sorted(restarted), [], [], generation, time.monotonic() - started)
-    # What each runs, asked of the ranks themselves as well as read from the book: an endpoint
-    # another rank's actor called is in no book of this controller. A rank that does not answer
-    # at once (its control thread cannot run) keeps the book's word. Whatever they run other
-    # than joining is aborted by what follows.
-    running = _running(controller, survivors)
-    interrupted = [r for r in survivors if running.get(r, controller.current_request(r)) not in (None, joined.id)]
 
     def stuck() -> list[int]:
         """Ranks yet to join that run something else, as the book says or they said last."""
@@ -150,7 +156,8 @@ def _recover(controller: "Controller", restart: list[int], timeout: float) -> Re
             aborted = still_stuck()
             # In what each said it is stuck; a rank that said nothing, or idle, in what the book
             # says (a request on its way to it, or one whose answer is on its way here).
-            abort(controller, aborted, stuck_in={r: running.get(r) or controller.current_request(r) for r in aborted})
+            abort(controller, aborted, reason, stuck_in={r: running.get(r) or controller.current_request(r)
+                                                          for r in aborted})
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = still_stuck()
             controller.kill(hopeless)
