@@ -66,18 +66,29 @@ def test_whatever_the_ranks_started_and_the_mesh_files_go_with_the_kernel(how: s
 
 
 def test_an_agent_that_dies_under_a_live_controller_is_explained_from_its_log() -> None:
-    """The agent's log moved into the runtime directory; the controller still reads it."""
+    """The agent's log moved into the runtime directory; the controller still reads it. The
+    mesh then stops for good on its own: its directory goes, and supervisors hear it."""
+    class Pinger(meshbook.Actor):  # defined here: it travels to the ranks by value
+        @meshbook.endpoint
+        def ping(self) -> int:
+            return 1
+
     mesh = meshbook.start(2)
     agent = mesh.controller.agents[0]
+    heard: list[meshbook.SupervisionEvent] = []
+    mesh.spawn("pinger", Pinger, supervisor=heard.append)
     try:
         assert agent.logs[0].startswith(mesh.controller.rundir) and not os.path.exists(agent.logs[1])
         with open(f"/proc/{agent.proc.pid}/fd/2", "a") as log:
             log.write("the agent's last words\n")
         os.kill(agent.proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while not mesh.stopped and time.monotonic() < deadline:
+        while (os.path.exists(mesh.controller.rundir) or not any(e.rank is None for e in heard)) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "killed by SIGKILL; its log ends with:\nthe agent's last words" in mesh.controller.stop_reason
+        assert not os.path.exists(mesh.controller.rundir), "the ended mesh was not stopped"
+        assert [str(e) for e in heard if e.rank is None] == [
+            f"actor 'pinger' on mesh '{mesh.name}' failed: its mesh stopped ({mesh.controller.stop_reason})"]
     finally:
         mesh.stop()
-    assert not os.path.exists(mesh.controller.rundir)

@@ -702,7 +702,7 @@ class Controller:
                 continue
             reason = f"host agent {host} died ({agent.exit_reason()})"
             self._ranks_died(ranks, {"cause": reason})
-            self._mark_stopped(reason)
+            self._end(reason)  # nothing on this host can fork them again
         self._report_stopped_alone()
         if self.remote and not self.stopped:
             self._end_if_beyond_restart()
@@ -717,7 +717,12 @@ class Controller:
         if len(self.agents.hosts_gone(list(self.ranks))) < len(self.agents.plans):
             return
         causes = sorted({s.cause for s in self.ranks.values()})
-        reason = causes[0] if len(causes) == 1 else "every rank died: " + "; ".join(causes)
+        self._end(causes[0] if len(causes) == 1 else "every rank died: " + "; ".join(causes))
+
+    def _end(self, reason: str) -> None:
+        """The mesh ended on its own: stopped at once (cells say how), and stopped for good
+        on a thread of its own (this may be the receiver, which a stop ends): its sockets and
+        runtime directory go, and stop listeners (supervisors, views) hear it."""
         self._mark_stopped(reason)
         threading.Thread(target=self.stop, args=(reason,), daemon=True).start()
 
