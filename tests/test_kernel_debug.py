@@ -151,14 +151,25 @@ def test_input_on_ranks_asks_the_notebook_one_rank_after_another(kernel: Kernel)
     assert "mesh.push(name=value)" in refused.error_text
 
 
+def test_the_time_a_user_takes_to_answer_is_not_the_cells(kernel: Kernel) -> None:
+    msg_id, _ = kernel.submit("%%mesh --ranks 0 --timeout 2\nx = input('x? ')\nx.upper()", allow_stdin=True)
+    assert kernel.client.get_stdin_msg(timeout=60)["content"]["prompt"] == "[0] x? "
+    time.sleep(3)  # longer than the cell's timeout
+    kernel.client.input("ada")
+    reply = kernel.client.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok", reply["content"]
+
+
 def test_a_question_left_when_the_cell_stops_waiting_gets_an_end_of_input(kernel: Kernel) -> None:
-    msg_id, _ = kernel.submit("%%mesh --ranks 0,1 --timeout 2\nx = input('x? ')\nx", allow_stdin=True)
-    first = kernel.client.get_stdin_msg(timeout=60)["content"]["prompt"]
-    time.sleep(3)  # answered after the cell's timeout: the other rank's question is still queued
-    kernel.client.input("late")
+    msg_id, _ = kernel.submit("%%mesh --ranks 0,1 --timeout 2\nimport time\nif rank == 0:\n    breakpoint()\n"
+                              "else:\n    time.sleep(0.5)\nx = input('x? ')\nx", allow_stdin=True)
+    assert kernel.client.get_stdin_msg(timeout=60)["content"]["prompt"] == "(Pdb rank 0) "
+    time.sleep(3)  # the user's time at a prompt is not the cell's: the timeout has not come
+    # rank 0 runs 3 s inside pdb: the cell's timeout comes while rank 1's question is queued
+    kernel.client.input("time.sleep(3)")
     reply = kernel.client.get_shell_msg(timeout=60)
     assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "error"
-    other = 1 - int(first[1])
+    other = 1
     deadline = time.monotonic() + 30
     while "ended after the wait" not in (seen := "".join(
             m["content"].get("text", "") for _, m in kernel.outputs_of(msg_id))):

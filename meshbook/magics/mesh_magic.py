@@ -55,7 +55,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
                                                      "one, see %%mesh use)")
     @selection("to run on")
     @argument("--timeout", "-t", type=seconds_arg,
-              help="stop waiting after this many seconds; the ranks keep running")
+              help="stop waiting after this many seconds (time spent answering the ranks' "
+                   "input() or pdb prompts not counted); the ranks keep running")
     @argument("--out", "-o", help="also store the per-rank results (RankValues) in this variable")
     @argument("--ordered", action="store_true",
               help="print each rank's output in rank order when the cell ends (deterministic)")

@@ -121,7 +121,7 @@ class _Follow:
     def _next_wake(self) -> float | None:
         now = time.monotonic()
         waits = [self.renderer.next_deadline(), 0.25 if self.view else None,
-                 _left(self.options.timeout, self.started, now)]
+                 _left(self.options.timeout, self._timed_from(), now)]
         if not self.interrupt_explained:  # once explained, a deadline is past: never spin on it
             waits.append(_left(self.options.grace, self.interrupted_at, now))
         if not self.explained:
@@ -151,13 +151,18 @@ class _Follow:
                 self._explain(f"rank(s) {format_ranks(self.run.pending)} are still busy "
                               f"{now - self.first_done_at:.0f} s after the others finished.")
         timeout = self.options.timeout
-        if timeout is not None and now - self.started >= timeout and not self.run.done():
+        if timeout is not None and now - self._timed_from() >= timeout and not self.run.done():
             self.renderer.flush()
             diagnosis = self._diagnosis()
             raise MeshTimeout(
                 f"{self.options.what or self.run.what} is still running on rank(s) "
                 f"{format_ranks(self.run.pending)} after {timeout:g} s. The ranks keep running as they "
                 f"are: {self.options.next_steps}." + (f"\n{diagnosis}" if diagnosis else ""))
+
+    def _timed_from(self) -> float:
+        """Where the timeout counts from: the start, later by the time the user took to answer
+        the ranks' prompts (``input()``, pdb), which is not the ranks' running time."""
+        return self.started + self.renderer.prompts.answering_s
 
     def _check_stuck(self) -> None:
         """Explain ranks waiting in a collective call the other ranks have not joined: ranks

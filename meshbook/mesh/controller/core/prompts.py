@@ -7,6 +7,7 @@ asks the user and sends the answer to the rank's control thread.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable
 
@@ -27,6 +28,8 @@ class PromptServer:
         self._waiting: deque[InputRequest] = deque()
         #: A rank asked for input: the run has been in a debugger session.
         self.used = False
+        #: Seconds spent waiting for the user's answers: a cell's ``--timeout`` leaves them out.
+        self.answering_s = 0.0
 
     def feed(self, event: Event) -> None:
         if isinstance(event, InputRequest):
@@ -44,4 +47,7 @@ class PromptServer:
             request = request or self._waiting[0]
             self._waiting.remove(request)
             self._serving = request.rank
-            self._send(request.rank, self._ask(request.prompt))
+            asked = time.monotonic()
+            answer = self._ask(request.prompt)
+            self.answering_s += time.monotonic() - asked
+            self._send(request.rank, answer)
