@@ -172,7 +172,8 @@ def test_buffers_and_models_built_on_meta_start_from_the_plain_model_too(mesh: m
             assert all(torch.equal(full[k], expected[k]) for k in full), (build.__name__, rank)
 
 
-def test_the_plain_model_is_built_once_per_host_and_a_failed_build_fails_every_rank(mesh: meshbook.Mesh) -> None:
+def test_the_plain_model_is_built_once_per_host_and_a_failed_build_fails_every_rank(
+        mesh: meshbook.Mesh, capsys: pytest.CaptureFixture[str]) -> None:
     def counted() -> torch.nn.Module:  # travels by value: it counts on each rank, in its namespace
         import __main__
 
@@ -186,6 +187,20 @@ def test_the_plain_model_is_built_once_per_host_and_a_failed_build_fails_every_r
     mesh.parallelize(counted, Layout(dp_shard=4))
     # The host's first rank built it; the others mapped its file.
     assert mesh.run("globals().get('plain_builds', 0)").result(echo=False) == {0: 1, 1: 0, 2: 0, 3: 0}
+    mesh.run(FULL).result()
+    for full in mesh.pull("full").values():
+        assert all(torch.equal(full[k], plain[k]) for k in plain)
+
+    # A rank that cannot map its host's copy (a file it may not open) builds its own, and says so.
+    mesh.run("from meshbook.mesh.protocol.payload import Payload\nkept_open = Payload.open\n"
+             "def refuse(self, what): raise PermissionError('not here')\nPayload.open = refuse", ranks=[1]).result()
+    try:
+        mesh.parallelize(counted, Layout(dp_shard=4))
+    finally:
+        mesh.run("Payload.open = kept_open", ranks=[1]).result()
+    assert mesh.run("globals().get('plain_builds', 0)").result(echo=False) == {0: 2, 1: 1, 2: 0, 3: 0}
+    assert "[1] meshbook: cannot map the plain model rank 0 built (PermissionError: not here); this rank builds " \
+           "its own copy" in capsys.readouterr().err
     mesh.run(FULL).result()
     for full in mesh.pull("full").values():
         assert all(torch.equal(full[k], plain[k]) for k in plain)

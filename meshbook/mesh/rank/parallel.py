@@ -25,6 +25,7 @@ it into shared memory, the others map it).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -486,10 +487,15 @@ def plain_tensors(factory: Callable[[], nn.Module], seed: int, init: Callable[[n
         builder, mine = next((r, o) for r, (h, o) in enumerate(offers) if h == host.index and o is not None)
         if isinstance(mine, str):
             raise MeshError(f"build() failed on rank {builder}, which builds the plain model for its host: {mine}")
-        values, release = mine.open("the plain model")
+        try:
+            values, release = mine.open("the plain model")
+        except Exception as exc:  # noqa: BLE001 - a file this rank cannot map: it builds its own, below
+            print(f"meshbook: cannot map the plain model rank {builder} built ({type(exc).__name__}: {exc}); "
+                  f"this rank builds its own copy", file=sys.stderr)
+            values, release = {}, lambda: True
         dist.barrier()  # every rank of the host mapped the file: its builder may close it
     try:
-        yield values["plain"]
+        yield values["plain"] if values else plain_model(factory, seed, init, device)
     finally:
         del values
         release()
