@@ -151,6 +151,21 @@ def test_input_on_ranks_asks_the_notebook_one_rank_after_another(kernel: Kernel)
     assert "mesh.push(name=value)" in refused.error_text
 
 
+def test_an_answer_to_an_earlier_question_is_never_taken_for_the_next(kernel: Kernel) -> None:
+    """An answer still on its way when its question was given up (interrupted) names that
+    question: the rank drops it, where draining its queue before asking could not."""
+    kernel.ok("import threading, time, meshbook\nsent = []\ndef late_answer():\n    time.sleep(1.5)\n"
+              "    meshbook.current().controller.send_input(0, 'stale', 0)  # to a question never asked\n"
+              "    sent.append(True)\nthreading.Thread(target=late_answer).start()")
+    msg_id, sent_at = kernel.submit("%%mesh --ranks 0\nx = input('x? ')\nx", allow_stdin=True)
+    assert kernel.client.get_stdin_msg(timeout=60)["content"]["prompt"] == "[0] x? "
+    time.sleep(3)  # the stale answer reaches the rank while it waits
+    kernel.client.input("fresh")
+    reply = kernel.wait(msg_id, sent_at)
+    assert reply.status == "ok" and result_text(reply) == "[0] 'fresh'", reply.error_text
+    assert kernel.value("sent") == [True]
+
+
 def test_the_time_a_user_takes_to_answer_is_not_the_cells(kernel: Kernel) -> None:
     msg_id, _ = kernel.submit("%%mesh --ranks 0 --timeout 2\nx = input('x? ')\nx.upper()", allow_stdin=True)
     assert kernel.client.get_stdin_msg(timeout=60)["content"]["prompt"] == "[0] x? "

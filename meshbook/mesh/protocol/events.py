@@ -56,10 +56,13 @@ class Error:
 
 @dataclass(frozen=True)
 class InputRequest:
-    """A rank's debugger asks for a line of input (``prompt`` reads ``(Pdb rank 2)``)."""
+    """A rank's debugger asks for a line of input (``prompt`` reads ``(Pdb rank 2)``); its
+    answer names ``question`` (the rank's count of its questions), so one that comes late,
+    after its question was given up, is never taken for the next one's."""
 
     rank: int
     prompt: str
+    question: int = 0
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,9 @@ class RankContext(Protocol):
     #: The request the main thread runs now (None: idle).
     request: int | None
     stdin_available: bool
-    #: Lines typed in the notebook for this rank's ``input()`` or pdb; None: the end of input.
-    input_replies: "queue.Queue[str | None]"
+    #: Lines typed in the notebook for this rank's ``input()`` or pdb, with the number of the
+    #: question each answers; None: the end of input.
+    input_replies: "queue.Queue[tuple[int, str | None]]"
     stdout: Any
     stderr: Any
     actors: Any

@@ -15,8 +15,8 @@ the mesh, and ``input()`` raises ``EOFError`` saying why, as it does without a t
 
 from __future__ import annotations
 
+import itertools
 import pdb
-import queue
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable
@@ -38,10 +38,8 @@ class RemoteStdin:
         worker = self.worker
         worker.stdout.flush()
         worker.stderr.flush()
-        _drop_stale_answers(worker)
-        worker.emit(msg.INPUT, worker.current_request(), {"prompt": self.prompt})
         try:
-            line = worker.input_replies.get()
+            line = ask_notebook(worker, worker.current_request(), self.prompt)
         except KeyboardInterrupt:
             return "q\n"
         if line is None:  # the end of input: nobody waits for this cell any more
@@ -83,10 +81,8 @@ def input_hook(worker: "RankContext") -> Callable[..., str]:
             raise EOFError(f"input() on rank {worker.rank}: nobody can answer it here (a cell's own code may ask "
                            f"when its notebook lets cells read input; not a batch run or a background "
                            f"thread); send the value instead: mesh.push(name=value)")
-        _drop_stale_answers(worker)
-        worker.emit(msg.INPUT, request, {"prompt": f"[{worker.rank}] {prompt}"})
         try:
-            line = worker.input_replies.get()
+            line = ask_notebook(worker, request, f"[{worker.rank}] {prompt}")
         finally:
             worker.emit(msg.DEBUG_END, request, None)  # one line: the next rank's question may come
         if line is None:
@@ -97,13 +93,20 @@ def input_hook(worker: "RankContext") -> Callable[..., str]:
     return ask
 
 
-def _drop_stale_answers(worker: "RankContext") -> None:
-    """An answer that came after its question was interrupted is not the next question's."""
+#: This process's questions, numbered: a rank's answers name the question they answer.
+_questions = itertools.count(1)
+
+
+def ask_notebook(worker: "RankContext", request: int | None, prompt: str) -> str | None:
+    """Ask the notebook for a line (None: the end of input). An answer that comes after its
+    question was given up (interrupted) names that question, and is dropped here, where
+    draining the queue before asking would miss one still on its way."""
+    question = next(_questions)
+    worker.emit(msg.INPUT, request, {"prompt": prompt, "question": question})
     while True:
-        try:
-            worker.input_replies.get_nowait()
-        except queue.Empty:
-            return
+        answers, line = worker.input_replies.get()
+        if answers == question:
+            return line
 
 
 def breakpoint_hook(worker: "RankContext") -> Any:

@@ -100,8 +100,9 @@ class Worker:
         self.stdin_available = False
         #: The most the running request's result may weigh (None: no limit, meshbook's own calls).
         self.result_limit: int | None = None
-        #: Lines typed in the notebook for this rank's debugger, delivered by the control thread.
-        self.input_replies: queue.Queue[str | None] = queue.Queue()
+        #: Lines typed in the notebook for this rank's debugger, delivered by the control thread,
+        #: each with the number of the question it answers.
+        self.input_replies: queue.Queue[tuple[int, str | None]] = queue.Queue()
         #: Verdicts of step checks (see :mod:`meshbook.mesh.controller.recovery.step`), delivered by the control thread.
         self.verdicts: queue.Queue[tuple[int, int | None]] = queue.Queue()
         #: Requests interrupted before their user code started: dropped when their turn comes,
@@ -552,7 +553,8 @@ class Worker:
 
     def _control_input(self, message: wire.Message) -> None:
         """A line for this rank's debugger, typed in the notebook."""
-        self.input_replies.put(message.body())
+        body = message.body()
+        self.input_replies.put((body["question"], body["text"]))
 
     def _control_call(self, message: wire.Message) -> None:
         request = message.header[msg.ID]

@@ -334,10 +334,11 @@ class Controller:
         states = self.book.ranks  # the parts themselves, not the facade's properties: per rank, per send
         return not self.stopped and any(states[r].state != "dead" for r in ranks)
 
-    def send_input(self, rank: int, text: str | None) -> None:
+    def send_input(self, rank: int, text: str | None, question: int) -> None:
         """A line typed in the notebook, for ``rank``'s ``input()`` or debugger (its control
-        thread); None: the end of input (nobody will answer)."""
-        self._send_to_ranks(self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, text), [rank], msg.CONTROL)
+        thread), answering its ``question``; None: the end of input (nobody will answer)."""
+        body = {"question": question, "text": text}
+        self._send_to_ranks(self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, body), [rank], msg.CONTROL)
 
     def kill(self, ranks: list[int], timeout: float = 10.0) -> None:
         """SIGKILL ``ranks`` and wait until their agent reported them dead."""
@@ -517,7 +518,8 @@ class Controller:
         self._deliver(message.header[msg.ID], Display(message.header[msg.RANK], message.body()))
 
     def _on_input(self, message: wire.Message) -> None:
-        self._deliver(message.header[msg.ID], InputRequest(message.header[msg.RANK], message.body()["prompt"]))
+        body = message.body()
+        self._deliver(message.header[msg.ID], InputRequest(message.header[msg.RANK], body["prompt"], body["question"]))
 
     def _on_debug_end(self, message: wire.Message) -> None:
         self._deliver(message.header[msg.ID], DebugEnd(message.header[msg.RANK]))

@@ -18,10 +18,10 @@ class PromptServer:
     """Answers ranks' debugger prompts from the notebook, one rank's session at a time.
 
     Fed every event of a run by whoever renders it; ``ask(prompt)`` reads a line from the
-    user (``input``), ``send(rank, text)`` delivers it to the rank.
+    user (``input``), ``send(rank, text, question)`` delivers it to the rank.
     """
 
-    def __init__(self, ask: Callable[[str], str], send: Callable[[int, str], None]) -> None:
+    def __init__(self, ask: Callable[[str], str], send: Callable[[int, str, int], None]) -> None:
         self._ask = ask
         self._send = send
         self._serving: int | None = None
@@ -50,4 +50,4 @@ class PromptServer:
             asked = time.monotonic()
             answer = self._ask(request.prompt)
             self.answering_s += time.monotonic() - asked
-            self._send(request.rank, answer)
+            self._send(request.rank, answer, request.question)

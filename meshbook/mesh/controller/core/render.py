@@ -25,7 +25,7 @@ class Rendered(Protocol):
 
     ranks: list[int]
 
-    def send_input(self, rank: int, text: str | None) -> None: ...
+    def send_input(self, rank: int, text: str | None, question: int) -> None: ...
 
 
 def write_stream(stream: str, text: str) -> None:

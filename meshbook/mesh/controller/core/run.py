@@ -55,7 +55,7 @@ class Run:
     """Handle on one request to a set of ranks."""
 
     def __init__(self, request_id: int, ranks: list[int], topology: Topology, what: str,
-                 interrupt: Callable[["Run"], None], send_input: Callable[[int, str | None], None],
+                 interrupt: Callable[["Run"], None], send_input: Callable[[int, str | None, int], None],
                  kind: str = msg.EXEC, follow: Follow | None = None) -> None:
         self.id = request_id
         self.ranks = list(ranks)
@@ -96,8 +96,8 @@ class Run:
         #: Called with how a run nobody follows ended (one line; where late output goes).
         self.on_late_end: Callable[[str], None] = lambda text: write_stream("stderr", text + "\n")
         self.followed = True
-        #: Ranks whose input request (``input()``, pdb) waits for an answer.
-        self._asking: set[int] = set()
+        #: Ranks whose input request (``input()``, pdb) waits for an answer: its question.
+        self._asking: dict[int, int] = {}
         #: Held while what nobody follows is handed on: in the order it came.
         self._handing = threading.Lock()
 
@@ -110,10 +110,11 @@ class Run:
             running = bool(self._pending)
             first = self.first_done_at is None
             unanswered = None
-            if isinstance(event, (InputRequest, DebugEnd)):  # a prompt opened or closed
-                asking = isinstance(event, InputRequest)
-                (self._asking.add if asking else self._asking.discard)(event.rank)
-                unanswered = event.rank if asking and not self.followed else None
+            if isinstance(event, InputRequest):  # a prompt opened
+                self._asking[event.rank] = event.question
+                unanswered = None if self.followed else (event.rank, event.question)
+            elif isinstance(event, DebugEnd):  # and closed
+                self._asking.pop(event.rank, None)
             if isinstance(event, Results):
                 fresh = self._fresh(event)
                 if fresh is None:
@@ -156,10 +157,10 @@ class Run:
                 missed = [e for e in self._events[self.echoed:] if isinstance(e, (Output, Display))]
                 self.echoed = len(self._events)
                 ended = "" if self._pending else self._how_it_ended()
-                asking = sorted(self._asking)
+                asking = sorted(self._asking.items())
             self._hand_on(missed, ended, asking)
 
-    def _hand_on(self, events: Sequence[Event], ended: str, asking: list[int]) -> None:
+    def _hand_on(self, events: Sequence[Event], ended: str, asking: list[tuple[int, int]]) -> None:
         """What nobody follows, to where late output goes (under ``_handing``, so in order).
         A failing hand-off (the kernel's socket gone at exit) is logged: it must not fail the
         receiver's booking of this run."""
@@ -168,8 +169,8 @@ class Run:
                 self.on_late_output(event)
             if ended:
                 self.on_late_end(ended)
-            for rank in asking:
-                self.send_input(rank, None)  # end of input: input() raises EOFError, pdb quits
+            for rank, question in asking:
+                self.send_input(rank, None, question)  # end of input: input() raises EOFError, pdb quits
         except Exception as exc:  # noqa: BLE001 - whatever the callbacks raise
             log(f"the late output of {self.what} was lost: {type(exc).__name__}: {exc}")
 
@@ -314,7 +315,7 @@ class Run:
             else:  # a wait that shows nothing asks nothing: a rank's question gets an end of input
                 for event in events:
                     if isinstance(event, InputRequest):
-                        self.send_input(event.rank, None)
+                        self.send_input(event.rank, None, event.question)
             if self.done() and seen == len(self._events):
                 break
             if deadline is not None and time.monotonic() >= deadline:

@@ -124,7 +124,8 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
     # than joining is aborted by what follows.
     running = _running(controller, survivors)
     interrupted = [r for r in survivors if running.get(r, controller.current_request(r)) is not None]
-    reason = f"meshbook aborted the collective it waited in, to free the ranks ({cause}); the process group was re-created"
+    reason = (f"meshbook aborted the collective it waited in, to free the ranks ({cause}); "
+              f"the process group was re-created")
     if interrupted:  # told first: ranks that leave the old group free a collective with a closed connection
         controller.call(prepare_abort, {r: running.get(r) or controller.current_request(r) for r in interrupted},
                         dict.fromkeys(interrupted, reason), True, ranks=interrupted,
