@@ -135,3 +135,29 @@ def test_a_partial_line_the_control_thread_flushes_leaves_before_the_result() ->
     stream.flush()  # the control thread's tick
     assert finished.wait(10)
     assert sent == ["no newline yet", "result"]
+
+
+def test_a_progress_line_shows_at_once_and_each_update_overwrites_it() -> None:
+    """tqdm's way (``\\r`` then the bar, no newline until it ends): labelled, live, in place."""
+    written, write = collect()
+    merger = LineMerger([0, 1], write, clock=Clock())
+    merger.feed_event(Output(0, "stdout", "\rstep 10/30"))
+    merger.feed_event(Output(1, "stdout", "\rstep 9/30"))
+    merger.feed_event(Output(0, "stdout", "\rstep 11/30"))
+    assert [text for _, text in written] == ["[0] step 10/30", "\r[1] step 9/30 ", "\r[0] step 11/30"]
+    merger.feed_event(Output(0, "stdout", "\rdone\n"))  # the line ends: what it shows in the end
+    merger.feed_event(Output(1, "stdout", "\rstep 30/30\rdone\r\n"))
+    merger.poll()
+    assert written[3:] == [("stdout", "\r[0,1] done    \n")]  # merged; blanks what the bar left
+    merger.feed_event(Output(0, "stdout", "next\n"))
+    merger.feed_event(Output(1, "stdout", "next\n"))
+    merger.poll()
+    assert written[4:] == [("stdout", "[0,1] next\n")]  # nothing to overwrite any more
+
+
+def test_the_ordered_collector_keeps_what_a_progress_line_shows_in_the_end() -> None:
+    written, write = collect()
+    collector = OrderedCollector([0], write)
+    collector.feed_event(Output(0, "stdout", "\r1/2\r2/2\nafter\n"))
+    collector.close()
+    assert written == [("stdout", "[0] 2/2\n[0] after\n")]

@@ -6,7 +6,9 @@ as soon as every rank still running has printed it, or has printed another line 
 a window (``MERGE_WINDOW_S``) long enough for ranks a busy machine schedules a moment apart.
 Only a line that some ranks never print waits that long (``if rank == 0: print(...)``).
 Each rank's lines keep their order; a rank that prints the same text twice contributes to two
-separate lines. Per-rank lines written together are sorted by rank between the merged lines around
+separate lines. A progress line (``\r``, as tqdm writes) shows at once, labelled, and each
+update overwrites it (``\r[0] 50%|...``), as in a terminal; a line is what it shows in the end
+(its text after its last ``\r``). Per-rank lines written together are sorted by rank between the merged lines around
 them (``[0] loss 1.2``, ``[1] loss 1.3``, ... whatever order they arrived in).
 
 :class:`OrderedCollector` buffers instead and writes each rank's output in rank order when the
@@ -47,9 +49,15 @@ class _Splitter:
         self._partial: dict[tuple[int, str], str] = defaultdict(str)
 
     def lines(self, rank: int, stream: str, text: str) -> list[str]:
+        """The lines ``text`` completes, each as it shows in the end (:func:`shown`)."""
         pending = self._partial[(rank, stream)] + text
         *complete, self._partial[(rank, stream)] = pending.split("\n")
-        return complete
+        return [shown(line) for line in complete]
+
+    def progress(self, rank: int, stream: str) -> str:
+        """What the unfinished tail shows now, if it is a progress line (it has a ``\r``)."""
+        tail = self._partial[(rank, stream)]
+        return shown(tail) if "\r" in tail else ""
 
     def tails(self) -> list[tuple[int, str, str]]:
         out = [(rank, stream, text) for (rank, stream), text in self._partial.items() if text]
@@ -70,11 +78,17 @@ class LineMerger:
         self._occurrences: dict[tuple[int, str, str], int] = defaultdict(int)
         self._printed: dict[tuple[int, str], int] = defaultdict(int)  # lines per (rank, stream)
         self._lines: dict[Key, _Line] = {}  # insertion order = display order
+        #: Streams whose last write is a progress line, not ended, and its length: the next
+        #: write overwrites it (blanking what a shorter one would leave of it).
+        self._progress: dict[str, int] = {}
 
     def feed_event(self, event: Event) -> None:
         if isinstance(event, Output):
             for line in self._splitter.lines(event.rank, event.stream, event.text):
                 self._add(event.rank, event.stream, line)
+            progress = self._splitter.progress(event.rank, event.stream)
+            if progress:
+                self._show(event.stream, f"[{event.rank}] {progress}", ended=False)
         elif isinstance(event, (Result, Error)):
             self._running.discard(event.rank)
         elif isinstance(event, Results):
@@ -133,7 +147,23 @@ class LineMerger:
             else:
                 chunks.append((stream, text))
         for stream, text in chunks:
-            self._write(stream, text)
+            self._show(stream, text, ended=True)
+
+    def _show(self, stream: str, text: str, ended: bool) -> None:
+        """Write ``text``, over the progress line the stream shows (if any)."""
+        shown_before = self._progress.pop(stream, None)
+        if shown_before is not None:
+            first, newline, rest = text.partition("\n")
+            text = "\r" + first.ljust(shown_before) + newline + rest
+        if not ended:
+            self._progress[stream] = len(text.rsplit("\r", 1)[-1])
+        self._write(stream, text)
+
+
+def shown(line: str) -> str:
+    """What a line shows once written to a terminal: its text after its last ``\r`` (a
+    progress bar's last state; ``\r\n`` ends a line as ``\n`` does)."""
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
 
 
 def _by_rank(lines: list[tuple[Key, set[int]]]) -> list[tuple[Key, set[int]]]:
@@ -177,7 +207,7 @@ class OrderedCollector:
             out: list[str] = []
             for ranks, text in group_by_text(texts):
                 label = f"[{format_ranks(ranks)}] "
-                out.extend(label + line + "\n" for line in text.rstrip("\n").split("\n"))
+                out.extend(label + shown(line) + "\n" for line in text.rstrip("\n").split("\n"))
             if out:
                 self._write(stream, "".join(out))
         self._text = {"stdout": {}, "stderr": {}}
