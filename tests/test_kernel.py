@@ -36,6 +36,28 @@ def test_output_streams_live_into_its_own_cell_merged(kernel: Kernel) -> None:
     assert reply.replied_at - first > 1.0, "output was not streamed while the cell ran"
 
 
+def test_a_progress_line_updates_in_place_and_labelled(kernel: Kernel) -> None:
+    reply = kernel.ok("%%mesh --ranks 0,1\nimport time\nfor i in range(3):\n"
+                      "    print(f'\\rstep {i}/3', end='', flush=True)\n    time.sleep(0.3)\nprint(' done')")
+    text = reply.stream()
+    assert text.startswith("[") and "\r[" in text, repr(text)  # each update labelled, over the last
+    assert "\n[" not in text.split("done")[0], f"an update took a line of its own: {text!r}"
+    assert text.endswith("] step 2/3 done\n") and text.count("\n") == 1, repr(text)
+
+
+def test_cells_read_like_ipython_cells(kernel: Kernel) -> None:
+    """A trailing ; hides the value; a top-level await runs on the rank's event loop (kept from
+    cell to cell); a magic or shell command says it runs in the notebook, not on the ranks."""
+    assert kernel.ok("%%mesh\nhidden = rank\nhidden;").of_type("execute_result") == []
+    reply = kernel.ok("%%mesh --ranks 1\nimport asyncio\nq = asyncio.Queue()\nawait q.put(rank * 10)\nawait q.get()")
+    assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[1] 10"
+    reply = kernel.ok("%%mesh --ranks 1\nawait q.put(3)\nawait q.get()")
+    assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[1] 3"
+    refused = kernel.execute("%%mesh\n%time x = 1")
+    assert refused.status == "error" and "magics (%...) and shell commands (!...) run in the notebook, not on the " \
+        "ranks" in refused.error_text and "nothing was sent" in refused.error_text
+
+
 def test_ordered_output_is_deterministic(kernel: Kernel) -> None:
     code = "%%mesh --ordered\nimport random, time\ntime.sleep(random.random() / 5)\nprint('rank', rank)\nprint('same')"
     expected = "[0] rank 0\n[0] same\n[1] rank 1\n[1] same\n[2] rank 2\n[2] same\n[3] rank 3\n[3] same\n"

@@ -1,7 +1,9 @@
 """Cell code: compile it like IPython does, and turn tracebacks into cell-relative frames.
 
-A cell is compiled as a module whose last statement, if it is an expression, is compiled
-separately in ``eval`` mode: its value is the cell's result. Line numbers are shifted by
+A cell is compiled as a module whose last statement, if it is an expression not ended by a
+``;`` (IPython's way to hide a value), is compiled separately in ``eval`` mode: its value is
+the cell's result. Top-level ``await`` is allowed, as in IPython: such code compiles to a
+coroutine, which the rank runs on its event loop (:func:`is_async`). Line numbers are shifted by
 ``first_line - 1`` so they match what the user sees (a ``%%mesh`` body starts on line 2 of its
 cell), and the source is registered in :mod:`linecache` under the cell's file name so
 tracebacks show the cell's own lines.
@@ -20,9 +22,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
+import io
 import linecache
 import os
 import sys
+import tokenize
 import traceback
 from dataclasses import dataclass
 from types import CodeType, TracebackType
@@ -53,16 +58,45 @@ def compile_cell(source: str, filename: str, first_line: int = 1) -> CompiledCel
     padded = "\n" * (first_line - 1) + source  # keeps line numbers (and SyntaxError's) right
     try:
         tree = ast.parse(padded, filename, "exec")
-    except SyntaxError as exc:
-        raise CellSyntaxError(exc.msg, exc.lineno, exc.offset, exc.text) from None
-    last = None
-    tail = tree.body[-1] if tree.body else None
-    if isinstance(tail, ast.Expr):
-        tree.body.pop()
-        last = ast.Expression(tail.value)
-    body = compile(tree, filename, "exec", dont_inherit=True)
-    expr = compile(last, filename, "eval", dont_inherit=True) if last is not None else None
+        last = None
+        tail = tree.body[-1] if tree.body else None
+        if isinstance(tail, ast.Expr) and not _ends_with_semicolon(padded):
+            tree.body.pop()
+            last = ast.Expression(tail.value)
+        body = compile(tree, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+        expr = (compile(last, filename, "eval", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+                if last is not None else None)
+    except SyntaxError as exc:  # from the parse, or from the compile ('return' outside a function)
+        raise CellSyntaxError(exc.msg + _not_python(exc.text), exc.lineno, exc.offset, exc.text) from None
     return CompiledCell(body, expr)
+
+
+def is_async(code: CodeType) -> bool:
+    """Does ``code`` (a cell's body or final expression) ``await`` at the top level? Evaluated,
+    it gives a coroutine to run on an event loop."""
+    return bool(code.co_flags & inspect.CO_COROUTINE)
+
+
+def _ends_with_semicolon(source: str) -> bool:
+    """Is the last token of ``source`` (comments and blank lines aside) a ``;``?"""
+    last = None
+    skip = {tokenize.NEWLINE, tokenize.NL, tokenize.COMMENT, tokenize.ENDMARKER, tokenize.INDENT, tokenize.DEDENT}
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type not in skip:
+                last = token
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    return last is not None and last.type == tokenize.OP and last.string == ";"
+
+
+def _not_python(text: str | None) -> str:
+    """A hint when the offending line is IPython syntax, which the ranks (plain Python) lack."""
+    line = (text or "").lstrip()
+    if line.startswith(("%", "!")):
+        return (": IPython's magics (%...) and shell commands (!...) run in the notebook, not on the "
+                "ranks; there, use Python (time.perf_counter(), subprocess.run)")
+    return ""
 
 
 def register_source(filename: str, source: str, first_line: int = 1) -> None:

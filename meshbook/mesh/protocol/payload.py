@@ -479,6 +479,7 @@ def pack(values: Mapping[str, Any], shared: bool, what: str = "push", least: int
         yield Payload(body, list(buffers))
         return
     file, fd = in_new_file("meshbook-push", views)
+    del views, buffers  # in the file now: what pickling copied (a non-contiguous piece) goes at once
     try:
         yield Payload(body, shared=file)
     finally:

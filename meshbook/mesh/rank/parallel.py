@@ -19,7 +19,7 @@ FSDP, TP and PP start from the same weights), where initialising the sharded par
 place drew every CPU shard from the same stream (FSDP's shards started equal) and every
 pipeline stage from the seed's start (stages began with the same weights). The cost: the
 plain model's parameters in CPU memory once per host while it starts (its first rank builds
-it into shared memory, the others map it).
+it and writes it into shared memory, twice while it writes, and every rank maps that file).
 """
 
 from __future__ import annotations
@@ -464,9 +464,10 @@ def plain_tensors(factory: Callable[[], nn.Module], seed: int, init: Callable[[n
 
     With ``host`` (every rank of the process group at once: it gathers), the host's first
     rank builds it and writes it once into a memfd (:func:`~..protocol.payload.pack`), and every
-    rank of the host maps that file: one copy of a model per host while it starts, where a
-    build on each rank held one per rank (eight ranks of a host filling a 7B model: 28 GB,
-    not 224). A build that fails there fails on every rank of the host, saying where.
+    rank of the host maps that file: one copy of a model per host while it starts (two while
+    the builder writes it), where a build on each rank held one per rank (eight ranks of a
+    host filling a 7B model: 28 GB, not 224). A build that fails there fails on every rank of
+    the host, saying where.
     """
     import torch.distributed as dist
 

@@ -45,7 +45,7 @@ import zmq
 
 from ..protocol import messages as msg
 from ..protocol import proc, wire
-from ..protocol.cell import cell_filename, compile_cell, current_cell_line, failure_from, register_source
+from ..protocol.cell import cell_filename, compile_cell, current_cell_line, failure_from, is_async, register_source
 from ..protocol.config import HEARTBEAT_S
 from ..protocol.errors import RankFailure, SendError
 from ..protocol.limits import KeptOnRank
@@ -108,6 +108,9 @@ class Worker:
         #: Requests interrupted before their user code started: dropped when their turn comes,
         #: or stopped where their user code starts (interrupted while their arguments unpickled).
         self.cancelled: set[int] = set()
+        #: Where cells with a top-level ``await`` run: one loop for the rank's life, as a
+        #: kernel's, so what a cell leaves bound to it (a session, a queue) works in the next.
+        self._loop: Any = None
         #: The request a targeted interrupt is meant for (None: any user code, e.g. SIGINT).
         self.interrupt_target: int | None = None
         #: Held while the main thread takes a request and while an interrupt decides whether
@@ -338,11 +341,27 @@ class Worker:
         register_source(filename, source, first)
         ns = self.namespace
         with self.user_code():
-            exec(cell.body, ns)
-            value = eval(cell.last_expr, ns) if cell.last_expr is not None else None
+            self._evaluate(cell.body, ns)
+            value = self._evaluate(cell.last_expr, ns) if cell.last_expr is not None else None
         if value is not None:
             ns["_"] = value
         return value
+
+    def _evaluate(self, code: types.CodeType, ns: dict[str, Any]) -> Any:
+        """Run a cell's code; one that awaits at the top level runs on the rank's event loop
+        (an interrupt cancels what it awaits)."""
+        if not is_async(code):
+            return eval(code, ns)
+        import asyncio
+
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+        task = self._loop.create_task(eval(code, ns))
+        try:
+            return self._loop.run_until_complete(task)
+        finally:
+            task.cancel()  # a no-op once done; else (Ctrl-C) it stops at its next await
 
     def _apply(self, body: dict[str, Any], request: int) -> Any:
         fn = body["fn"]
