@@ -59,6 +59,20 @@ def test_apply_runs_notebook_function_in_rank_namespace(mesh4: meshbook.Mesh) ->
     assert dict(mesh4.apply(torch.add, 1, 2, ranks=[0]).result()) == {0: torch.tensor(3)}
 
 
+def test_a_script_function_and_the_helpers_it_calls_see_the_rank_and_keep_their_lines(
+        mesh4: meshbook.Mesh, tmp_path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text("def helper():\n    return rank * 10\n\n\ndef outer():\n    return helper() + 1\n\n\n"
+                      "def fails():\n    return 1 / (rank - 1)\n")
+    functions: dict = {"__name__": "__main__"}  # as a script's own: they travel by value
+    exec(compile(script.read_text(), str(script), "exec"), functions)
+    assert dict(mesh4.apply(functions["outer"]).result()) == {0: 1, 1: 11, 2: 21, 3: 31}
+    with pytest.raises(RemoteError) as info:
+        mesh4.apply(functions["fails"], ranks=[1]).result()
+    frame = info.value.failures[1].frames[-1]
+    assert (frame.filename, frame.lineno, frame.line) == (str(script), 10, "return 1 / (rank - 1)")
+
+
 def test_slice_is_a_view_on_the_same_namespaces(mesh4: meshbook.Mesh) -> None:
     half = mesh4.slice(dp=0)
     assert half.ranks == [0, 1]
@@ -148,6 +162,9 @@ def test_unpicklable_result_names_type_and_rank_stays_healthy(mesh4: meshbook.Me
     assert failure.type_name == "SendError" and "_thread.lock" in failure.message
     assert "kept on the rank as `_`" in failure.message
     assert dict(mesh4.run("type(_).__name__", ranks=[1]).result()) == {1: "lock"}
+    with pytest.raises(RemoteError, match="kept on the rank as `_`"):  # an apply's too, as it says
+        mesh4.apply(threading.Lock, ranks=[2]).result()
+    assert dict(mesh4.run("type(_).__name__", ranks=[2]).result()) == {2: "lock"}
 
 
 def test_output_arrives_before_the_result(mesh4: meshbook.Mesh) -> None:

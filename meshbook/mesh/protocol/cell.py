@@ -29,8 +29,10 @@ import os
 import sys
 import tokenize
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
-from types import CodeType, TracebackType
+from types import CodeType, FunctionType, TracebackType
+from typing import Any
 
 from .errors import CellSyntaxError, Frame, RankFailure, short_path
 
@@ -97,6 +99,62 @@ def _not_python(text: str | None) -> str:
         return (": IPython's magics (%...) and shell commands (!...) run in the notebook, not on the "
                 "ranks; there, use Python (time.perf_counter(), subprocess.run)")
     return ""
+
+
+#: Where each function of something sent by value comes from, by qualified name: its file,
+#: or a cell name and the cell's source (see :func:`code_places`).
+CodePlaces = dict[str, tuple[str, str]]
+
+
+def code_places(functions: Iterable[tuple[str, Any]]) -> CodePlaces:
+    """Where each ``(key, function)`` comes from, for the process that receives them by value
+    (cloudpickle names their code ``<dynamic-code>``): its file, or for a notebook cell (a
+    file only this process can read) a cell name with the cell's source, so tracebacks there
+    read ``cell line 5, in generate`` with the line, as for ``%%mesh`` cells."""
+    places = {}
+    for key, function in functions:
+        filename = function.__code__.co_filename
+        if os.path.exists(filename):
+            places[key] = (filename, "")
+        else:
+            places[key] = (cell_filename(key.rsplit(".", 1)[0]), "".join(linecache.getlines(filename)))
+    return places
+
+
+def module_functions(function: FunctionType) -> list[tuple[str, FunctionType]]:
+    """``function`` and the functions of its module it calls by name (theirs too), by
+    qualified name: what travels by value with it, each to be given its place back."""
+    found: dict[str, FunctionType] = {}
+    todo = [function]
+    while todo:
+        current = todo.pop()
+        if found.setdefault(current.__qualname__, current) is not current:
+            continue
+        for name in _names(current.__code__):
+            called = current.__globals__.get(name)
+            if isinstance(called, FunctionType) and called.__globals__ is function.__globals__:
+                todo.append(called)
+    return list(found.items())
+
+
+def _names(code: CodeType) -> set[str]:
+    return set(code.co_names).union(*(_names(c) for c in code.co_consts if isinstance(c, CodeType)))
+
+
+def place_code(functions: Iterable[tuple[str, Any]], places: CodePlaces) -> None:
+    """Give functions received by value their file names back (and register a cell's
+    source), their nested functions' and lambdas' code too."""
+    for key, function in functions:
+        if key in places:
+            filename, source = places[key]
+            function.__code__ = _renamed(function.__code__, filename)
+            if source:
+                register_source(filename, source)
+
+
+def _renamed(code: CodeType, filename: str) -> CodeType:
+    consts = tuple(_renamed(c, filename) if isinstance(c, CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def register_source(filename: str, source: str, first_line: int = 1) -> None:

@@ -50,7 +50,7 @@ from ..protocol.actors import (
     set_place,
     timeout_error,
 )
-from ..protocol.cell import register_source
+from ..protocol.cell import place_code
 from ..protocol.errors import MeshError, RankFailure, RemoteError
 from ..protocol.payload import Payload, Segments, pickled, worth_sharing
 from ..protocol.proc import pid_alive
@@ -126,7 +126,7 @@ class ActorHost:
         name, cls = body["actor"], body["cls"]
         if name in self.actors:
             raise ValueError(f"an actor named {name!r} already lives on rank {self.worker.rank}")
-        place_code(cls, body["code"])
+        place_code(methods_of(cls), body["code"])
         cfg = self.worker.cfg
         set_place(self.worker.rank, cfg.topology.world_size, cfg.topology.coords(self.worker.rank))
         instance = self._run(cls, body["args"], body["kwargs"])
@@ -398,17 +398,6 @@ class RemoteActor(ActorView):
 
     def __repr__(self) -> str:
         return f"<actor {self.name!r} ({self.cls_name}) of mesh {self.address.mesh!r}, ranks {self.ranks}>"
-
-
-def place_code(cls: type, code: dict[str, tuple[str, str]]) -> None:
-    """Give the class's functions back the file names (and, for a notebook cell's, the source)
-    the controller sent, so tracebacks and stacks show the endpoints' own lines."""
-    for key, function in methods_of(cls):
-        if key in code:
-            filename, source = code[key]
-            function.__code__ = function.__code__.replace(co_filename=filename)
-            if source:
-                register_source(filename, source)
 
 
 def _unreadable(rank: int, caller: int, type_name: str | None, exc: Exception) -> RankFailure:

@@ -45,7 +45,15 @@ import zmq
 
 from ..protocol import messages as msg
 from ..protocol import proc, wire
-from ..protocol.cell import cell_filename, compile_cell, current_cell_line, failure_from, is_async, register_source
+from ..protocol.cell import (
+    cell_filename,
+    compile_cell,
+    current_cell_line,
+    failure_from,
+    is_async,
+    place_code,
+    register_source,
+)
 from ..protocol.config import HEARTBEAT_S
 from ..protocol.errors import RankFailure, SendError
 from ..protocol.limits import KeptOnRank
@@ -366,7 +374,9 @@ class Worker:
     def _apply(self, body: dict[str, Any], request: int) -> Any:
         fn = body["fn"]
         if isinstance(fn, FunctionType) and _travelled_by_value(fn):
-            fn = self._rebind(fn)
+            place_code([(fn.__qualname__, fn), *((f.__qualname__, f) for f in fn.__globals__.values()
+                                                 if isinstance(f, FunctionType))], body.get("code", {}))
+            self._rebind(fn)
         with self.user_code():
             return fn(*body["args"], **body["kwargs"])
 
@@ -387,13 +397,11 @@ class Worker:
         stderr.write(f"meshbook: rank {self.rank} {text}\n")
         stderr.flush()
 
-    def _rebind(self, fn: FunctionType) -> FunctionType:
-        """A notebook function sees the rank's namespace first, then what it carried along."""
-        scope = dict(fn.__globals__)
-        scope.update(self.namespace)
-        new = FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-        new.__kwdefaults__ = fn.__kwdefaults__
-        return new
+    def _rebind(self, fn: FunctionType) -> None:
+        """A notebook function sees the rank's namespace first, then what it carried along, and
+        so do the notebook's functions it calls: they travelled with it, and share the globals
+        cloudpickle made for them on arrival (a fresh dict, not a module's), updated here."""
+        fn.__globals__.update(self.namespace)
 
     def user_code(self) -> "_Interruptible":
         return _Interruptible(self, True)
@@ -425,6 +433,7 @@ class Worker:
             try:
                 frames = self._pack_result(request, value, header)
             except Exception as exc:
+                self.namespace["_"] = value  # an apply's or an endpoint's too: what the message says
                 failure = RankFailure(
                     self.rank, SendError.__name__,
                     f"the result (a {type(value).__module__}.{type(value).__qualname__}) cannot be "

@@ -29,8 +29,6 @@ A handle passed to an endpoint pickles to its :class:`~meshbook.mesh.protocol.ac
 from __future__ import annotations
 
 import itertools
-import linecache
-import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -48,7 +46,7 @@ from ...protocol.actors import (
     endpoints_of,
     methods_of,
 )
-from ...protocol.cell import cell_filename
+from ...protocol.cell import code_places
 from ...protocol.errors import MeshError, RemoteError, SendError
 from ...protocol.events import Error, Result
 from ...protocol.namespaces import SEEDED
@@ -145,7 +143,7 @@ def _check_spawn(controller: Controller, name: str, cls: type, supervisor: Any) 
 
 def _spawn_on(state: ActorState, ranks: list[int]) -> None:
     body = {"actor": state.name, "cls": state.cls, "args": state.args, "kwargs": state.kwargs,
-            "code": _code_places(state.cls)}
+            "code": code_places(methods_of(state.cls))}
     run = state.controller.submit(msg.ACTOR, body, ranks, f"spawn {state.name} ({state.cls.__qualname__})")
     try:
         peers = run.result()
@@ -155,21 +153,6 @@ def _spawn_on(state: ActorState, ranks: list[int]) -> None:
             state.controller.call(ops.drop_actor, state.name, ranks=done, what="drop_actor").wait(10)
         raise
     state.peers.update(peers)
-
-
-def _code_places(cls: type) -> dict[str, tuple[str, str]]:
-    """Where each function of the class comes from: its file, or for a notebook cell (a file
-    only this process can read) a cell name with the cell's source, so tracebacks on the
-    ranks read ``cell line 5, in generate`` with the line, as for ``%%mesh`` cells."""
-    places = {}
-    for key, function in methods_of(cls):
-        filename = function.__code__.co_filename
-        if os.path.exists(filename):
-            places[key] = (filename, "")
-        else:
-            lines = linecache.getlines(filename)
-            places[key] = (cell_filename(f"{cls.__qualname__}"), "".join(lines))
-    return places
 
 
 def _rank_died(controller: Controller, registry: dict[str, ActorState], rank: int, cause: str) -> None:

@@ -25,11 +25,12 @@ import itertools
 import os
 import sys
 import time
+from types import FunctionType
 from typing import Any, Callable, Mapping, Sequence
 
 from ...protocol import messages as msg
 from ...protocol.backends import Backend, check_requested
-from ...protocol.cell import cell_filename, compile_cell
+from ...protocol.cell import cell_filename, code_places, compile_cell, module_functions
 from ...protocol.errors import MeshError, MeshStoppedError, check_bytes, check_seconds
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.topology import DimSelector, Topology, resolve
@@ -359,15 +360,17 @@ class Mesh(DebugOps, DataOps, PlanOps):
               where: Mapping[str, DimSelector] | None = None, **kwargs: Any) -> Run:
         """Call ``fn(*args, **kwargs)`` on each selected rank; its return value is the result.
 
-        A function defined in the notebook sees the rank's namespace (``rank``, ``torch``,
-        ``dist``, your variables) before the notebook names it carried along; assigning a
-        global inside it does not persist (use :meth:`run` for state).
+        A function defined in the notebook (or a script) sees the rank's namespace (``rank``,
+        ``torch``, ``dist``, your variables) before the notebook names it carried along, and so
+        do the functions of yours it calls; assigning a global inside it does not persist (use
+        :meth:`run` for state). Its tracebacks show its own file and lines.
         """
         if not callable(fn):
             raise MeshError(f"apply() needs a function, got a {type(fn).__name__}")
         chosen = self.select(ranks, where)
         body = {"fn": fn, "args": args, "kwargs": kwargs, "stdin": self.controller.stdin_probe(),
-                "max_bytes": self.controller.max_result_bytes}
+                "max_bytes": self.controller.max_result_bytes,
+                "code": code_places(module_functions(fn)) if isinstance(fn, FunctionType) else {}}
         return self.controller.submit(msg.APPLY, body, chosen, f"apply({_name_of(fn)})")
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: Sequence[int] | None = None,
