@@ -207,6 +207,19 @@ def test_a_slice_waiting_for_ranks_outside_it_is_explained(mesh: meshbook.Mesh, 
     assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}
 
 
+def test_recover_interrupts_a_rank_running_python_where_it_killed_it(mesh: meshbook.Mesh) -> None:
+    mesh.run("keep = rank").result()
+    run = mesh.run("import time\nif rank == 1:\n    time.sleep(60)\nt = torch.ones(1)\ndist.all_reduce(t)")
+    wait_until(lambda: all(mesh.snapshots([r])[r].pending for r in (0, 2, 3)))
+    recovery = mesh.recover()
+    assert (recovery.restarted, recovery.interrupted, recovery.aborted) == ([], [1], [0, 2, 3])
+    assert "rank 1 was interrupted (no process restarted)." in recovery.render()
+    with pytest.raises(RemoteError) as info:
+        run.result(echo=False)
+    assert info.value.failures[1].type_name == "KeyboardInterrupt"
+    assert dict(mesh.run("keep").result()) == {0: 0, 1: 1, 2: 2, 3: 3}  # nobody lost a variable
+
+
 def test_waiting_on_stuck_ranks_after_explaining_does_not_spin(mesh: meshbook.Mesh) -> None:
     from meshbook.mesh import EventRenderer, FollowOptions, follow
 

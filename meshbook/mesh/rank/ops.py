@@ -123,17 +123,18 @@ def reinit(worker: "Worker", generation: int, store: tuple[str, int] | None = No
 
 @rank_op(channel=msg.CONTROL)
 def prepare_abort(worker: "Worker", stuck_in: dict[int, int], reasons: dict[int, str],
-                  if_waiting: bool = False) -> list[int]:
+                  if_waiting: bool = False) -> tuple[list[int], bool]:
     """The first round of an abort (control thread): a rank about to have its collective
     aborted learns why, so its error says so even if a peer's shut-down connection fails the
-    collective first; every rank answers the ports it listens on. ``if_waiting``: only a rank
-    waiting in a collective now learns it (a recovery, before the ranks it does not abort
-    leave the old group and so close their connections)."""
+    collective first; every rank answers the ports it listens on, and whether it waits in a
+    collective now. ``if_waiting``: only a rank waiting in one learns why (a recovery, before
+    the ranks it does not abort leave the old group and so close their connections)."""
     request = worker.request
+    waiting = bool(pending_collectives())
     if worker.rank in reasons and request is not None and request == stuck_in.get(worker.rank) \
-            and (not if_waiting or pending_collectives()):
+            and (waiting or not if_waiting):
         worker.abort_reasons[request] = reasons[worker.rank]
-    return listening_ports(worker)
+    return listening_ports(worker), waiting
 
 
 def listening_ports(worker: "Worker") -> list[int]:

@@ -416,6 +416,22 @@ class Controller:
         if ranks and not self.stopped:
             self.call(interrupt_request, run.id, ranks=ranks, what="interrupt")
 
+    def interrupt_where(self, running: dict[int, int]) -> None:
+        """Interrupt what each rank runs (``running``: rank -> request), as a Ctrl-C would: a
+        run of the book as a whole, unless it was interrupted already (a second interrupt
+        would cut its ranks' cleanup short); a request the book does not have (an endpoint
+        another rank's actor called) on its ranks."""
+        by_request: dict[int, list[int]] = {}
+        for rank, request in running.items():
+            by_request.setdefault(request, []).append(rank)
+        for request, ranks in by_request.items():
+            with self._lock:
+                run = self.book.runs.get(request)
+            if run is None:
+                self.call(interrupt_request, request, ranks=ranks, what="interrupt")
+            elif not run.interrupted:
+                self.interrupt_run(run)
+
     def signal(self, ranks: list[int], sig: int) -> None:
         live = [r for r in ranks if self.ranks[r].state != "dead"]
         if live and not self.stopped:

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from ...protocol.errors import MeshError
@@ -54,6 +54,8 @@ class Recovery:
     kept: list[int]
     generation: int
     seconds: float
+    #: Ranks that ran Python (not a collective) and were interrupted, as a Ctrl-C does.
+    interrupted: list[int] = field(default_factory=list)
 
     def render(self) -> str:
         lines = []
@@ -62,6 +64,9 @@ class Recovery:
         if self.aborted:
             lines.append(f"{ranks_text(self.aborted)} had {_their(self.aborted)} collective aborted "
                          f"(no process restarted).")
+        if self.interrupted:
+            lines.append(f"{ranks_text(self.interrupted)} {'were' if len(self.interrupted) > 1 else 'was'} "
+                         f"interrupted (no process restarted).")
         if self.kept:
             lines.append(f"{ranks_text(self.kept)} kept {_their(self.kept)} variables.")
         if self.aborted:
@@ -126,10 +131,17 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
     interrupted = [r for r in survivors if running.get(r, controller.current_request(r)) is not None]
     reason = (f"meshbook aborted the collective it waited in, to free the ranks ({cause}); "
               f"the process group was re-created")
-    if interrupted:  # told first: ranks that leave the old group free a collective with a closed connection
-        controller.call(prepare_abort, {r: running.get(r) or controller.current_request(r) for r in interrupted},
-                        dict.fromkeys(interrupted, reason), True, ranks=interrupted,
-                        what="why collectives end").wait(ASK_RUNNING_S)
+    in_python: set[int] = set()  # ranks that said they wait in no collective
+    if interrupted:
+        doing = {r: running.get(r) or controller.current_request(r) for r in interrupted}
+        # Told first: ranks that leave the old group free a collective with a closed connection.
+        told = controller.call(prepare_abort, doing, dict.fromkeys(interrupted, reason), True, ranks=interrupted,
+                               what="why collectives end")
+        told.wait(ASK_RUNNING_S)
+        in_python = {r for r, (_, waiting) in told.values().items() if not waiting}
+        # Then a Ctrl-C: a rank running Python stops and keeps its variables, where only the
+        # kill below would free it (the abort frees collectives, not a sleep or a loop).
+        controller.interrupt_where({r: q for r, q in doing.items() if q is not None})
     # Re-forked first: a host re-formed elsewhere brings the store with it (across hosts).
     controller.respawn(restarted, generation)
     joined = controller.call(reinit, generation, controller.store_addr, ranks=survivors,
@@ -169,9 +181,11 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
             raise MeshError(f"recovery timed out: rank(s) {format_ranks(stuck())} stay busy")
         time.sleep(0.02)
     controller.wait_generation(generation, list(controller.ranks), timeout, "recovery")
-    aborted = [r for r in interrupted if r not in restarted]
+    stopped = [r for r in interrupted if r not in restarted]
+    python = [r for r in stopped if r in in_python and r not in aborted]
     kept = [r for r in controller.ranks if r not in restarted]
-    return Recovery(sorted(restarted), aborted, kept, generation, time.monotonic() - started)
+    return Recovery(sorted(restarted), [r for r in stopped if r not in python], kept, generation,
+                    time.monotonic() - started, python)
 
 
 def resync(controller: "Controller", held: "Run", ahead: list[int],
@@ -217,7 +231,7 @@ def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int,
     asked = controller.call(prepare_abort, stuck_in, {r: t for r, t in reasons.items() if t},
                             ranks=live, what="listening ports")
     asked.wait(5)
-    ports = sorted({p for value in asked.values().values() for p in value})
+    ports = sorted({p for value in asked.values().values() for p in value[0]})
     controller.call(abort_collectives, stuck_in, ports, list(lost_hosts), ranks=ranks,
                     what="abort collectives").wait(5)
 
