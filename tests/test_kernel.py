@@ -72,6 +72,8 @@ def test_results_display_collapsed_and_out_stores_them(kernel: Kernel) -> None:
     assert kernel.value("dict(res)") == {0: 12.0, 1: 12.0, 2: 12.0, 3: 12.0}
     quiet = kernel.ok("%%mesh --quiet\nrank")
     assert quiet.of_type("execute_result") == []
+    assert kernel.execute("%%mesh --out part\nif rank == 1:\n    raise ValueError('no')\nrank").status == "error"
+    assert kernel.value("dict(part)") == {0: 0, 2: 2, 3: 3}  # what the other ranks gave is kept
 
 
 def test_selection_options(kernel: Kernel) -> None:

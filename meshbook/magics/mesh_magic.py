@@ -57,7 +57,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
     @argument("--timeout", "-t", type=seconds_arg,
               help="stop waiting after this many seconds (time spent answering the ranks' "
                    "input() or pdb prompts not counted); the ranks keep running")
-    @argument("--out", "-o", help="also store the per-rank results (RankValues) in this variable")
+    @argument("--out", "-o", help="also store the per-rank results (RankValues) in this variable "
+                                  "(those of the ranks that succeeded, when some fail)")
     @argument("--ordered", action="store_true",
               help="print each rank's output in rank order when the cell ends (deterministic)")
     @argument("--quiet", "-q", action="store_true", help="do not display the results")
@@ -97,8 +98,13 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
         run = mesh.run(cell, ranks, where=where, first_line=args.first_line,
                        name=self.shell.execution_count,
                        max_bytes=parse_size(args.max_bytes) if args.max_bytes else None)
-        values = show_run(run, RenderOptions(ordered=args.ordered, timeout=args.timeout), mesh,
-                          view=self.cell_view(mesh, run, enabled=not args.no_status))
+        try:
+            values = show_run(run, RenderOptions(ordered=args.ordered, timeout=args.timeout), mesh,
+                              view=self.cell_view(mesh, run, enabled=not args.no_status))
+        except RemoteError as exc:
+            if out:  # the ranks that succeeded: their values are the user's as well
+                self.shell.user_ns[out] = exc.partial
+            raise
         if out:
             self.shell.user_ns[out] = values
         if args.quiet or all(v is None for v in values.values()):

@@ -21,6 +21,10 @@ NCCL = "cuda:nccl,cpu:gloo"
 CHOICES = ("auto", "gloo", "nccl")
 
 
+#: The name of the host a local mesh runs on, in what is said of it.
+LOCAL = "this host"
+
+
 @dataclass(frozen=True)
 class HostGpus:
     """What one host agent reported: its name, the GPUs its ranks see, how many ranks it runs."""
@@ -63,6 +67,10 @@ def choose(requested: str, hosts: Sequence[HostGpus]) -> Backend:
         wanted = NCCL if requested == "nccl" else requested
         if "nccl" not in wanted:
             return Backend.of(wanted)
+        if short and all(h.gpus == 0 for h in short):
+            raise MeshError(f"--backend {requested} needs a GPU per rank, and {_names(short)} "
+                            f"{'has' if len(short) == 1 else 'have'} none. Start with --backend gloo "
+                            f"(backend='gloo') to run the ranks on CPU collectives")
         if short:
             raise MeshError(f"--backend {requested} needs a GPU per rank, but {_describe(short)}. "
                             f"Start with --backend gloo (backend='gloo'), or with at most "
@@ -83,4 +91,9 @@ def choose(requested: str, hosts: Sequence[HostGpus]) -> Backend:
 
 
 def _describe(hosts: Sequence[HostGpus]) -> str:
-    return "; ".join(f"host {h.name} has {h.gpus} GPU(s) for {h.ranks} rank(s)" for h in hosts)
+    return "; ".join(f"{_names([h])} has {h.gpus} GPU(s) for {h.ranks} rank(s)" for h in hosts)
+
+
+def _names(hosts: Sequence[HostGpus]) -> str:
+    """``this host`` (the local agent's, which has no name of its own), or ``host gpu2``."""
+    return ", ".join(h.name if h.name == LOCAL else f"host {h.name}" for h in hosts)

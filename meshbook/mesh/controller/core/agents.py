@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from ...protocol import messages as msg
 from ...protocol import wire
-from ...protocol.backends import Backend, HostGpus, choose
+from ...protocol.backends import LOCAL, Backend, HostGpus, choose
 from ...protocol.bodies import AgentConfig
 from ...protocol.errors import MeshError
 from ...protocol.topology import Topology
@@ -80,7 +80,7 @@ class Agents:
         ctx = self.context()
         self.handles = list(self.launcher.launch(self.plans, ctx, timeout))
         if not self.remote:
-            self._choose([HostGpus("this host", h.gpus, len(p.ranks)) for p, h in zip(self.plans, self.handles)])
+            self._choose([HostGpus(LOCAL, h.gpus, len(p.ranks)) for p, h in zip(self.plans, self.handles)])
             for plan, handle in zip(self.plans, self.handles):
                 handle.configure(self.local_config(plan))
             return
