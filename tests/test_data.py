@@ -659,6 +659,8 @@ def test_other_bad_requests(dtensors: meshbook.Mesh) -> None:
         dtensors.push(rank=3)
     with pytest.raises(MeshError, match="needs values"):
         dtensors.push()
+    with pytest.raises(MeshError, match=r"push\(\) takes a dict of names to values, or keywords.* not a list"):
+        dtensors.push([("a", 1)])  # type: ignore[arg-type]
     with pytest.raises(MeshError, match="'class' is a Python keyword"):
         dtensors.push({"class": 1})
     for name in ("__builtins__", "__name__"):

@@ -23,7 +23,7 @@ from meshbook.mesh.protocol.proc import Liveness
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"n": 0}, "positive integer"),
+    ({"n": 0}, r"^n=0: the number of ranks is a positive integer$"),  # not a dimension world
     ({"n": 3, "dims": {"dp": 2, "tp": 2}}, "n=3 but dims dp=2 x tp=2 make 4 ranks"),
     ({"dims": {"dp": 0}}, "sizes are positive integers"),
     ({"dims": {"not a name": 2}}, "must be a Python identifier"),

@@ -47,6 +47,16 @@ def test_ranks_of_any_whole_numbers_and_nothing_else() -> None:
             resolve(topo, bad, None, every)
 
 
+def test_where_takes_what_ranks_take_and_says_what_to_give_otherwise() -> None:
+    topo, every = Topology.create(dims={"dp": 2, "tp": 2}), [0, 1, 2, 3]
+    assert resolve(topo, None, {"tp": "0-1", "dp": numpy.int64(1)}, every) == [2, 3]  # as --where tp=0-1 reads
+    for bad in (1.0, None, True, [0, 0.5]):
+        with pytest.raises(SelectionError, match=r"tp=.*: give an index \(0\), a list of them \(\[0, 1\]\)"):
+            resolve(topo, None, {"tp": bad}, every)
+    with pytest.raises(SelectionError, match=r"where='dp=0': give a mapping of dimension names to indices"):
+        resolve(topo, None, "dp=0", every)  # type: ignore[arg-type]
+
+
 def test_limits_are_numbers_above_0_or_sizes() -> None:
     assert check_bytes("1M", "max_bytes") == 1 << 20 and check_bytes(5, "max_bytes") == 5
     assert check_bytes(numpy.int64(7), "max_bytes") == 7 and check_bytes(4e9, "max_bytes") == 4_000_000_000

@@ -31,6 +31,8 @@ class Topology:
     @classmethod
     def create(cls, n: int | None = None, dims: Mapping[str, int] | None = None) -> "Topology":
         """Validate ``n``/``dims`` as given to :func:`meshbook.start`."""
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise MeshError(f"n={n!r}: the number of ranks is a positive integer")
         if dims is None:
             if n is None:
                 raise MeshError("give the number of ranks (n=4) or named dims (dims={'dp': 2, 'tp': 2})")
@@ -45,8 +47,6 @@ class Topology:
                 raise MeshError(f"dimension {name!r} has size {size!r}; sizes are positive integers")
         world = math.prod(dims.values())
         if n is not None:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise MeshError(f"n={n!r}: the number of ranks is a positive integer")
             if n != world:
                 shape = " x ".join(f"{k}={v}" for k, v in dims.items())
                 raise MeshError(f"n={n} but dims {shape} make {world} ranks; drop n or make them agree")
@@ -80,7 +80,7 @@ class Topology:
             if name not in sizes:
                 raise SelectionError(
                     f"the mesh has no dimension {name!r}; its dimensions are {self.describe()}")
-            values = {sel} if isinstance(sel, int) else set(sel)
+            values = set(_rank_list(sel, name, "an index (0)", "a list of them ([0, 1])"))
             bad = sorted(v for v in values if not 0 <= v < sizes[name])
             if bad:
                 raise SelectionError(
@@ -154,19 +154,23 @@ def parse_where(text: str) -> dict[str, list[int]]:
             for name, value in parse_assignments(text, "--where").items()}
 
 
-def _rank_list(ranks: Any) -> list[int]:
+def _rank_list(ranks: Any, what: str = "ranks", one: str = "a rank (2)",
+               many: str = "a list of ranks ([0, 2])") -> list[int]:
     """A rank, or ranks (any iterable of whole numbers, numpy's too), as a list; else a
-    :class:`SelectionError` saying what to give (``ranks=1.5`` raised a bare ``TypeError``)."""
+    :class:`SelectionError` saying what to give (``ranks=1.5`` raised a bare ``TypeError``).
+    ``what``, ``one`` and ``many`` name them otherwise (a dimension's indices)."""
     if type(ranks) is int:  # the common cases first: Iterable's isinstance costs a microsecond
         return [ranks]
+    if isinstance(ranks, str):
+        return parse_index_list(ranks, what)
     items = ranks if isinstance(ranks, (list, tuple)) else list(ranks) if isinstance(ranks, Iterable) else [ranks]
     try:
         if any(isinstance(r, bool) for r in items):
-            raise TypeError("a bool is not a rank")
+            raise TypeError("a bool is not an index")
         return [operator.index(r) for r in items]
     except TypeError:
-        raise SelectionError(f"ranks={ranks!r}: give a rank (2), a list of ranks ([0, 2]) or a string such as "
-                             f"'0,2' or '0-3'") from None
+        raise SelectionError(f"{what}={ranks!r}: give {one}, {many} or a string such as '0,2' or "
+                             f"'0-3'") from None
 
 
 def resolve(topology: Topology, ranks: Sequence[int] | str | int | None,
@@ -174,16 +178,15 @@ def resolve(topology: Topology, ranks: Sequence[int] | str | int | None,
     """Turn a user's selection into ranks, intersected with the view's own ranks ``within``."""
     chosen = list(within)
     if ranks is not None:
-        if isinstance(ranks, str):
-            ranks = parse_index_list(ranks)
-        else:
-            ranks = _rank_list(ranks)
-        explicit = topology.check_ranks(ranks)
+        explicit = topology.check_ranks(_rank_list(ranks))
         outside = [r for r in explicit if r not in within]
         if outside:
             raise SelectionError(
                 f"rank {outside[0]} is not in this view (its ranks are {list(within)})")
         chosen = explicit
+    if where is not None and not isinstance(where, Mapping):
+        raise SelectionError(f"where={where!r}: give a mapping of dimension names to indices, e.g. "
+                             f"where={{'dp': 0}} or where={{'tp': '0-1'}}")
     if where:
         matching = set(topology.where(**where))
         chosen = [r for r in chosen if r in matching]

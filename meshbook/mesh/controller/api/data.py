@@ -111,6 +111,9 @@ class DataOps:
         Each value is serialized once, whatever the number of ranks; tensors are placed on
         each rank's device.
         """
+        if values is not None and not isinstance(values, Mapping):
+            raise MeshError(f"push() takes a dict of names to values, or keywords: mesh.push(x=t) or "
+                            f"mesh.push({{'x': t}}), not a {type(values).__name__}")
         items = {**(values or {}), **named}
         if not items:
             raise MeshError("push() needs values to send: mesh.push(x=tensor, lr=0.1)")
