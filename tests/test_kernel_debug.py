@@ -76,6 +76,10 @@ def test_two_interrupts_free_ranks_that_ignore_the_first(kernel: Kernel) -> None
     assert "rank 1 restarted: its variables are lost" in text
     assert "ranks 0,2,3 had their collective aborted" in text and "ranks 0,2,3 kept their variables" in text
     assert "What an aborted collective wrote into may hold partial results on ranks 0,2,3" in text
+    # Said as what happened, where it said rank 1 died and %mesh restart 1 would bring it back.
+    assert "[1] RankRestarted: rank 1 was re-forked to free the mesh (mesh.recover()): it did not stop" in text
+    assert "%mesh restart 1" not in text and "died" not in text, text
+    assert "c10d_logger" not in text, "the interrupt that landed in torch's logging wrapper showed its frame"
     vals = kernel.ok("%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\n(globals().get('keep'), t.item())")
     assert result_text(vals) == "[0] (0, 4.0)\n[1] (None, 4.0)\n[2] (200, 4.0)\n[3] (300, 4.0)"
 

@@ -181,8 +181,14 @@ def frames_of(tb: TracebackType | None) -> tuple[Frame, ...]:
     are torch's frames, except the innermost frame when the error was raised inside torch."""
     frames = [_frame(f.filename, f.lineno or 0, f.name, f.line or "")
               for f in traceback.extract_tb(tb) if not is_internal(f.filename)]
+    # Not even innermost: c10d's logging wrapper, where an interrupt held back during the
+    # collective lands as it logs the collective's failure (its def line says nothing).
+    frames = [f for f in frames if not short_path(f.filename).startswith(_LOGGER)]
     return tuple(f for i, f in enumerate(frames)
                  if not _in_torch(f) or (i == len(frames) - 1))
+
+
+_LOGGER = "torch/distributed/c10d_logger.py"
 
 
 def _in_torch(frame: Frame) -> bool:

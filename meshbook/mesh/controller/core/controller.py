@@ -110,6 +110,8 @@ class Controller:
         self._held: list[Any] | None = None  # a results entry of hosts' bundles not booked yet (see _hold)
         #: Agents that said they stopped on their own, not by our stop: when, and why.
         self._stopped_alone: dict[int, tuple[HostLink, float, str]] = {}
+        #: Ranks killed to be re-forked (a recovery), and why: what their deaths then say.
+        self._refork_why: dict[int, str] = {}
         #: Can the notebook answer a rank's debugger prompt right now? (the kernel layer
         #: replaces this with "does this cell allow stdin").
         self.stdin_probe: Callable[[], bool] = _terminal_stdin
@@ -340,11 +342,16 @@ class Controller:
         body = {"question": question, "text": text}
         self._send_to_ranks(self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, body), [rank], msg.CONTROL)
 
-    def kill(self, ranks: list[int], timeout: float = 10.0) -> None:
-        """SIGKILL ``ranks`` and wait until their agent reported them dead."""
+    def kill(self, ranks: list[int], timeout: float = 10.0, why: str = "") -> None:
+        """SIGKILL ``ranks`` and wait until their agent reported them dead. ``why``: meshbook
+        kills them to re-fork them (a recovery), which is what their runs' errors then say
+        (``rank 3 was re-forked ...``), not that they died and want a restart."""
         live = [r for r in ranks if self.ranks[r].state != "dead"]
         if not live:
             return
+        if why:
+            with self._lock:
+                self._refork_why.update(dict.fromkeys(live, why))
         self.signal(live, signal.SIGKILL)
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -679,6 +686,8 @@ class Controller:
         with self._changed:
             told = ranks
             ranks = [r for r in ranks if self.book.ranks[r].state != "dead"]
+            whys = {self._refork_why.pop(r, "") for r in ranks}
+            refork = whys.pop() if len(whys) == 1 else ""  # each killed to be re-forked, for one reason
             death = self.book.died(ranks, cause)
             self._changed.notify_all()
         for rank in ranks:
@@ -689,10 +698,12 @@ class Controller:
         if not ranks:
             return
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
-        note = (f"{who} died ({cause}). %mesh restart {','.join(map(str, ranks))} (mesh.restart({ranks})) "
+        note = (f"{who} {'was' if len(ranks) == 1 else 'were'} re-forked {refork}: "
+                f"{'its' if len(ranks) == 1 else 'their'} variables are lost." if refork else
+                f"{who} died ({cause}). %mesh restart {','.join(map(str, ranks))} (mesh.restart({ranks})) "
                 f"brings {'it' if len(ranks) == 1 else 'them'} back and re-creates the process group; "
                 f"the other ranks keep their variables.")
-        if death.stranded and not self.stopped and self.on_stranded is not None:
+        if death.stranded and not refork and not self.stopped and self.on_stranded is not None:
             note += (f" Rank(s) {format_ranks(death.stranded)} ran beside it: meshbook freed them from "
                      f"anything waiting on it.")
             reason = f"meshbook aborted what this rank ran: {who} died ({cause})"
@@ -702,7 +713,9 @@ class Controller:
             run.notes.append(note)
             for rank in ranks:
                 if rank in run.pending:
-                    failure = RankFailure(rank, "RankDied", f"rank {rank} died: {cause}", died=cause, detail=detail)
+                    failure = (RankFailure(rank, "RankRestarted", f"rank {rank} was re-forked {refork}", died=cause)
+                               if refork else
+                               RankFailure(rank, "RankDied", f"rank {rank} died: {cause}", died=cause, detail=detail))
                     self._finish(run.id, (rank,), Error(rank, failure, time.monotonic() - run.submitted_at))
         for listener in self.death_listeners:
             for rank in ranks:

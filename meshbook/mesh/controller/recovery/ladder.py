@@ -119,7 +119,7 @@ def recover(controller: "Controller", restart: list[int], timeout: float, cause:
 
 def _recover(controller: "Controller", restart: list[int], timeout: float, cause: str) -> Recovery:
     started = time.monotonic()
-    controller.kill(restart)
+    controller.kill(restart, why=f"by {cause}")
     restarted = [r for r, s in controller.ranks.items() if s.state == "dead"]
     generation = controller.new_generation()
     survivors = [r for r in controller.ranks if r not in restarted]
@@ -173,7 +173,8 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
                                                           for r in aborted})
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = still_stuck()
-            controller.kill(hopeless)
+            controller.kill(hopeless, why=f"to free the mesh ({cause}): it did not stop on an interrupt nor "
+                                          f"when its collectives were aborted (SIGINT blocked, or C code)")
             controller.respawn(hopeless, generation)
             restarted += hopeless
             break
