@@ -113,6 +113,9 @@ def test_startup_waits_for_every_rank_of_the_generation_and_names_the_failed() -
     b.init_failed(1, 0, "connection refused")
     ready, failed = b.startup([0, 1], 0)
     assert failed == [b.ranks[1]] and "connection refused" in b.ranks[1].cause
+    b.died([1], "exit code 1")  # the failed rank then exits: why it failed still shows
+    assert b.ranks[1].cause == ("torch.distributed did not initialise: connection refused; then it exited "
+                                "(exit code 1)")
     b.respawning([1])
     generation = b.new_generation()
     b.ready(1, generation, "cpu", 11, "")

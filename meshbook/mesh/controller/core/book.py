@@ -166,11 +166,14 @@ class RankBook:
             state.state, state.cause = "dead", "died while no kernel was attached"
 
     def died(self, ranks: list[int], cause: str) -> Death:
-        """``ranks`` died together (a rank's exit, a lost host)."""
+        """``ranks`` died together (a rank's exit, a lost host). A rank whose process group
+        failed to initialise keeps that as its cause, the exit after it added: 'exit code 1'
+        alone would hide why it exited."""
         running = {}
         for rank in ranks:
             state = self.ranks[rank]
-            state.state, state.cause, state.pid = "dead", cause, None
+            why = f"{state.cause}; then it exited ({cause})" if state.state == "failed" and state.cause else cause
+            state.state, state.cause, state.pid = "dead", why, None
             queue = self.queues[rank]
             running[rank] = queue[0] if queue else None
             queue.clear()
