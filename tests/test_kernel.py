@@ -189,6 +189,10 @@ def test_display_on_a_rank_reaches_the_cell(kernel: Kernel) -> None:
     (shown,) = reply.of_type("display_data")
     assert shown["content"]["data"]["text/html"] == "<i>hi</i>"
     assert shown["content"]["metadata"]["meshbook"]["rank"] == 2
+    # IPython's own display(), imported as users do, reaches the notebook too (it printed a repr)
+    reply = kernel.ok("%%mesh --ranks 1,3\nfrom IPython.display import display, HTML\ndisplay(HTML(f'<b>{rank}</b>'))")
+    assert sorted(m["content"]["data"]["text/html"] for m in reply.of_type("display_data")) == ["<b>1</b>", "<b>3</b>"]
+    assert reply.stream() == ""
 
 
 def test_status_and_auto_mode(kernel: Kernel) -> None:

@@ -63,6 +63,7 @@ from . import torchrun
 from .actors import ActorHost
 from .collectives import CollectiveClock
 from .context import RankConfig
+from .ipython import route_display
 from .memory import CudaStats, host_memory_probe
 from .sampling import MainThreadSampler, see_through
 from .streams import FdPump, RankStream, install_thread_tagging
@@ -210,6 +211,7 @@ class Worker:
         from .debugger import breakpoint_hook, input_hook
         sys.breakpointhook = breakpoint_hook(self)
         builtins.input = input_hook(self)
+        route_display(self.display)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         self._requests = self._listen(cfg.request_addr)
         self._control_requests = self._listen(cfg.control_addr)  # handed to the control thread
@@ -503,11 +505,13 @@ class Worker:
             raise KeyboardInterrupt
         self.cancelled.add(request)
 
-    def display(self, *objs: Any, **kwargs: Any) -> None:
-        """``display()`` on a rank: each object's rich representations go to the notebook."""
+    def display(self, *objs: Any, raw: bool = False, **kwargs: Any) -> None:
+        """``display()`` on a rank (IPython's too): each object's rich representations go to
+        the notebook; with ``raw``, objects that are such representations already (a dict of
+        MIME type to data) go as they are."""
         for obj in objs:
             self.stdout.flush()
-            self.emit(msg.DISPLAY, self.current_request(), mimebundle(obj))
+            self.emit(msg.DISPLAY, self.current_request(), obj if raw and isinstance(obj, dict) else mimebundle(obj))
 
     # -- the control thread ----------------------------------------------------------------
 
