@@ -244,6 +244,14 @@ def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:
         mesh.plan(broken, BATCH)
     with pytest.raises(MeshError, match="must return an nn.Module, not a int"):
         mesh.plan(lambda: 3, BATCH)
+
+    def conv() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+
+    with pytest.raises(MeshError) as refused:  # what it cannot do, and what to do: said once
+        mesh.plan(conv, (8, 3, 8, 8), only=lambda lay: lay.family == "DDP", checkpointing=("none",))
+    assert str(refused.value).startswith("mesh.plan makes its batch from the model's first layer") \
+        and "mesh.parallelize(build, Layout(...))" in str(refused.value), str(refused.value)
     with pytest.raises(MeshError, match="batch '8xq': give the global batch shape"):
         mesh.plan(BUILD, "8xq")
     with pytest.raises(MeshError, match="no layout could be traced: .*"):

@@ -16,6 +16,7 @@ from ..protocol.plan import read_frame, write_frame
 def main() -> None:
     jobs, answers = sys.stdin.buffer, os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     sys.stdout = sys.stderr  # a print anywhere must not corrupt the frames
+    from ..protocol.errors import MeshError
     from . import trace
 
     while (job := read_frame(jobs)) is not None:
@@ -23,7 +24,8 @@ def main() -> None:
         try:
             write_frame(answers, ("ok", getattr(trace, kind)(*args)))
         except Exception as exc:  # the controller turns it into a MeshError in the cell
-            write_frame(answers, ("error", f"{type(exc).__name__}: {exc}"))
+            # A MeshError says what to do already; anything else says what it is.
+            write_frame(answers, ("error", str(exc) if isinstance(exc, MeshError) else f"{type(exc).__name__}: {exc}"))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ ROWWISE = frozenset({"o_proj", "down_proj", "fc2", "w2", "out_proj", "c_proj", "
 #: Attributes (on a block's modules, or the model's ``config``) that count attention heads.
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads", "n_kv_heads")
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+#: Layers that read a model's input: the first of them says what a batch is (token ids for an
+#: embedding, features for a linear; for the others, plan makes none).
+INPUT_LAYERS = (nn.Embedding, nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                nn.ConvTranspose3d, nn.RNNBase)
 
 
 # -- reading a model ---------------------------------------------------------------------------
@@ -135,7 +139,7 @@ def inspect(model: nn.Module) -> ModelFacts:
     cls, n_blocks = block_class(model)
     blocks = blocks_of(model, cls)
     tp_reason, divides = _tp_facts(model, blocks)
-    first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))), None)
+    first = next((m for m in model.modules() if isinstance(m, INPUT_LAYERS)), None)  # what reads the input
     return ModelFacts(
         cls=type(model).__name__,
         params=sum(p.numel() for p in params),
@@ -146,7 +150,7 @@ def inspect(model: nn.Module) -> ModelFacts:
         if isinstance(model, nn.Sequential) else (),
         tp_reason=tp_reason, tp_divides=divides,
         vocab=first.num_embeddings if isinstance(first, nn.Embedding) else None,
-        in_features=first.in_features if isinstance(first, nn.Linear) else None)
+        in_features=first.in_features if isinstance(first, nn.Linear) and first.in_features else None)
 
 
 def _pp_reason(model: nn.Module) -> str:
@@ -576,8 +580,9 @@ def example_batch(facts: ModelFacts, shape: tuple[int, ...], layout: Layout, dev
         tokens = torch.randint(0, facts.vocab, (local[0], *local[1:]), device=device, generator=generator)
         return tokens, tokens.clone()
     if facts.in_features is None:
-        raise MeshError("cannot make a batch for this model: give batch=a function (local batch size) -> "
-                        "(inputs, targets)")
+        raise MeshError("mesh.plan makes its batch from the model's first layer, an nn.Embedding (token ids) "
+                        "or an nn.Linear (features), and this model starts with neither: plan a model that "
+                        "does, or apply a layout yourself with mesh.parallelize(build, Layout(...))")
     return torch.randn((*local, facts.in_features), device=device, generator=generator), None
 
 
