@@ -43,6 +43,28 @@ def test_a_pending_collective_is_seen_from_the_control_thread(pair: meshbook.Mes
     assert pair.call(records, control=True).result(timeout=10).unique() == [], "done once re-created"
 
 
+def test_a_call_that_did_not_match_is_found_in_the_recorder_of_the_rank_that_went_on(pair: meshbook.Mesh) -> None:
+    """gloo completes rank 0's all_reduce of 2 floats against rank 1's of 4, and rank 1 waits:
+    the recorder keeps rank 0's finished call (flight_records(done_too=True)), so the abort
+    says the calls do not match, not that rank 0 never joined, and that rank 0's result is wrong."""
+    with pytest.raises(meshbook.RemoteError) as info:
+        pair.run("x = torch.ones(4 if rank else 2) * (rank + 1)\ndist.all_reduce(x)\nx.tolist()").result(
+            timeout=60, echo=False)
+    failure = info.value.failures[1]
+    assert failure.type_name == "CollectiveAborted" and set(info.value.failures) == {1}
+    assert failure.message.startswith("meshbook aborted its all_reduce #1 ([4] float): the calls do not match (rank 0 "
+                                      "called all_reduce #1 ([2] float), and went on)"), failure.message
+    assert "rank 0's all_reduce #1 ([2] float) was paired with the others' all_reduce #1 ([4] float): whatever " \
+           "rank 0 computed from it is wrong" in info.value.hint
+    assert set(pair.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {2.0}
+    # The groups were re-created, and number from 1 again: rank 0's calls of the old ones are
+    # not taken for calls of these (it called no #2 here, whatever the old group's #2 was).
+    with pytest.raises(meshbook.RemoteError) as info:
+        pair.run("for _ in range(2):\n    dist.all_reduce(t)\nif rank == 1:\n    dist.all_reduce(t)").result(
+            timeout=60, echo=False)
+    assert "rank 0 finished the cell without joining it" in info.value.failures[1].message
+
+
 def test_nccl_recorder_is_absent_from_a_cpu_build() -> None:
     assert torch_compat.oldest_nccl_pending() is None  # no NCCL in this torch: nothing to read
 

@@ -95,18 +95,28 @@ def snapshot(worker: "Worker") -> RankSnapshot:
 def pending_collectives() -> tuple[Collective, ...]:
     """Collectives enqueued but not completed, per torch's flight recorders (gloo's and
     NCCL's, merged; point-to-point operations left out), oldest first."""
-    out = []
-    for entry in flight_records():
-        if entry.get("is_p2p"):
-            continue
-        group = entry.get("process_group", ["", ""])
-        out.append(Collective(
-            op=str(entry.get("profiling_name", "?")).split(":")[-1],
-            seq=int(entry.get("collective_seq_id", 0)),
-            group=group[1] if len(group) > 1 and group[1] else str(group[0]),
-            sizes=tuple(tuple(s) for s in entry.get("input_sizes", [])),
-            dtypes=tuple(entry.get("input_dtypes", []))))
-    return tuple(out)
+    return tuple(_collective(e) for e in flight_records() if not e.get("is_p2p"))
+
+
+@rank_op(channel=msg.CONTROL)
+def collective_called(worker: "Worker", group: str, seq: int) -> Collective | None:
+    """The collective this rank called as number ``seq`` of ``group``, done or not (None: it
+    called none, or its recorder no longer keeps it): what a rank that went on had called. Of
+    the process groups it is in now: one re-created by a recovery numbers from 1 again, and
+    keeps its name, while the recorder keeps the old group's calls too."""
+    since = worker.group_since_ns
+    calls = [e for e in flight_records(done_too=True) if e.get("time_created_ns", 0) >= since and not e.get("is_p2p")]
+    return next((c for c in map(_collective, calls) if c.group == group and c.seq == seq), None)
+
+
+def _collective(entry: dict[str, Any]) -> Collective:
+    group = entry.get("process_group", ["", ""])
+    return Collective(
+        op=str(entry.get("profiling_name", "?")).split(":")[-1],
+        seq=int(entry.get("collective_seq_id", 0)),
+        group=group[1] if len(group) > 1 and group[1] else str(group[0]),
+        sizes=tuple(tuple(s) for s in entry.get("input_sizes", [])),
+        dtypes=tuple(entry.get("input_dtypes", [])))
 
 
 # -- recovery (mesh/controller/recovery.py) -----------------------------------------------------

@@ -22,11 +22,12 @@ FLIGHT_RECORDER_ENTRIES = "256"
 _RECORDERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 
 
-def flight_records() -> list[dict[str, Any]]:
+def flight_records(done_too: bool = False) -> list[dict[str, Any]]:
     """Entries of every flight recorder of this process that are not completed, oldest first:
     collectives enqueued and not done. gloo marks an entry ``retired`` when it finishes; NCCL's
     watchdog marks it ``completed`` when its CUDA event fires (an NCCL collective returns to
-    Python at once: only its recorder knows it still runs on the GPU)."""
+    Python at once: only its recorder knows it still runs on the GPU). ``done_too``: the
+    finished ones the recorder still keeps as well (what a rank that went on had called)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return []
@@ -37,10 +38,11 @@ def flight_records() -> list[dict[str, Any]]:
         if dump is None:
             continue
         try:
-            trace = json.loads(dump(includeCollectives=True, onlyActive=True))
+            trace = json.loads(dump(includeCollectives=True, onlyActive=not done_too))
         except Exception:  # no process group yet, or a build without this recorder
             continue
-        out += [e for e in trace.get("entries", []) if not e.get("retired") and e.get("state") != "completed"]
+        out += [e for e in trace.get("entries", [])
+                if done_too or (not e.get("retired") and e.get("state") != "completed")]
     return sorted(out, key=lambda e: e.get("time_created_ns", 0))
 
 

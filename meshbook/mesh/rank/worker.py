@@ -117,6 +117,8 @@ class Worker:
         #: Requests interrupted before their user code started: dropped when their turn comes,
         #: or stopped where their user code starts (interrupted while their arguments unpickled).
         self.cancelled: set[int] = set()
+        #: When this rank's process groups were made (wall clock ns, as the flight recorder's).
+        self.group_since_ns = 0
         #: Where cells with a top-level ``await`` run: one loop for the rank's life, as a
         #: kernel's, so what a cell leaves bound to it (a session, a queue) works in the next.
         self._loop: Any = None
@@ -244,6 +246,7 @@ class Worker:
         cfg = self.cfg
         if dist.is_initialized():
             self.destroy_group()
+        self.group_since_ns = time.time_ns()  # the flight recorder's calls of these groups come after
         if cfg.device_type == "cuda":
             torch.cuda.set_device(cfg.local_rank)
             device = torch.device("cuda", cfg.local_rank)

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ...protocol import messages as msg
 from ...protocol.errors import MeshError
 from ...protocol.reports import Collective
 from ...protocol.text import ranks_text
-from ...rank.ops import snapshot
+from ...rank.ops import collective_called, snapshot
 from ..insight.hangs import group_members
 from .ladder import abort
 
@@ -76,7 +77,7 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
         return
     asked = controller.call(snapshot, ranks=live, what="stacks")
     asked.wait(SNAPSHOT_WAIT_S)
-    reasons = {}
+    blocked: dict[int, tuple[Collective, list[int]]] = {}
     for rank, snap in asked.values().items():
         if snap is None or snap.request != run.id or not snap.pending:  # None: nothing to say (a stand-in)
             continue
@@ -84,14 +85,53 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
         members = group_members(collective, rank, controller.topology) or []
         gone = [m for m in members if m in run.ranks and m not in run.pending and not controller.queued(m)]
         if gone:
-            reasons[rank] = _reason(run, collective, gone)
-    if reasons and not run.done():
-        run.forced_resync = True  # before the abort: the run may end (and its check start) at once
-        abort(controller, list(reasons), reasons)
+            blocked[rank] = (collective, gone)
+    if not blocked or run.done():
+        return
+    called = _called_instead(controller, blocked.values())
+    reasons = {rank: _reason(run, collective, gone, called) for rank, (collective, gone) in blocked.items()}
+    run.notes.extend(_mismatches(blocked.values(), called))
+    run.forced_resync = True  # before the abort: the run may end (and its check start) at once
+    abort(controller, list(reasons), reasons)
 
 
-def _reason(run: "Run", collective: Collective, gone: list[int]) -> str:
+def _called_instead(controller: "Controller", blocked: Iterable[tuple[Collective, list[int]]]
+                    ) -> dict[tuple[int, str, int], Collective]:
+    """What each member that went on called as the number the others wait in (rank, group,
+    number): a call that did not match theirs (other sizes, another operation), which gloo
+    may complete on one side. Asked of those members only, once per collective."""
+    asking: dict[tuple[str, int], set[int]] = {}
+    for collective, gone in blocked:
+        asking.setdefault((collective.group, collective.seq), set()).update(gone)
+    called: dict[tuple[int, str, int], Collective] = {}
+    for (group, seq), ranks in asking.items():
+        answers = controller.call(collective_called, group, seq, ranks=sorted(ranks), what="what a rank called")
+        answers.wait(SNAPSHOT_WAIT_S)
+        called.update({(rank, group, seq): c for rank, c in answers.values().items() if c is not None})
+    return called
+
+
+def _mismatches(blocked: Iterable[tuple[Collective, list[int]]], called: dict[tuple[int, str, int], Collective]
+                ) -> list[str]:
+    """A note per member whose call did not match: what it computed from it is wrong."""
+    notes = {}
+    for collective, gone in blocked:
+        for rank in gone:
+            theirs = called.get((rank, collective.group, collective.seq))
+            if theirs is not None:
+                notes[rank] = (f"rank {rank}'s {theirs.describe()} was paired with the others' "
+                               f"{collective.describe()}: whatever rank {rank} computed from it is wrong")
+    return [notes[r] for r in sorted(notes)]
+
+
+def _reason(run: "Run", collective: Collective, gone: list[int],
+            called: dict[tuple[int, str, int], Collective]) -> str:
     """Why a rank's collective was aborted, for its error."""
+    mismatched = {r: c for r in gone if (c := called.get((r, collective.group, collective.seq))) is not None}
+    if mismatched:
+        calls = "; ".join(f"rank {r} called {c.describe()}" for r, c in sorted(mismatched.items()))
+        return (f"meshbook aborted its {collective.describe()}: the calls do not match ({calls}, and went "
+                f"on), so it could never complete")
     if run.interrupted:
         return (f"interrupted: meshbook aborted its {collective.describe()}, which {ranks_text(gone)} "
                 f"stopped before joining and would never join")
