@@ -177,8 +177,8 @@ def test_a_cell_that_timed_out_still_shows_its_output_and_how_it_ended(kernel: K
         assert time.monotonic() < deadline, f"the timed-out cell's end never reached it: {seen!r}"
         time.sleep(0.1)
     assert all(f"[{r}] slept {r}" in seen for r in range(4)), seen
-    assert ("ended after the wait for it timed out: [0,2,3] finished; [1] ZeroDivisionError: division by zero "
-            "(%mesh debug 1 shows where)") in seen, seen
+    assert ("meshbook: cell [" in seen and "] ended after the wait for it timed out: [0,2,3] finished; [1] "
+            "ZeroDivisionError: division by zero (%mesh debug 1 shows where)") in seen, seen
     assert kernel.ok("%%mesh\nrank").of_type("execute_result")[0]["content"]["data"]["text/plain"] == (
         "[0] 0\n[1] 1\n[2] 2\n[3] 3")
 

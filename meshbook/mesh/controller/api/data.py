@@ -43,6 +43,7 @@ import itertools
 import keyword
 import math
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,8 @@ if TYPE_CHECKING:
 _FRAMING = 64 << 10
 #: How often a pull looks for answers that arrived (the first and last wake it at once).
 _LAND_EVERY_S = 1.0
+#: How long an interrupted push waits for its ranks to say whether they stored it.
+INTERRUPTED_WAIT_S = 5.0
 
 
 class DataOps:
@@ -383,9 +386,7 @@ def _deliver(mesh: MeshView, parts: list[tuple[list[int], dict[str, Any]]], what
             for run in runs:
                 run.wait()
         except KeyboardInterrupt:
-            for run in runs:
-                run.interrupt()
-            raise
+            raise _interrupted(runs, parts, everyone, what) from None
     failures = {r: f for run in runs for r, f in getattr(run.exception(), "failures", {}).items()}
     for ranks, values in parts:
         for rank in ranks:
@@ -398,6 +399,27 @@ def _deliver(mesh: MeshView, parts: list[tuple[list[int], dict[str, Any]]], what
         raise RemoteError(failures, hint=(
             f"{what}: {names} stored on rank(s) {format_ranks(stored) or 'none'}; rank(s) "
             f"{format_ranks(failures)} kept their previous values (a rank stores all or none)"))
+
+
+def _interrupted(runs: list[Run], parts: list[tuple[list[int], dict[str, Any]]], everyone: list[int],
+                 what: str) -> KeyboardInterrupt:
+    """Ctrl-C during a push: the ranks stop storing (or drop the request unstarted), and the
+    interrupt says which ranks stored the values all the same (a rank stores all or none)."""
+    for run in runs:
+        run.interrupt()
+    deadline = time.monotonic() + INTERRUPTED_WAIT_S
+    for run in runs:
+        run.wait(max(0.0, deadline - time.monotonic()))
+    unsure = {r for run in runs for r in run.pending}
+    failed = {r for run in runs for r in run.failed_ranks()}
+    stored = [r for r in everyone if r not in failed and r not in unsure]
+    names = ", ".join(sorted({n for _, values in parts for n in values}))
+    said = f"{what} interrupted: {names} stored on rank(s) {format_ranks(stored) or 'none'}"
+    if failed - unsure:
+        said += f"; rank(s) {format_ranks(failed - unsure)} kept their previous values"
+    if unsure:
+        said += f"; rank(s) {format_ranks(unsure)} still busy: look with mesh.who()"
+    return KeyboardInterrupt(said)
 
 
 def _check_names(values: Mapping[str, Any]) -> None:

@@ -353,7 +353,8 @@ class Mesh(DebugOps, DataOps, PlanOps):
                 "stdin": self.controller.stdin_probe(),
                 "max_bytes": (self.controller.max_result_bytes if max_bytes is None
                               else check_bytes(max_bytes, "max_bytes"))}
-        return self.controller.submit(msg.EXEC, body, chosen, _describe_code(code))
+        what = f"cell [{name}]" if isinstance(name, int) else _describe_code(code)  # a notebook cell's number
+        return self.controller.submit(msg.EXEC, body, chosen, what)
 
     def apply(self, fn: Callable[..., Any], *args: Any,
               ranks: Sequence[int] | str | int | None = None,

@@ -899,8 +899,9 @@ class Controller:
             runs = list(self.book.runs.values())
         for run in runs:
             for r in run.pending:
-                failure = RankFailure(r, "MeshStopped", f"the mesh was stopped ({self.stop_reason})",
-                                      died="stopped")
+                said = (f"this kernel let go of the mesh, which runs on: {self.stop_reason}" if detach else
+                        f"the mesh was stopped ({self.stop_reason})")
+                failure = RankFailure(r, "MeshStopped", said, died="stopped")
                 run.add_event(Error(r, failure, 0.0))
         for state in self.ranks.values():
             if state.state != "dead":
