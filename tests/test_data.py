@@ -657,10 +657,10 @@ def test_scatter_refuses_what_does_not_split(mesh4: meshbook.Mesh) -> None:
 def test_an_interrupted_push_says_which_ranks_stored_it(mesh4: meshbook.Mesh) -> None:
     busy = mesh4.run("import time\ntime.sleep(3)", ranks=[1])  # the push waits behind it on rank 1
     threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGINT)).start()  # Ctrl-C while it waits
-    with pytest.raises(KeyboardInterrupt, match=re.escape("push interrupted: v stored on rank(s) 0,2,3; rank(s) 1 "
-                                                          "kept their previous values")):
-        mesh4.push(v=torch.ones(3))
-    assert dict(mesh4.run("'v' in globals()").result()) == {0: True, 1: False, 2: True, 3: True}
+    with pytest.raises(KeyboardInterrupt, match=re.escape("push interrupted: cut_short stored on rank(s) 0,2,3; "
+                                                          "rank(s) 1 kept their previous values")):
+        mesh4.push(cut_short=torch.ones(3))
+    assert dict(mesh4.run("'cut_short' in globals()").result()) == {0: True, 1: False, 2: True, 3: True}
     busy.result(timeout=30)
 
 
