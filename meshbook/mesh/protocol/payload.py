@@ -475,7 +475,7 @@ def pack(values: Mapping[str, Any], shared: bool, what: str = "push", least: int
     Raises :class:`~meshbook.SendError` naming the value that cannot be pickled (and its type).
     """
     body, views, buffers = pickled(values, what)
-    if not shared or not views or sum(v.nbytes for v in views) < least:
+    if not shared or not views or not worth_sharing(views, least):
         yield Payload(body, list(buffers))
         return
     file, fd = in_new_file("meshbook-push", views)
@@ -486,9 +486,9 @@ def pack(values: Mapping[str, Any], shared: bool, what: str = "push", least: int
         os.close(fd)
 
 
-def worth_sharing(views: list[memoryview]) -> bool:
-    """Do these buffers weigh enough for a shared file (:data:`SHARE_MIN`)?"""
-    return sum(v.nbytes for v in views) >= SHARE_MIN
+def worth_sharing(views: list[memoryview], least: int = SHARE_MIN) -> bool:
+    """Do these buffers weigh enough for a shared file (``least`` bytes, :data:`SHARE_MIN`)?"""
+    return sum(v.nbytes for v in views) >= least
 
 
 def in_new_file(name: str, views: list[memoryview]) -> tuple[SharedFile, int]:

@@ -51,6 +51,7 @@ from ..protocol.cell import (
     current_cell_line,
     failure_from,
     is_async,
+    module_functions,
     place_code,
     register_source,
 )
@@ -379,8 +380,7 @@ class Worker:
     def _apply(self, body: dict[str, Any], request: int) -> Any:
         fn = body["fn"]
         if isinstance(fn, FunctionType) and _travelled_by_value(fn):
-            place_code([(fn.__qualname__, fn), *((f.__qualname__, f) for f in fn.__globals__.values()
-                                                 if isinstance(f, FunctionType))], body.get("code", {}))
+            place_code(module_functions(fn), body.get("code", {}))  # what the controller placed
             self._rebind(fn)
         with self.user_code():
             return fn(*body["args"], **body["kwargs"])
@@ -428,6 +428,7 @@ class Worker:
         self.pump.drain()
         self.last_request, self.request = request, None
         self.cancelled.discard(request)  # an interrupt kept for user code it never reached
+        self.abort_reasons.pop(request, None)  # told by a recovery whose abort it never needed
         self.last_outcome = describe_outcome(failure)
         # The collectives it ran go first, so the controller has them when the run ends (and
         # before the answer is signed: a thread's messages must leave in the order it signs).

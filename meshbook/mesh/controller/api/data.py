@@ -46,6 +46,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from ...protocol.errors import (
@@ -394,11 +395,8 @@ def _deliver(mesh: MeshView, parts: list[tuple[list[int], dict[str, Any]]], what
                 state = controller.ranks[rank]
                 state.known_names = state.known_names | set(values)
     if failures:
-        names = ", ".join(sorted({n for _, values in parts for n in values}))
-        stored = [r for r in everyone if r not in failures]
-        raise RemoteError(failures, hint=(
-            f"{what}: {names} stored on rank(s) {format_ranks(stored) or 'none'}; rank(s) "
-            f"{format_ranks(failures)} kept their previous values (a rank stores all or none)"))
+        raise RemoteError(failures, hint=f"{what}: {_landed(parts, everyone, set(failures))} "
+                                         f"(a rank stores all or none)")
 
 
 def _interrupted(runs: list[Run], parts: list[tuple[list[int], dict[str, Any]]], everyone: list[int],
@@ -411,15 +409,20 @@ def _interrupted(runs: list[Run], parts: list[tuple[list[int], dict[str, Any]]],
     for run in runs:
         run.wait(max(0.0, deadline - time.monotonic()))
     unsure = {r for run in runs for r in run.pending}
-    failed = {r for run in runs for r in run.failed_ranks()}
-    stored = [r for r in everyone if r not in failed and r not in unsure]
+    said = f"{what} interrupted: {_landed(parts, everyone, {r for run in runs for r in run.failed_ranks()}, unsure)}"
+    return KeyboardInterrupt(said + (f"; rank(s) {format_ranks(unsure)} still busy: look with mesh.who()"
+                                     if unsure else ""))
+
+
+def _landed(parts: list[tuple[list[int], dict[str, Any]]], everyone: list[int], failed: AbstractSet[int],
+            unsure: AbstractSet[int] = frozenset()) -> str:
+    """Where a push's values are: the ranks that stored them, and those that kept their
+    previous values (``unsure``: neither said yet)."""
     names = ", ".join(sorted({n for _, values in parts for n in values}))
-    said = f"{what} interrupted: {names} stored on rank(s) {format_ranks(stored) or 'none'}"
-    if failed - unsure:
-        said += f"; rank(s) {format_ranks(failed - unsure)} kept their previous values"
-    if unsure:
-        said += f"; rank(s) {format_ranks(unsure)} still busy: look with mesh.who()"
-    return KeyboardInterrupt(said)
+    stored = [r for r in everyone if r not in failed and r not in unsure]
+    kept = failed - unsure
+    return (f"{names} stored on rank(s) {format_ranks(stored) or 'none'}"
+            + (f"; rank(s) {format_ranks(kept)} kept their previous values" if kept else ""))
 
 
 def _check_names(values: Mapping[str, Any]) -> None:

@@ -184,26 +184,25 @@ class _Follow:
             self._explain(f"{headline} while rank(s) {format_ranks(elsewhere)} are elsewhere.")
         elif now >= self.asked_at + self.options.stuck_hint:
             self.asked_at = now
-            diagnosis = self._diagnose()
+            diagnosis, said = self._diagnose()
             if diagnosis is not None and diagnosis.blocked:
                 self.explained = True
-                self._explain(f"{headline} that a rank of its group has not joined.", diagnosis)
+                self._explain(f"{headline} that a rank of its group has not joined.", said)
 
-    def _explain(self, headline: str, diagnosis: Any = None) -> None:
+    def _explain(self, headline: str, said: str | None = None) -> None:
         self.renderer.flush()
-        _note(headline + "\n" + ("\n".join(diagnosis.verdict) if diagnosis is not None else self._diagnosis()))
+        _note(headline + "\n" + (said if said is not None else self._diagnosis()))
 
-    def _diagnose(self) -> Any:
+    def _diagnose(self) -> tuple[Any, str]:
+        """The hang diagnosis (None if it failed), and what it says."""
         try:
-            return self.mesh.diagnose()
-        except Exception:  # noqa: BLE001 - a diagnosis must never make things worse
-            return None
+            diagnosis = self.mesh.diagnose()
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must never make things worse
+            return None, f"(no diagnosis: {exc})"
+        return diagnosis, "\n".join(diagnosis.verdict)
 
     def _diagnosis(self) -> str:
-        try:
-            return "\n".join(self.mesh.diagnose().verdict)
-        except Exception as exc:  # a diagnosis must never make things worse
-            return f"(no diagnosis: {exc})"
+        return self._diagnose()[1]
 
     def _recover(self) -> None:
         self.renderer.flush()

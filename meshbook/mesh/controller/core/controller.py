@@ -357,6 +357,8 @@ class Controller:
         with self._changed:
             while any(self.ranks[r].state != "dead" for r in live):
                 if time.monotonic() > deadline or self.stopped:
+                    for r in live:  # a death that comes later is not this kill's: it says how it died
+                        self._refork_why.pop(r, None)
                     raise MeshError(f"rank(s) {live} did not die within {timeout:g} s of SIGKILL")
                 self._changed.wait(0.05)
 

@@ -110,11 +110,12 @@ class Run:
             running = bool(self._pending)
             first = self.first_done_at is None
             unanswered = None
-            if isinstance(event, InputRequest):  # a prompt opened
-                self._asking[event.rank] = event.question
-                unanswered = None if self.followed else (event.rank, event.question)
-            elif isinstance(event, DebugEnd):  # and closed
-                self._asking.pop(event.rank, None)
+            if isinstance(event, (InputRequest, DebugEnd)):  # a prompt opened or closed
+                if isinstance(event, InputRequest):
+                    self._asking[event.rank] = event.question
+                    unanswered = None if self.followed else (event.rank, event.question)
+                else:
+                    self._asking.pop(event.rank, None)
             if isinstance(event, Results):
                 fresh = self._fresh(event)
                 if fresh is None:
