@@ -627,6 +627,10 @@ def _run_remote(mode: str, token_file: str | None, bootstrap_file: str | None = 
     finally:
         if zap is not None:
             zap.close()
+        # What the link still holds (the stop's HOST_BEAT: how the controller learns that this
+        # host's ranks are gone) leaves within the link's linger; the process ends with
+        # os._exit, which would drop it unsent on an I/O thread. Sockets still open: dropped.
+        ctx.destroy(linger=0)
         mesh_file = data.mesh_file
         for path in (mesh_file, mesh_file and mesh_file + ".lock", data.log) if lease is not None else ():
             _remove(path)  # the mesh ended (stopped, or its lease ran out): nothing to attach to
