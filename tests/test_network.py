@@ -28,7 +28,7 @@ from meshbook.mesh.protocol import messages as msg
 from meshbook.mesh.protocol.bodies import AgentConfig
 from meshbook.mesh.protocol.fragments import split
 from meshbook.mesh.protocol.ordering import Outgoing
-from meshbook.mesh.protocol.remote import decode_seq, encode_epoch, encode_route, encode_seq
+from meshbook.mesh.protocol.remote import decode_head, encode_head, encode_route
 
 
 class ListeningAgent:
@@ -62,7 +62,7 @@ class ListeningAgent:
 
     def send(self, sock: zmq.Socket, seq: int, frames: list[Any], route: bytes = b"", epoch: int = 0) -> None:
         """Message ``seq``: an operation, or with ``route``, a request the agent relays to its ranks."""
-        sock.send_multipart([encode_epoch(epoch), encode_seq(seq), route, *frames])
+        sock.send_multipart([encode_head(epoch, seq, route), *frames])
 
     def configure(self, sock: zmq.Socket, epoch: int = 0) -> None:
         """Configure the agent with one rank and wait until it is ready."""
@@ -234,7 +234,8 @@ def test_a_loss_asked_about_again_fails_the_runs_once() -> None:
         told = agent.recv_multipart()
         assert agent.poll(5000), "what is kept comes again"
         again = agent.recv_multipart()
-        return reader.unpack(told[3:]).body()["lost"], decode_seq(again[1]), again[2:]
+        _, seq, route = decode_head(again[0])
+        return reader.unpack(told[1:]).body()["lost"], seq, [route, *again[1:]]
 
     try:
         kept, big = link.outgoing.number([b"", b"kept"]), link.outgoing.number([b"", b"x" * 11])
@@ -320,11 +321,11 @@ def test_an_operation_outside_the_order_between_fragments_breaks_nothing(listeni
     ping = listening.wire.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []},
                                {"op": msg.AgentOp.PING, "sent": time.monotonic(), "wall": time.time_ns(), "ack": 0})
     for i, fragment in enumerate(cut.fragments):
-        sock.send_multipart([encode_epoch(0), encode_seq(listening.number(sock)), *fragment])
+        sock.send_multipart([encode_head(0, listening.number(sock), fragment[0]), *fragment[1:]])
         if i == 0:
             listening.send(sock, 0, ping)  # outside the order, as asking again is
-    sock.send_multipart([encode_epoch(0), encode_seq(listening.number(sock)),
-                         *cut.last([encode_route(msg.MAIN, [0])])])
+    last = cut.last([encode_route(msg.MAIN, [0])])
+    sock.send_multipart([encode_head(0, listening.number(sock), last[0]), *last[1:]])
     got = listening.replies(sock, 12, until=msg.RESULT)
     assert [m for m in got if m.kind == msg.HOST_BEAT], "the ping was answered"
     assert [(m.header[msg.ID], m.body()) for m in got if m.kind == msg.RESULT] == [(43, 42)]

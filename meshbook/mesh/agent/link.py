@@ -1,6 +1,6 @@
 """How a host agent talks to its controller: locally over ipc, or over the network as a relay.
 
-Every message the controller sends an agent is ``[epoch, seq, route, *message frames]``
+Every message the controller sends an agent is ``[head, *message frames]`` (epoch, seq, route)
 (:mod:`meshbook.mesh.protocol.remote`): an operation for the agent itself, or a message it
 relays, unchanged, to some of its ranks. Both directions are numbered, and kept until
 acknowledged (:mod:`meshbook.mesh.protocol.ordering`): a connection that resets loses
@@ -43,7 +43,7 @@ from ..protocol import messages as msg
 from ..protocol.bodies import AgentConfig, Bootstrap
 from ..protocol.bundle import Bundle
 from ..protocol.ordering import Incoming, Outgoing
-from ..protocol.remote import LISTENING, decode_epoch, decode_route, decode_seq, encode_seq
+from ..protocol.remote import LISTENING, decode_head, decode_route, encode_seq
 from ..protocol.versions import versions
 
 #: How long a send up a link may wait for its connection.
@@ -104,11 +104,12 @@ class Peer:
 
 
 def unwrap(frames: list[Any], routed: bool) -> tuple[Peer, int, bytes, list[Any]]:
-    """``[identity if routed, epoch, seq, route, *message]`` -> (who sent it, its number on
-    the link, route, message)."""
+    """``[identity if routed, head, *message]`` (see :func:`~..protocol.remote.encode_head`)
+    -> (who sent it, its number on the link, route, message)."""
     identity = frames[0].bytes if routed else b""
-    epoch, seq, route, *message = frames[1:] if routed else frames
-    return Peer(decode_epoch(epoch.bytes), identity), decode_seq(seq.bytes), route.bytes, message
+    head, *message = frames[1:] if routed else frames
+    epoch, seq, route = decode_head(head.bytes)
+    return Peer(epoch, identity), seq, route, message
 
 
 class Gatherer:

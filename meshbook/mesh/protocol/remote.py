@@ -1,6 +1,7 @@
 """What the controller and a host agent on another host agree on, besides messages.
 
-* Every message to an agent is ``[epoch, seq, route, *message frames]``, and every message
+* Every message to an agent is ``[head, *message frames]``, the head holding its epoch, seq
+  and route (:func:`encode_head`), and every message
   from one ``[seq, *message frames]``: ``seq`` numbers what each side sends on the link, so a
   connection that resets loses nothing unnoticed (:mod:`.ordering`; 0: not numbered, for the
   few messages outside a link's life: joining, telling an older controller it is fenced).
@@ -30,18 +31,32 @@ LISTENING = "MESHBOOK-AGENT-LISTENING"
 AGENT_READY = "MESHBOOK-AGENT-READY"
 
 
-_EPOCH = struct.Struct("<Q")
+_SEQ = struct.Struct("<Q")
 
 
-def encode_epoch(epoch: int) -> bytes:
-    return _EPOCH.pack(epoch)
+def encode_seq(seq: int) -> bytes:
+    """The first frame of a message up a link: its number on the link."""
+    return _SEQ.pack(seq)
 
 
-def decode_epoch(frame: bytes) -> int:
-    return int(_EPOCH.unpack(frame)[0])
+def decode_seq(frame: bytes) -> int:
+    return int(_SEQ.unpack(frame)[0])
+
+_DOWN = struct.Struct("<QQ")
 
 
-encode_seq, decode_seq = encode_epoch, decode_epoch  # the same 8 bytes, another meaning
+def encode_head(epoch: int, seq: int, route: bytes) -> bytes:
+    """The first frame of a message down a link: the controller's epoch, the message's number
+    on the link, and its route (or what stands in its place: ``b""`` for the agent itself,
+    a fragment's mark). One frame, not three: a request to 128 hosts is 256 frames fewer to
+    send, and to encrypt, since CurveZMQ boxes every frame on its own."""
+    return _DOWN.pack(epoch, seq) + route
+
+
+def decode_head(frame: bytes) -> tuple[int, int, bytes]:
+    """``(epoch, seq, route)`` of :func:`encode_head`."""
+    epoch, seq = _DOWN.unpack_from(frame)
+    return epoch, seq, frame[_DOWN.size:]
 
 
 def encode_route(channel: str, ranks: list[int]) -> bytes:

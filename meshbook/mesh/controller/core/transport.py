@@ -173,7 +173,7 @@ class Transport:
             return watch, version
         self._rewatch_failed = False
         watch.close()
-        network.close_retired()
+        network.settle()
         return fresh, seen
 
     def take_waiting(self, on_message: Handler) -> None:

@@ -32,7 +32,7 @@ from ...protocol import messages as msg
 from ...protocol.bodies import Bootstrap
 from ...protocol.errors import MeshError
 from ...protocol.ordering import Incoming, Outgoing
-from ...protocol.remote import decode_seq, encode_epoch, encode_seq
+from ...protocol.remote import decode_seq, encode_head
 from ...protocol.text import format_ranks
 from ...protocol.versions import mismatch, versions
 
@@ -46,8 +46,10 @@ class HostLink:
     address: str  # the address the agent advertised: its interface that routes to us
     ranks: list[int]
     port: int = 0  # the port we dialled (0: it joined our ROUTER)
-    sock: zmq.Socket | None = None  # a DEALER we dialled (None: it joined our ROUTER)
-    identity: bytes = b""  # its routing id on the join ROUTER
+    #: The socket that reaches it (the ROUTER we dial every listening agent from, or the one
+    #: joining agents dial into), and its routing id there ("": a socket that does not route).
+    sock: zmq.Socket | None = None
+    identity: bytes = b""
     agent_pid: int | None = None
     hostname: str = ""
     store_port: int = 0
@@ -143,14 +145,19 @@ class Network:
         #: Sent with every message to an agent: a kept mesh's agents refuse older epochs.
         self.epoch = epoch
         self.links: dict[int, HostLink] = {}
-        self._dialled: dict[zmq.Socket, HostLink] = {}  # the links we dialled, by their socket
-        self._by_identity: dict[bytes, HostLink] = {}  # the links that joined, by their routing id
+        #: The links by the socket that reaches them and their routing id on it.
+        self._routed: dict[zmq.Socket, dict[bytes, HostLink]] = {}
+        #: One ROUTER dials every listening agent: the receiver then waits on one socket, not one
+        #: per host, and drains every host's answers in one go. Its connections are made (and
+        #: a replaced one dropped) by the receiver thread, which owns it (see ``settle``).
+        self._dialler: zmq.Socket | None = None
+        self._connects: list[tuple[bytes, str]] = []
+        self._retired: list[str] = []
         self.router: zmq.Socket | None = None  # where joining agents dial in
         self.joined: list[Joined] = []
         self.joined_changed = threading.Condition()
         self.allowlist = net.Allowlist(set())
         self._join_key: bytes | None = None
-        self._retired: list[zmq.Socket] = []
         self._zap: net.ZapHandler | None = None
         self._outbox_in = ctx.socket(zmq.PULL)
         self._outbox_in.bind(f"inproc://outbox-{id(self)}")
@@ -178,18 +185,25 @@ class Network:
         said of itself (``info``: its LISTENING line, or a mesh file's record) shows it runs
         what we run."""
         refuse_other_versions(info.get("versions"), f"the host agent on {name}")
-        sock = self.ctx.socket(zmq.DEALER)
-        for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000),
-                              (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000),
-                              (zmq.IDENTITY, os.urandom(8))):  # kept across reconnections
-            sock.setsockopt(option, value)
-        net.curve_client(sock, self.me, self.server.public)
-        sock.connect(net.tcp_address(address, port))
-        link = HostLink(host, name, info["addr"], ranks, port=port, sock=sock, agent_pid=info.get("pid"),
-                        hostname=info.get("hostname", ""), store_port=int(info.get("store_port", 0)),
-                        gpus=int(info.get("gpus", 0)))
+        if self._dialler is None:
+            self._dialler = self._new_dialler()
+        endpoint, identity = net.tcp_address(address, port), os.urandom(8)
+        self._connects.append((identity, endpoint))
+        link = HostLink(host, name, info["addr"], ranks, port=port, sock=self._dialler, identity=identity,
+                        agent_pid=info.get("pid"), hostname=info.get("hostname", ""),
+                        store_port=int(info.get("store_port", 0)), gpus=int(info.get("gpus", 0)))
         self._add(link)
         return link
+
+    def _new_dialler(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 1000),
+                              (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000),
+                              (zmq.ROUTING_ID, os.urandom(8)),  # how agents know us: kept across reconnections
+                              (zmq.ROUTER_MANDATORY, 1)):
+            sock.setsockopt(option, value)
+        net.curve_client(sock, self.me, self.server.public)
+        return sock
 
     def open_join(self, address: str, hosts: int, timeout: float) -> Bootstrap:
         """Listen for ``hosts`` joining agents; returns the token's content."""
@@ -222,7 +236,7 @@ class Network:
                 self.allowlist.allow(key.encode())
             if self.router is not None:
                 self.sent_on.add(self.router)
-                self.router.send_multipart([identity, encode_epoch(self.epoch), encode_seq(0), b"", *welcome],
+                self.router.send_multipart([identity, encode_head(self.epoch, 0, b""), *welcome],
                                            copy=False)
             return
         with self.joined_changed:
@@ -239,7 +253,7 @@ class Network:
             self.allowlist.revoke(self._join_key)
 
     def adopt(self, host: int, joined: Joined, ranks: list[int]) -> HostLink:
-        link = HostLink(host, joined.hostname, joined.address, ranks, identity=joined.identity,
+        link = HostLink(host, joined.hostname, joined.address, ranks, sock=self.router, identity=joined.identity,
                         agent_pid=joined.pid, hostname=joined.hostname, store_port=joined.store_port,
                         gpus=joined.gpus)
         self._add(link)
@@ -247,19 +261,31 @@ class Network:
 
     def _add(self, link: HostLink) -> None:
         old = self.links.get(link.host)
-        if old is not None and old.sock is not None:
-            self._retired.append(old.sock)  # the receiver owns it: it closes it
+        if old is not None and old.port:
+            self._retired.append(net.tcp_address(old.address, old.port))  # the receiver drops it
         # New dicts, not changed ones: the receiver may be going through the old ones.
         self.links = {**self.links, link.host: link}
-        self._dialled = {candidate.sock: candidate for candidate in self.links.values() if candidate.sock is not None}
-        self._by_identity = {candidate.identity: candidate for candidate in self.links.values() if candidate.identity}
+        routed: dict[zmq.Socket, dict[bytes, HostLink]] = {}
+        for candidate in self.links.values():
+            if candidate.sock is not None:
+                routed.setdefault(candidate.sock, {})[candidate.identity] = candidate
+        self._routed = routed
         self.version += 1
         self.wake()
 
-    def close_retired(self) -> None:
-        """Close the sockets of replaced links (receiver thread, when it re-polls)."""
-        while self._retired:
-            self._retired.pop().close(linger=0)
+    def settle(self) -> None:
+        """Make the connections dialled since, and drop those of replaced links (receiver
+        thread: it owns the dialling socket)."""
+        dialler = self._dialler
+        while dialler is not None and self._retired:
+            try:
+                dialler.disconnect(self._retired.pop(0))
+            except zmq.ZMQError:
+                pass  # dialled again at the same address: the new connection is the one to keep
+        while dialler is not None and self._connects:
+            identity, endpoint = self._connects.pop(0)
+            dialler.setsockopt(zmq.CONNECT_ROUTING_ID, identity)
+            dialler.connect(endpoint)
 
     # -- sending (any thread, under the controller's send lock) ----------------------------------
 
@@ -279,21 +305,21 @@ class Network:
 
     def sockets(self) -> list[zmq.Socket]:
         """Everything the receiver polls for the network."""
-        links = [link.sock for link in self.links.values() if link.sock is not None]
-        return [self._outbox_in, *links, *([self.router] if self.router is not None else [])]
+        return [self._outbox_in, *(sock for sock in (self._dialler, self.router) if sock is not None)]
 
     def drain(self, sock: zmq.Socket, handle: Callable[[HostLink | None, bytes, list[Any]], None]) -> None:
         """Handle what ``sock`` has ready: forward the outbox, or pass received messages on
         with the link they came up (None: an agent that is joining, known by its routing id)."""
-        dialled = self._dialled.get(sock)
-        for frames in wire.ready(sock):
-            if sock is self._outbox_in:
+        if sock is self._outbox_in:
+            for frames in wire.ready(sock):
                 self._forward(frames)
-            elif sock is self.router:
-                identity = frames[0].bytes
-                self._in_order(self._by_identity.get(identity), identity, frames[1:], handle)
-            else:
-                self._in_order(dialled, b"", frames, handle)
+            return
+        joining = sock is self.router  # there, a routing id not known yet is an agent joining
+        for frames in wire.ready(sock):
+            identity = frames[0].bytes
+            link = self._routed.get(sock, {}).get(identity)
+            if link is not None or joining:
+                self._in_order(link, identity, frames[1:], handle)
 
     def _in_order(self, link: HostLink | None, identity: bytes, frames: list[Any],
                   handle: Callable[[HostLink | None, bytes, list[Any]], None]) -> None:
@@ -343,15 +369,16 @@ class Network:
     def _send(self, link: HostLink, seq: int, parts: list[Any], big: bool | None = None) -> None:
         """``parts`` (route and message) to ``link``'s agent, as message ``seq`` of the link
         (``big``: whether they carry big buffers, where the caller knows)."""
-        frames = [encode_epoch(self.epoch), encode_seq(seq), *parts]
+        route = parts[0].bytes if isinstance(parts[0], zmq.Frame) else bytes(parts[0])
+        frames = [encode_head(self.epoch, seq, route), *parts[1:]]
         big = wire.is_big(parts) if big is None else big
+        if self._connects:
+            self.settle()  # dialled since the receiver last looked: connected before it is sent to
+        if link.sock is None:
+            return
         try:
-            if link.sock is not None:
-                self.sent_on.add(link.sock)
-                wire.send(link.sock, frames, big=big)
-            elif self.router is not None:
-                self.sent_on.add(self.router)
-                wire.send(self.router, frames, prefix=[link.identity], big=big)
+            self.sent_on.add(link.sock)
+            wire.send(link.sock, frames, prefix=[link.identity] if link.identity else (), big=big)
         except zmq.ZMQError:
             pass  # EHOSTUNREACH: a joined agent reconnecting; its liveness check decides
 
@@ -430,10 +457,7 @@ class Network:
             waiting.pop(link.host, None)
 
     def close(self) -> None:
-        socks = [self._outbox, self._outbox_in, *(link.sock for link in self.links.values() if link.sock is not None)]
-        if self.router is not None:
-            socks.append(self.router)
-        self.close_retired()
+        socks = [self._outbox, self._outbox_in, *(s for s in (self._dialler, self.router) if s is not None)]
         for sock in socks:
             sock.close(linger=0)
         if self._zap is not None:
