@@ -98,6 +98,37 @@ def test_a_death_fails_the_runs_waiting_on_it_and_strands_their_other_ranks() ->
     assert [s.rank for s in b.dead()] == [1]
 
 
+_LIFE = st.lists(st.tuples(st.sampled_from(["died", "respawning", "ready", "failed", "adopt", "stopped"]),
+                           st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True)), max_size=12)
+
+
+@given(_LIFE, st.lists(st.integers(0, 5), unique=True))
+def test_the_dead_the_book_keeps_aside_are_the_ranks_whose_state_is_dead(life, asked) -> None:  # type: ignore[no-untyped-def]
+    """Every request asks which of its ranks are dead, and the book answers from the ranks it
+    keeps aside instead of looking at each of a thousand ranks: whatever the ranks went
+    through, that answer is the one their states give."""
+    b = book(world=6, per_host=3)
+    for what, ranks in life:
+        if what == "died":
+            b.died(ranks, "SIGKILL")
+        elif what == "respawning":
+            b.respawning(ranks)
+        elif what == "ready":
+            for r in ranks:
+                b.ready(r, b.generation, "cpu", 100 + r, "")
+        elif what == "failed":
+            for r in ranks:
+                b.init_failed(r, b.generation, "refused")
+        elif what == "adopt":
+            b.adopt({str(r): 1 for r in ranks[1:]}, [str(ranks[0])], "node1")
+        else:
+            b.stopped("mesh stopped")
+    dead = [r for r, s in b.ranks.items() if s.state == "dead"]
+    assert [s.rank for s in b.dead()] == dead
+    assert [s.rank for s in b.dead(asked)] == sorted(set(asked) & set(dead))
+    assert b.live(asked) == [r for r in asked if r not in dead]
+
+
 def test_a_lost_host_kills_its_ranks_together() -> None:
     b = book(world=4, per_host=2)
     cell = run_on(b, [0, 1, 2, 3])

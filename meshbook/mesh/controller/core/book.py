@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,9 @@ class RankBook:
         self.ranks = {r: RankState(r, host) for r, host in sorted(host_of.items())}
         self.runs: dict[int, Run] = {}
         self.queues: dict[int, deque[int]] = {r: deque() for r in self.ranks}
+        #: The ranks whose state is "dead": asked before every request, which must not look
+        #: at every rank of a thousand to learn that none is.
+        self._dead: set[int] = set()
         self.generation = 0
         #: Where request ids come from (one per request, ranks and agents alike).
         self.request_ids = itertools.count(1)
@@ -147,10 +150,12 @@ class RankBook:
         state.device, state.pid, state.threads, state.generation = device, pid, threads, generation
         if not self.queues[rank]:
             state.state = "idle"
+            self._dead.discard(rank)
 
     def init_failed(self, rank: int, generation: int, headline: str) -> None:
         state = self.ranks[rank]
         state.generation, state.state = generation, "failed"
+        self._dead.discard(rank)
         state.cause = f"torch.distributed did not initialise: {headline}"
 
     def adopt(self, generations: dict[Any, int], dead: list[Any], hostname: str) -> None:
@@ -161,9 +166,9 @@ class RankBook:
         for r in generations:
             state = self.ranks[int(r)]
             state.generation, state.state, state.hostname = self.generation, "idle", hostname
+            self._dead.discard(int(r))
         for r in dead:
-            state = self.ranks[int(r)]
-            state.state, state.cause = "dead", "died while no kernel was attached"
+            self._died(int(r), "died while no kernel was attached")
 
     def died(self, ranks: list[int], cause: str) -> Death:
         """``ranks`` died together (a rank's exit, a lost host). A rank whose process group
@@ -173,7 +178,8 @@ class RankBook:
         for rank in ranks:
             state = self.ranks[rank]
             why = f"{state.cause}; then it exited ({cause})" if state.state == "failed" and state.cause else cause
-            state.state, state.cause, state.pid = "dead", why, None
+            self._died(rank, why)
+            state.pid = None
             queue = self.queues[rank]
             running[rank] = queue[0] if queue else None
             queue.clear()
@@ -181,19 +187,39 @@ class RankBook:
         stranded = sorted({r for run in waiting for r in run.pending if r not in ranks})
         return Death(running, waiting, stranded)
 
+    def stopped(self, cause: str) -> None:
+        """The mesh stopped: every rank not dead already is, for ``cause``."""
+        for rank, state in self.ranks.items():
+            if state.state != "dead":
+                self._died(rank, cause)
+
+    def _died(self, rank: int, cause: str) -> None:
+        state = self.ranks[rank]
+        state.state, state.cause = "dead", cause
+        self._dead.add(rank)
+
     def respawning(self, ranks: list[int]) -> None:
         """``ranks`` are being forked anew: their variables are gone."""
         for r in ranks:
             state = self.ranks[r]
             state.state, state.cause, state.lost_namespace = "starting", "", True
+            self._dead.discard(r)
 
     def new_generation(self) -> int:
         """A new process-group generation (its ranks meet in a new store)."""
         self.generation += 1
         return self.generation
 
-    def dead(self, ranks: list[int] | None = None) -> list[RankState]:
-        return [self.ranks[r] for r in (self.ranks if ranks is None else ranks) if self.ranks[r].state == "dead"]
+    def dead(self, ranks: Iterable[int] | None = None) -> list[RankState]:
+        """The dead among ``ranks`` (all ranks: None), in rank order."""
+        if not self._dead:
+            return []
+        return [self.ranks[r] for r in sorted(self._dead if ranks is None else self._dead.intersection(ranks))]
+
+    def live(self, ranks: list[int]) -> list[int]:
+        """``ranks`` without the dead, in their order (the same list when none is dead)."""
+        dead = self._dead
+        return [r for r in ranks if r not in dead] if dead else ranks
 
     def startup(self, ranks: list[int], generation: int) -> tuple[bool, list[RankState]]:
         """Are ``ranks`` ready in ``generation``; and which failed (dead, or their group did not start)?"""

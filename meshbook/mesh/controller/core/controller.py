@@ -42,6 +42,7 @@ from ...protocol.errors import MeshError, MeshStoppedError, RankFailure, SendErr
 from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.payload import Landing
+from ...protocol.remote import encode_route
 from ...protocol.text import format_ranks
 from ...protocol.topology import Topology
 from ...protocol.versions import mismatch, versions
@@ -59,6 +60,8 @@ from .transport import Sent, Transport, log
 
 #: Why a mesh stopped when the user stopped it (any other reason: it ended on its own).
 USER_STOP = "stopped by the user"
+#: How many rank lists' routes are kept (see ``Controller._routes``); more are grouped anew.
+ROUTES_KEPT = 64
 
 RunHook = Callable[[Run], "StepReport | None"]
 StrandedHook = Callable[[list[int], str, list[str]], None]
@@ -120,6 +123,7 @@ class Controller:
         self.heartbeat_listeners: list[Callable[[int, dict[str, Any]], None]] = [self.history.record]
         #: Called with every new Run (the notebook layer attributes its output to a cell).
         self.run_listeners: list[Callable[[Run], None]] = []
+        self._routes_known: dict[tuple[str, tuple[int, ...]], dict[int, bytes]] = {}
         #: Called with (rank, cause) when a rank dies.
         self.death_listeners: list[Callable[[int, str], None]] = []
         #: Called once the mesh has stopped, on the thread that stopped it (a panel freezes in
@@ -324,12 +328,25 @@ class Controller:
         it out). Queued; the big buffers of what it returns may still be on their way."""
         if self.transport.network is None:
             return self.transport.send_to_ranks(frames, ranks, channel)
-        states, host_of = self.book.ranks, self.agents.host_of
-        by_host: dict[int, list[int]] = {}
-        for r in ranks:
-            if states[r].state != "dead":
+        live = self.book.live(ranks)
+        return self.transport.send_to_hosts(frames, self._routes(channel, live), live)
+
+    def _routes(self, channel: str, ranks: list[int]) -> dict[int, bytes]:
+        """Each host's route for ``ranks`` on ``channel``. Kept for the rank lists requests
+        go to again and again (the whole mesh, a slice): grouping a thousand ranks by host at
+        every request would cost more than the rest of sending it."""
+        key = (channel, tuple(ranks))
+        routes = self._routes_known.get(key)
+        if routes is None:
+            host_of = self.agents.host_of
+            by_host: dict[int, list[int]] = {}
+            for r in ranks:
                 by_host.setdefault(host_of[r], []).append(r)
-        return self.transport.send_to_ranks(frames, by_host, channel)
+            routes = {host: encode_route(channel, chosen) for host, chosen in by_host.items()}
+            if len(self._routes_known) >= ROUTES_KEPT:
+                self._routes_known.clear()
+            self._routes_known[key] = routes
+        return routes
 
     def _alive(self, ranks: list[int]) -> bool:
         """Does any of ``ranks`` live on (to take the big buffers sent to them)?"""
@@ -905,9 +922,8 @@ class Controller:
                         f"the mesh was stopped ({self.stop_reason})")
                 failure = RankFailure(r, "MeshStopped", said, died="stopped")
                 run.add_event(Error(r, failure, 0.0))
-        for state in self.ranks.values():
-            if state.state != "dead":
-                state.state, state.cause = "dead", "mesh stopped"
+        with self._lock:
+            self.book.stopped("mesh stopped")
         self.transport.close()
         self.landing.close()
         if self.lease is not None:

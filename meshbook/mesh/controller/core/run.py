@@ -189,7 +189,7 @@ class Run:
     def _fresh(self, group: Results) -> Results | None:
         """The part of ``group`` from ranks that had not answered yet (None: no part)."""
         pending = self._pending
-        if all(r in pending for r in group.ranks):
+        if pending.issuperset(group.ranks):
             return group
         keep = [i for i, r in enumerate(group.ranks) if r in pending]
         if not keep:

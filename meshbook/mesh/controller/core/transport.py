@@ -28,7 +28,6 @@ import zmq
 from ...protocol import wire
 from ...protocol.errors import MeshError
 from ...protocol.proc import owned_prefix, remove_stale, runtime_base
-from ...protocol.remote import encode_route
 from ..launch.network import HostLink, Network
 
 #: How often the receiver looks at the agents, pings remote ones and lets the run watcher look.
@@ -207,28 +206,29 @@ class Transport:
         for sock in self._down.pop(rank, {}).values():
             sock.close(linger=0)
 
-    def send_to_ranks(self, frames: list[Any], by_host: dict[int, list[int]] | list[int],
-                      channel: str) -> Sent:
+    def send_to_hosts(self, frames: list[Any], routes: dict[int, bytes], ranks: list[int]) -> Sent:
+        """One message per host (``routes``: each host's channel and ranks, see
+        :func:`~meshbook.mesh.protocol.remote.encode_route`), which its agent fans out to
+        ``ranks``. Queued when it returns, in the order of the calls; with big buffers,
+        :meth:`wait_sent` waits until the receiver took its copy (what the links send and
+        keep), whichever hosts are alive."""
+        network = self.network
+        assert network is not None
+        if not routes:
+            return []  # every rank it was for died: nothing to copy for no one
+        with self.send_lock:
+            if self._closed:
+                return []  # the mesh stopped meanwhile, and failed the runs that waited
+            return [(ranks, network.send(routes, frames))]
+
+    def send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str) -> Sent:
         """One message per rank straight to its socket (on this host: relaying through the agent
-        would cost a process hop and a copy per request, and buy nothing), or one per host, which
-        its agent fans out (``by_host``). Queued when it returns, in the order of the calls;
-        with big buffers, :meth:`wait_sent` waits until they left."""
-        if isinstance(by_host, dict):
-            network = self.network
-            assert network is not None
-            routes = {host: encode_route(channel, ranks) for host, ranks in by_host.items()}
-            if not routes:
-                return []  # every rank it was for died: nothing to copy for no one
-            with self.send_lock:
-                if self._closed:
-                    return []  # the mesh stopped meanwhile, and failed the runs that waited
-                # One outbox message for every host; with big buffers, done once the receiver
-                # took its copy (what the links send and keep), whichever hosts are alive.
-                tracker = network.send(routes, frames)
-                return [([r for ranks in by_host.values() for r in ranks], tracker)]
+        would cost a process hop and a copy per request, and buy nothing). Queued when it
+        returns, in the order of the calls; with big buffers, :meth:`wait_sent` waits until
+        they left."""
         with self.send_lock:
             # A rank that died since the caller checked has no sockets: its death failed the run.
-            live = [r for r in by_host if r in self._down]
+            live = [r for r in ranks if r in self._down]
             trackers = wire.fan_out([self._down[r][channel] for r in live], frames)
         return [([rank], tracker) for rank, tracker in zip(live, trackers)]
 
