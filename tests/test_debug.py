@@ -209,6 +209,42 @@ def test_a_slice_waiting_for_ranks_outside_it_is_explained(mesh: meshbook.Mesh, 
     assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}
 
 
+def test_a_run_waiting_behind_earlier_work_says_so_and_an_interrupt_drops_it_there(mesh: meshbook.Mesh,
+                                                                                   capsys) -> None:
+    """A run queued behind a slice's long run says what it waits for there (nothing else would
+    say why it has not started), the cell status shows those ranks queued, and a Ctrl-C drops
+    it there, explained as such: the earlier work runs on untouched."""
+    import signal
+
+    from meshbook.mesh import EventRenderer, FollowOptions, follow
+    from meshbook.widgets.cell_status import rank_rows
+
+    earlier = mesh.run("import time\ntime.sleep(6)\n'earlier'", ranks=[0, 1])
+    run = mesh.run("rank")
+    deadline = time.monotonic() + 30
+    while len(run.values()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rows = rank_rows(mesh, run)
+    assert [(r["state"], r["elapsed"], r["straggler"]) for r in rows[:2]] == [("queued", 0.0, False)] * 2, rows
+    assert [r["state"] for r in rows[2:]] == ["done", "done"], rows
+    ctrl_c = threading.Timer(1.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    ctrl_c.start()
+    try:
+        with pytest.raises(RemoteError) as info:
+            follow(run, mesh, EventRenderer(run), FollowOptions(timeout=60, grace=1.0))
+    finally:
+        ctrl_c.cancel()
+    note = capsys.readouterr().err
+    assert ("rank(s) 0,1 still run run('import time'): run('rank') starts there once that ends "
+            "(mesh.interrupt('0,1') stops it; run.interrupt() drops this run instead).") in note, note
+    assert ("rank(s) 0,1 have not started run('rank'): they drop it once the work they run ends "
+            "(mesh.interrupt('0,1') stops it).") in note, note
+    assert "did not stop" not in note, "no rank is blocked: a second interrupt is not asked for"
+    assert {r: f.type_name for r, f in info.value.failures.items()} == {0: "KeyboardInterrupt", 1: "KeyboardInterrupt"}
+    assert dict(info.value.partial) == {2: 2, 3: 3}
+    assert dict(earlier.result(echo=False)) == {0: "earlier", 1: "earlier"}
+
+
 def test_recover_interrupts_a_rank_running_python_where_it_killed_it(mesh: meshbook.Mesh) -> None:
     mesh.run("keep = rank").result()
     run = mesh.run("import time\nif rank == 1:\n    time.sleep(60)\nt = torch.ones(1)\ndist.all_reduce(t)")

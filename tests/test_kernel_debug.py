@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Iterator
 
@@ -241,3 +242,16 @@ def test_interrupt_command_stops_work_a_timed_out_cell_left_running(kernel: Kern
     started = time.monotonic()
     assert result_text(kernel.ok("%%mesh\n'free again'")) == "[0-3] 'free again'"
     assert time.monotonic() - started < 30  # not the 60 s sleep
+
+
+def test_a_cell_behind_one_that_timed_out_says_what_it_waits_for(kernel: Kernel) -> None:
+    """A cell whose ranks still run a cell that outlived its wait starts there only once that
+    ends: it says so, naming that cell and how to stop it, instead of sitting silent."""
+    reply = kernel.execute("%%mesh --timeout 1 --ranks 0,1\nimport time\ntime.sleep(4)")
+    assert reply.status == "error" and "keep running" in reply.content["evalue"]
+    msg_id, sent = kernel.submit("%%mesh\nrank")
+    reply = kernel.wait(msg_id, sent, timeout=60)
+    assert reply.status == "ok" and result_text(reply) == "[0] 0\n[1] 1\n[2] 2\n[3] 3"
+    said = stderr_of(kernel, msg_id)
+    assert re.search(r"rank\(s\) 0,1 still run cell \[\d+\]: the cell starts there once that ends \(%mesh "
+                     r"interrupt 0,1 stops it; interrupting this cell drops this cell instead\)\.", said), said

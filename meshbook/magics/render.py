@@ -46,7 +46,9 @@ def show_run(run: Run, options: RenderOptions, mesh: Mesh, view: View | None = N
     steps = ("inspect them with %mesh stacks, stop them with %mesh interrupt; what they print, and "
              "how the cell ends, still comes here")
     try:
-        return follow(run, mesh, renderer, FollowOptions(options.timeout, "the cell", steps), view)
+        follow_options = FollowOptions(options.timeout, "the cell", steps, "%mesh interrupt {ranks} stops it",
+                                       "interrupting this cell drops this cell instead")
+        return follow(run, mesh, renderer, follow_options, view)
     except MeshTimeout:
         run.let_go()  # nobody can follow it again: its output and its end come to this cell
         raise

@@ -2,14 +2,15 @@
 
 :class:`CellStatusView` is the ``view`` that :func:`meshbook.magics.render.show_run` drives
 (``update(run)`` about every 0.25 s on the kernel's main thread, ``close(run)`` at the end).
-Most cells end within a second and show nothing; a cell still running after
-``SHOW_AFTER_S`` gets a :class:`CellStatus` widget: per rank its state (running / done /
-error / interrupted / dead), elapsed time, the cell line it is on now (from its heartbeat) and
-a straggler mark. When the cell ends the widget turns into a bar chart of the final per-rank
-durations, each split into computing and waiting in collectives (exactly, from when each rank
-entered and left each collective, :mod:`meshbook.mesh.rank.collectives`; from the ranks' own
-sampling for collectives issued from C++): ranks that end in a collective all take the same
-time, and the straggler is the one that spent it computing while the others waited.
+Most cells end within a second and show nothing; a cell still running after ``SHOW_AFTER_S``
+gets a :class:`CellStatus` widget: per rank its state (running / done / error / interrupted /
+dead, or queued: the rank still runs earlier work), elapsed time, the cell line it is on now
+(from its heartbeat) and a straggler mark. When the cell ends the widget turns into a bar
+chart of the final per-rank durations, each split into computing and waiting in collectives
+(exactly, from when each rank entered and left each collective,
+:mod:`meshbook.mesh.rank.collectives`; from the ranks' own sampling for collectives issued
+from C++): ranks that end in a collective all take the same time, and the straggler is the one
+that spent it computing while the others waited.
 
 A cell that opens a debugger (``breakpoint()``) shows no status once a prompt came: the
 widget would land inside the pdb transcript. If it was already showing, it ends with the
@@ -122,12 +123,14 @@ def rank_rows(mesh: Mesh, run: Run, factor: float = DURATION_FACTOR) -> list[dic
     done = run.values()
     durations = run.durations
     states = {s.rank: s for s in mesh.status()}
-    elapsed = {r: durations.get(r, now - run.submitted_at) for r in run.ranks}
+    queued = mesh.queued(run)  # not started there: it waits behind earlier work
+    elapsed = {r: durations.get(r, 0.0 if r in queued else now - run.submitted_at) for r in run.ranks}
     # The run's own arrivals at its collectives; sampling counts only if taken in this run.
     exact = mesh.waiting(run) or {}
     sampled = {t.rank for t in mesh.stragglers(run).ranks
                if t.straggler and (t.flagged is not None or t.request == run.id)}
-    flagged = sampled | {s.rank for s in slow_by_duration(elapsed, factor)}
+    started = {r: t for r, t in elapsed.items() if r not in queued}
+    flagged = sampled | {s.rank for s in slow_by_duration(started, factor)}
     rows = []
     for rank in run.ranks:
         metrics = states[rank].metrics if rank in states else {}
@@ -145,6 +148,8 @@ def rank_rows(mesh: Mesh, run: Run, factor: float = DURATION_FACTOR) -> list[dic
             state = "done"
         elif rank in states and states[rank].state == "dead":
             state = "dead"
+        elif rank in queued:
+            state = "queued"
         else:
             state = "running"
         line = metrics.get("line") if state == "running" and metrics.get("request") == run.id else None
@@ -155,7 +160,9 @@ def rank_rows(mesh: Mesh, run: Run, factor: float = DURATION_FACTOR) -> list[dic
 
 def _overall(rows: list[dict[str, Any]]) -> str:
     states = {row["state"] for row in rows}
-    return "running" if "running" in states else max(states, key=_SEVERITY.index)
+    if "running" in states or "queued" in states:
+        return "running" if "running" in states else "queued"
+    return max(states, key=_SEVERITY.index)
 
 
 def _render(rows: list[dict[str, Any]], state: str, final: str) -> str:

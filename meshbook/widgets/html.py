@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 #: Colour of each rank state (the controller's states and a cell's per-rank outcomes).
 STATE_COLOURS = {
-    "starting": "#757575", "idle": "#2e7d32", "busy": "#1565c0", "running": "#1565c0",
+    "starting": "#757575", "idle": "#2e7d32", "busy": "#1565c0", "running": "#1565c0", "queued": "#757575",
     "done": "#2e7d32", "error": "#c62828", "interrupted": "#ef6c00", "dead": "#b71c1c",
     "failed": "#b71c1c",
 }

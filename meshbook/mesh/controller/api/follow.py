@@ -10,6 +10,9 @@ shown with where they block, and the wait goes on. A second one frees them with
 :meth:`~meshbook.Mesh.recover` (restarting as few ranks as possible, usually none) and the run
 ends with the ranks' errors and what the recovery did.
 
+A run that waits behind earlier work on some ranks (a cell that outlived its wait still runs
+there) says so after ``QUEUED_HINT_S``, with what it waits for and how to stop that.
+
 When ranks have waited ``STUCK_HINT_S`` inside one collective call that other ranks of the run
 have not joined (their heartbeats say so), when some ranks finished and the others stay busy
 ``HANG_HINT_S`` later, or when the timeout expires, the hang diagnosis
@@ -38,12 +41,16 @@ HANG_HINT_S = 10.0
 STUCK_HINT_S = 5.0
 #: How often the heartbeats are read again for that (they arrive every 0.5 s).
 STUCK_CHECK_S = 0.5
+#: How long a run may wait behind earlier work on its ranks before that is said.
+QUEUED_HINT_S = 1.0
 
 
 class Watched(Protocol):
     """What the watcher asks of the mesh (a :class:`~meshbook.Mesh`)."""
 
     def stuck(self, run: Run) -> dict[int, float]: ...
+
+    def queued(self, run: Run) -> dict[int, str]: ...
 
     def diagnose(self) -> Any: ...
 
@@ -65,6 +72,9 @@ class FollowOptions:
     #: the user can do next, in the words of where it runs (magics in a notebook).
     what: str = ""
     next_steps: str = "wait again with run.result(), inspect them with mesh.stacks(), stop them with run.interrupt()"
+    #: How the user stops the earlier work a run waits behind on ``{ranks}``, or drops the run.
+    stop_earlier: str = "mesh.interrupt('{ranks}') stops it"
+    drop_this: str = "run.interrupt() drops this run instead"
     grace: float = INTERRUPT_GRACE_S
     hang_hint: float = HANG_HINT_S
     stuck_hint: float = STUCK_HINT_S
@@ -83,6 +93,7 @@ class _Follow:
         self.started = time.monotonic()
         self.interrupted_at: float | None = None
         self.explained = False  # the hang hint was printed
+        self.queue_explained = False  # the note that the run waits behind earlier work was printed
         self.interrupt_explained = False  # the "did not stop after the interrupt" note was printed
         self.asked_at = float("-inf")  # when the diagnosis was last asked whether a collective is blocked
         self.recovery_report = ""
@@ -92,6 +103,7 @@ class _Follow:
             while not self.run.done():
                 try:
                     self._pump(self._next_wake())
+                    self._check_queued()
                     self._check_time()
                     self._check_stuck()
                 except KeyboardInterrupt:
@@ -126,6 +138,8 @@ class _Follow:
             waits.append(_left(self.options.grace, self.interrupted_at, now))
         if not self.explained:
             waits += [_left(self.options.hang_hint, self.first_done_at, now), STUCK_CHECK_S]
+        if not self.queue_explained:
+            waits.append(_left(QUEUED_HINT_S, self.started, now))
         return min((w for w in waits if w is not None), default=None)
 
     def _pump(self, timeout: float | None) -> None:
@@ -141,12 +155,9 @@ class _Follow:
         if self.interrupted_at is not None and now - self.interrupted_at >= self.options.grace:
             if not self.interrupt_explained:
                 self.interrupt_explained = self.explained = True
-                self._explain(f"rank(s) {format_ranks(self.run.pending)} did not stop within "
-                              f"{self.options.grace:g} s of the interrupt (still busy, blocked outside "
-                              f"Python). Interrupt again to free them: meshbook restarts as few ranks "
-                              f"as possible (usually none) and keeps the others' variables.")
+                self._explain_interrupt()
         elif self.first_done_at is not None and now - self.first_done_at >= self.options.hang_hint:
-            if not self.explained:
+            if not self.explained and not self.mesh.queued(self.run):  # waiting its turn is no hang
                 self.explained = True
                 self._explain(f"rank(s) {format_ranks(self.run.pending)} are still busy "
                               f"{now - self.first_done_at:.0f} s after the others finished.")
@@ -159,10 +170,48 @@ class _Follow:
                 f"{format_ranks(self.run.pending)} after {timeout:g} s. The ranks keep running as they "
                 f"are: {self.options.next_steps}." + (f"\n{diagnosis}" if diagnosis else ""))
 
+    def _explain_interrupt(self) -> None:
+        """Ranks still on the run after the interrupt's grace: blocked outside Python, or where
+        the run never started (they run earlier work, and drop it when that ends: a second
+        interrupt would stop that work too)."""
+        behind = self.mesh.queued(self.run)
+        blocked = [r for r in self.run.pending if r not in behind]
+        waiting = ""
+        if behind:
+            steps = self.options.stop_earlier.format(ranks=format_ranks(behind))
+            waiting = (f"rank(s) {format_ranks(behind)} have not started {self.options.what or self.run.what}: "
+                       f"they drop it once the work they run ends ({steps}).")
+        if not blocked:
+            self.renderer.flush()
+            _note(waiting)
+            return
+        self._explain(" ".join(filter(None, [
+            f"rank(s) {format_ranks(blocked)} did not stop within {self.options.grace:g} s of the interrupt "
+            f"(still busy, blocked outside Python). Interrupt again to free them: meshbook restarts as few "
+            f"ranks as possible (usually none) and keeps the others' variables.", waiting])))
+
     def _timed_from(self) -> float:
         """Where the timeout counts from: the start, later by the time the user took to answer
         the ranks' prompts (``input()``, pdb), which is not the ranks' running time."""
         return self.started + self.renderer.prompts.answering_s
+
+    def _check_queued(self) -> None:
+        """Say once that the run waits behind earlier work on some ranks: nothing else would
+        tell why it has not started there."""
+        if self.queue_explained or self.interrupted_at is not None \
+                or time.monotonic() - self.started < QUEUED_HINT_S:
+            return
+        self.queue_explained = True
+        behind = self.mesh.queued(self.run)
+        if not behind:
+            return
+        ahead: dict[str, list[int]] = {}
+        for rank, what in sorted(behind.items()):
+            ahead.setdefault(what, []).append(rank)
+        doing = "; ".join(f"rank(s) {format_ranks(ranks)} still run {what}" for what, ranks in ahead.items())
+        steps = f"{self.options.stop_earlier.format(ranks=format_ranks(behind))}; {self.options.drop_this}"
+        self.renderer.flush()
+        _note(f"{doing}: {self.options.what or self.run.what} starts there once that ends ({steps}).")
 
     def _check_stuck(self) -> None:
         """Explain ranks waiting in a collective call the other ranks have not joined: ranks

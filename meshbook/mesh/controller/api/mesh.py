@@ -431,6 +431,11 @@ class Mesh(DebugOps, DataOps, PlanOps):
         exactly (None when it called none: collectives issued from C++, DDP's, are not timed)."""
         return self.controller.clock.waiting(run.id)
 
+    def queued(self, run: Run) -> dict[int, str]:
+        """The ranks where ``run`` has not started yet because they still run earlier work
+        (a cell that outlived its wait, a ``mesh.run`` nobody waited for), and what that is."""
+        return self.controller.queued_behind(run)
+
     def stuck(self, run: Run) -> dict[int, float]:
         """Seconds each rank of ``run`` has waited inside its current collective call, from
         its last heartbeat (ranks not in a collective are left out)."""

@@ -234,6 +234,16 @@ class RankBook:
         queue = self.queues[rank]
         return queue[0] if queue else None
 
+    def ahead(self, request: int, ranks: Iterable[int]) -> dict[int, int]:
+        """The ranks where ``request`` still waits in the queue behind another request, and
+        that request (the one each of them runs now)."""
+        queues, found = self.queues, {}
+        for rank in ranks:
+            queue = queues[rank]
+            if queue and queue[0] != request and request in queue:
+                found[rank] = queue[0]
+        return found
+
     def queued(self, rank: int) -> int:
         """How many requests ``rank``'s main thread has not finished (the running one included)."""
         return len(self.queues[rank])

@@ -442,6 +442,14 @@ class Controller:
         if ranks and not self.stopped:
             self.call(interrupt_request, run.id, ranks=ranks, what="interrupt")
 
+    def queued_behind(self, run: Run) -> dict[int, str]:
+        """The ranks of ``run`` where it still waits behind other work, and what that is."""
+        with self._lock:
+            ahead = self.book.ahead(run.id, run.pending)
+            runs = self.book.runs
+            return {rank: runs[request].what if request in runs else f"request {request}"
+                    for rank, request in ahead.items()}
+
     def interrupt_where(self, running: dict[int, int]) -> None:
         """Interrupt what each rank runs (``running``: rank -> request), as a Ctrl-C would: a
         run of the book as a whole, unless it was interrupted already (a second interrupt
