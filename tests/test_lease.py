@@ -52,8 +52,13 @@ def test_a_kept_mesh_survives_its_kernel_and_a_new_kernel_attaches_it(how: str) 
         assert "lease left" in listed and any(mesh_id in line and "localhost" in line
                                               for line in listed.splitlines()), listed
         assert second.value(f"[r.lease_left() > 0 for r in meshbook.list_meshes() if r.id == {mesh_id!r}]") == [True]
-        assert "attached" in second.ok(f"%mesh attach {mesh_id}").stream()
-        assert f"kept as {mesh_id}" in second.ok("%mesh status").stream()
+        attached = second.ok(f"%mesh attach {mesh_id}").stream()
+        assert "attached" in attached and "2 ranks (world=2, cpu)" in attached, attached
+        status = second.ok("%mesh status").stream()
+        assert f"kept as {mesh_id}" in status, status
+        # what the ranks' READY said, which the new kernel never heard: asked when it attached
+        assert second.value("[(s.device, s.threads != '') for s in meshbook.current().status()]") == \
+            [("cpu", True)] * 2
         out = second.ok("%%mesh --ordered\nprint(marker, x.sum().item())").stream()
         assert "rank 0 kept 0.0" in out and "rank 1 kept 2.0" in out, out
         assert sorted(second.value("[s.pid for s in meshbook.current().status()]")) == sorted(pids[1:])

@@ -77,6 +77,13 @@ def interrupt_request(worker: "Worker", request: int) -> None:
 
 
 @rank_op(channel=msg.CONTROL)
+def ready_report(worker: "Worker") -> dict[str, Any]:
+    """What this rank's READY said (control thread): for a kernel that attached a kept mesh,
+    which never heard it."""
+    return worker.ready_report()
+
+
+@rank_op(channel=msg.CONTROL)
 def heartbeat(worker: "Worker") -> dict[str, Any]:
     """What this rank's next heartbeat will say, now (control thread): for reports asked for
     before its first heartbeat arrived."""

@@ -235,8 +235,11 @@ class Worker:
         except BaseException as exc:
             self.emit(msg.INIT_FAILED, None, failure_from(self.rank, exc), **header)
             raise
-        self.emit(msg.READY, None, {"device": str(self.namespace["device"]), "pid": os.getpid(),
-                                    "threads": self.cfg.threads_note}, **header)
+        self.emit(msg.READY, None, self.ready_report(), **header)
+
+    def ready_report(self) -> dict[str, Any]:
+        """What READY says of this rank: its device, its pid, how its threads were set."""
+        return {"device": str(self.namespace["device"]), "pid": os.getpid(), "threads": self.cfg.threads_note}
 
     def init_distributed(self, generation: int) -> None:
         """(Re)create the process group and the namespace's ``device_mesh``."""

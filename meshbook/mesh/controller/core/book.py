@@ -152,6 +152,12 @@ class RankBook:
             state.state = "idle"
             self._dead.discard(rank)
 
+    def described(self, rank: int, device: str, pid: int, threads: str) -> None:
+        """What an attached rank's READY had said (its device: a kept mesh's new kernel never
+        heard it)."""
+        state = self.ranks[rank]
+        state.device, state.pid, state.threads = device, pid, threads
+
     def init_failed(self, rank: int, generation: int, headline: str) -> None:
         state = self.ranks[rank]
         state.generation, state.state = generation, "failed"

@@ -46,7 +46,7 @@ from ...protocol.remote import encode_route
 from ...protocol.text import format_ranks
 from ...protocol.topology import Topology
 from ...protocol.versions import mismatch, versions
-from ...rank.ops import interrupt_request
+from ...rank.ops import interrupt_request, ready_report
 from ..insight.clock import CollectiveTimes
 from ..insight.metrics import MetricsHistory
 from ..launch.base import Launcher
@@ -242,9 +242,23 @@ class Controller:
                         raise MeshError(self.fenced or f"attach: no answer from the mesh's agents within "
                                         f"{timeout:g} s; %mesh list shows the meshes that are still there")
                     self._changed.wait(0.25)
+            self._describe_adopted(max(1.0, deadline - time.monotonic()))
         except BaseException:
             self.stop("could not attach", detach=True)  # the mesh is not ours to stop
             raise
+
+    def _describe_adopted(self, timeout: float) -> None:
+        """Ask the attached ranks what their READY said (their device, which ``%mesh status``
+        and the start line show): answered by their control threads, busy or not. A rank that
+        does not answer in time keeps it unsaid; the attach goes on."""
+        live = [r for r, s in self.ranks.items() if s.state != "dead"]
+        if not live:
+            return
+        asked = self.call(ready_report, ranks=live, what="what the attached ranks run on")
+        asked.wait(timeout)
+        with self._lock:
+            for rank, said in asked.values().items():
+                self.book.described(rank, said["device"], said["pid"], said["threads"])
 
     def wait_generation(self, generation: int, ranks: list[int], timeout: float, what: str) -> None:
         """Wait for ``ranks`` to report ready in ``generation``; a clear error otherwise."""
