@@ -127,7 +127,9 @@ def test_a_hung_home_directory_stalls_the_lease_renewal_only() -> None:
         mesh.stop()
 
 
-def test_attaching_fences_the_first_controller_off() -> None:
+def test_attaching_again_in_the_same_kernel_lets_the_first_handle_go() -> None:
+    """(Another kernel attaching fences the first off: test_a_kernel_attached_over_is_told_so...)
+    This one drives it already: its first handle lets go, with the name, and says which drives it."""
     first = meshbook.start(2, keep="10m", name="first")
     second = None
     try:
@@ -140,12 +142,16 @@ def test_attaching_fences_the_first_controller_off() -> None:
         assert [(s.state, s.generation) for s in second.status()] == [("idle", 1)] * 2
         assert _pushed_through_shared_memory(second), "and still are, seen from the kernel that attached it"
         assert dict(second.run("t = torch.ones(1); dist.all_reduce(t); x + t.item()").result()) == {0: 42, 1: 43}
-        with pytest.raises(meshbook.MeshError, match="this kernel let go of the mesh, which runs on: this mesh was "
-                                                     "attached by another kernel"):  # not "the mesh was stopped"
-            first.run("x").result()
-        with pytest.raises(meshbook.MeshError, match=f"%mesh attach {first.controller.lease.id}"):
+        let_go = ("this kernel let go of the mesh, which runs on: it was attached again in this kernel, as "
+                  "'second': meshbook.mesh_named('second') drives it")
+        with pytest.raises(meshbook.MeshError) as info:  # not "the mesh is stopped ... start a new one"
             first.run("x")
-        assert dict(second.run("x").result()) == {0: 40, 1: 41}, "the fenced one stopped nothing"
+        assert str(info.value) == let_go
+        assert dict(second.run("x").result()) == {0: 40, 1: 41}, "the first handle stopped nothing"
+        third = meshbook.attach(second.controller.lease.id)  # under its name again: 'first' is free
+        assert third.name == "first" and second.stopped and list(meshbook.meshes()) == ["first"]
+        assert dict(third.run("x").result()) == {0: 40, 1: 41}
+        second = third
     finally:
         (second or first).stop()
 

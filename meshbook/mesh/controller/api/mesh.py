@@ -165,10 +165,16 @@ def attach(mesh_id: str, name: str | None = None, timeout: float = 60.0) -> "Mes
         raise MeshError(f"kept mesh {mesh_id} was started with the {record.launcher!r} launcher, which this "
                         f"kernel does not have (available: {', '.join(known)}): install the package that "
                         f"registers it")
+    chosen = name or record.name
+    for driving in meshes().values():  # this kernel drives it already: that handle lets go (and its name)
+        lease = driving.controller.lease
+        if lease is not None and lease.id == record.id:
+            driving.controller.stop(f"it was attached again in this kernel, as {chosen!r}: "
+                                    f"meshbook.mesh_named({chosen!r}) drives it", detach=True)
     record = next_epoch(record)
     controller = Controller(Topology(tuple((k, v) for k, v in record.dims)),
                             known[record.launcher].from_record(record), record.backend, record.collective_timeout,
-                            new_name(name or record.name), key=bytes.fromhex(record.key))
+                            new_name(chosen), key=bytes.fromhex(record.key))
     controller.agents.chosen = Backend.of(record.backend)
     controller.lease = Lease(record)
     recovery.install(controller)

@@ -488,6 +488,8 @@ class Controller:
     def check_usable(self, ranks: list[int]) -> None:
         if self.fenced:
             raise MeshStoppedError(self.fenced)
+        if self.stopped and self.detached:
+            raise MeshStoppedError(f"this kernel let go of the mesh, which runs on: {self.stop_reason}")
         if self.stopped:
             raise MeshStoppedError(f"the mesh is stopped ({self.stop_reason}); start a new one "
                                    f"with meshbook.start(...)")
