@@ -255,3 +255,19 @@ def test_a_cell_behind_one_that_timed_out_says_what_it_waits_for(kernel: Kernel)
     said = stderr_of(kernel, msg_id)
     assert re.search(r"rank\(s\) 0,1 still run cell \[\d+\]: the cell starts there once that ends \(%mesh "
                      r"interrupt 0,1 stops it; interrupting this cell drops this cell instead\)\.", said), said
+
+
+def test_pdb_steps_from_a_cells_body_onto_its_last_expression_and_ends_with_the_cell(kernel: Kernel) -> None:
+    """``n`` at the body's last line goes on to the cell's final expression (never into
+    meshbook's worker), and stepping past the cell's end ends the session with the cell: the
+    rank's next cell runs untraced."""
+    reply, prompts = kernel.execute_with_input(
+        "%%mesh --ranks 2\nx = 41\nbreakpoint()\ny = x + 1\ny * 2", ["n", "p y", "n"])
+    assert reply.status == "ok", reply.error_text
+    assert prompts == ["(Pdb rank 2) "] * 3
+    out = reply.stream()
+    assert "[2] -> y * 2\n" in out and "[2] 42\n" in out, out
+    assert "meshbook" not in out and "--Return--" not in out, out
+    assert result_text(reply) == "[2] 84"
+    after = kernel.ok("%%mesh --ranks 2\nimport sys\nsys.gettrace() is None, '__meshbook_value__' in globals()")
+    assert result_text(after) == "[2] (True, False)"

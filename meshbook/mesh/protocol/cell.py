@@ -44,15 +44,24 @@ def cell_filename(request_id: int | str) -> str:
     return f"{CELL_PREFIX}{request_id}>"
 
 
+#: Where a cell's final expression leaves its value, for the worker to take out at once.
+VALUE_NAME = "__meshbook_value__"
+
+
 @dataclass(frozen=True)
 class CompiledCell:
-    body: CodeType
-    last_expr: CodeType | None
+    """A cell as one code object: a debugger steps from its body onto its final expression as
+    from line to line (two code objects, run one after the other, put the worker between)."""
+
+    code: CodeType
+    #: Its last statement is an expression: running the code leaves the value at ``VALUE_NAME``.
+    has_value: bool
 
 
 @functools.lru_cache(maxsize=64)
 def compile_cell(source: str, filename: str, first_line: int = 1) -> CompiledCell:
-    """Compile ``source``; the value of a final expression statement becomes the result.
+    """Compile ``source``; the value of a final expression statement becomes the result
+    (left at :data:`VALUE_NAME` by the code).
 
     Cached (code objects are immutable): the same code run again, as in a loop of
     ``mesh.run(...)`` calls, is parsed once on the controller and once on each rank.
@@ -60,21 +69,19 @@ def compile_cell(source: str, filename: str, first_line: int = 1) -> CompiledCel
     padded = "\n" * (first_line - 1) + source  # keeps line numbers (and SyntaxError's) right
     try:
         tree = ast.parse(padded, filename, "exec")
-        last = None
         tail = tree.body[-1] if tree.body else None
-        if isinstance(tail, ast.Expr) and not _ends_with_semicolon(padded):
-            tree.body.pop()
-            last = ast.Expression(tail.value)
-        body = compile(tree, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
-        expr = (compile(last, filename, "eval", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
-                if last is not None else None)
+        has_value = isinstance(tail, ast.Expr) and not _ends_with_semicolon(padded)
+        if isinstance(tail, ast.Expr) and has_value:
+            keep = ast.Assign(targets=[ast.Name(VALUE_NAME, ast.Store())], value=tail.value)
+            tree.body[-1] = ast.fix_missing_locations(ast.copy_location(keep, tail))
+        code = compile(tree, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
     except SyntaxError as exc:  # from the parse, or from the compile ('return' outside a function)
         raise CellSyntaxError(exc.msg + _not_python(exc.text), exc.lineno, exc.offset, exc.text) from None
-    return CompiledCell(body, expr)
+    return CompiledCell(code, has_value)
 
 
 def is_async(code: CodeType) -> bool:
-    """Does ``code`` (a cell's body or final expression) ``await`` at the top level? Evaluated,
+    """Does ``code`` (a cell) ``await`` at the top level? Evaluated,
     it gives a coroutine to run on an event loop."""
     return bool(code.co_flags & inspect.CO_COROUTINE)
 

@@ -74,6 +74,8 @@ class RankContext(Protocol):
     stdout: Any
     stderr: Any
     actors: Any
+    #: The debugger session open on the main thread (None: none), ended with its request.
+    debugger: Any
 
     def emit(self, kind: str, request: int | None, body: Any = None, wait: bool = False, **header: Any) -> None: ...
 

@@ -49,13 +49,33 @@ class RemoteStdin:
 
 class RankPdb(pdb.Pdb):
     """pdb talking to the notebook; announces the end of its session (so the next rank can
-    be served) when the user continues or quits."""
+    be served) when the user continues or quits, or when its request ends.
+
+    Stepping never stops in meshbook's own frames (``skip``), and stepping past the end of the
+    cell (or of the function ``apply`` called) ends the session, as the cell ends: it would
+    otherwise go on into the rank's worker and what that calls. A session still open when its
+    request ends ends with it (:meth:`close`): the rank's next request must neither stop in pdb
+    nor run traced."""
 
     def __init__(self, worker: "RankContext") -> None:
-        super().__init__(stdin=RemoteStdin(worker), stdout=sys.stdout, nosigint=True)  # type: ignore[arg-type]
+        super().__init__(stdin=RemoteStdin(worker), stdout=sys.stdout, nosigint=True,  # type: ignore[arg-type]
+                         skip=["meshbook.*"])
         self.use_rawinput = False
         self.prompt = ""  # the prompt travels with each input request instead
         self.worker = worker
+        worker.debugger = self
+
+    def user_return(self, frame: Any, return_value: Any) -> None:
+        caller = frame.f_back
+        if caller is None or self.is_skipped_module(caller.f_globals.get("__name__")):
+            self.set_continue()  # stepped past the end of the cell (or of the applied function)
+            return
+        super().user_return(frame, return_value)
+
+    def close(self) -> None:
+        """The request ends while this session steps: it ends too."""
+        self.clear_all_breaks()
+        self.set_continue()
 
     def set_continue(self) -> None:
         super().set_continue()
@@ -66,6 +86,8 @@ class RankPdb(pdb.Pdb):
         self._session_over()
 
     def _session_over(self) -> None:
+        if self.worker.debugger is self:
+            self.worker.debugger = None
         self.worker.stdout.flush()
         self.worker.emit(msg.DEBUG_END, self.worker.current_request(), None)
 

@@ -46,6 +46,7 @@ import zmq
 from ..protocol import messages as msg
 from ..protocol import proc, wire
 from ..protocol.cell import (
+    VALUE_NAME,
     cell_filename,
     compile_cell,
     current_cell_line,
@@ -108,6 +109,7 @@ class Worker:
         self.last_exception: BaseException | None = None
         #: Whether the request being run can answer a debugger prompt (the notebook has stdin).
         self.stdin_available = False
+        self.debugger: Any = None  # the pdb session open on the main thread (see RankContext)
         #: The most the running request's result may weigh (None: no limit, meshbook's own calls).
         self.result_limit: int | None = None
         #: Lines typed in the notebook for this rank's debugger, delivered by the control thread,
@@ -357,9 +359,11 @@ class Worker:
         cell = compile_cell(source, filename, first)
         register_source(filename, source, first)
         ns = self.namespace
-        with self.user_code():
-            self._evaluate(cell.body, ns)
-            value = self._evaluate(cell.last_expr, ns) if cell.last_expr is not None else None
+        try:
+            with self.user_code():
+                self._evaluate(cell.code, ns)
+        finally:  # never left in the namespace, however the cell ends
+            value = ns.pop(VALUE_NAME, None)
         if value is not None:
             ns["_"] = value
         return value
@@ -429,6 +433,8 @@ class Worker:
         self.stderr.flush()
         proc.flush_c_stdio()
         self.pump.drain()
+        if self.debugger is not None:  # stepped past the cell's end: the session ends with it
+            self.debugger.close()
         self.last_request, self.request = request, None
         self.cancelled.discard(request)  # an interrupt kept for user code it never reached
         self.abort_reasons.pop(request, None)  # told by a recovery whose abort it never needed
