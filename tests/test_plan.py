@@ -228,6 +228,11 @@ def test_a_layout_plan_would_drop_is_refused_with_its_reason(mesh: meshbook.Mesh
         mesh.parallelize(mlp, Layout(tp=4))
     with pytest.raises(MeshError, match=r"pp 4 makes stage 2 \(pieces 3-3\) one without parameters"):
         mesh.parallelize(mlp, Layout(pp=4))
+    mlp4 = partial(models.mlp, dim=8, layers=4)
+    with pytest.raises(MeshError, match=r"pp 4 with 2 micro-batches: torch's 1F1B schedule needs at least one "
+                                        r"per stage \(microbatches=4 or more, or schedule='gpipe'\)"):
+        mesh.parallelize(mlp4, Layout(pp=4, microbatches=2))  # not torch's ValueError
+    assert Layout(pp=4).microbatches == 4 and Layout(pp=4, microbatches=2, schedule="gpipe").microbatches == 2
     for bad, message in ((dict(checkpointing="all"), "checkpointing='all'): choose from none, block, selective"),
                          (dict(pp=2, schedule="zigzag"), "schedule='zigzag'): choose from 1f1b, gpipe"),
                          (dict(dp_shard=0, dp_replicate=4), "dp_shard=0): give a whole number of 1 or more")):
@@ -254,8 +259,19 @@ def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:
         and "mesh.parallelize(build, Layout(...))" in str(refused.value), str(refused.value)
     with pytest.raises(MeshError, match="batch '8xq': give the global batch shape"):
         mesh.plan(BUILD, "8xq")
-    with pytest.raises(MeshError, match="no layout could be traced: .*"):
-        mesh.plan(BUILD, (8,), only=lambda lay: lay.family == "FSDP", checkpointing=("none",))
+    with pytest.raises(MeshError, match="no layout could be traced: .*"):  # one checkpointing: a str will do
+        mesh.plan(BUILD, (8,), only=lambda lay: lay.family == "FSDP", checkpointing="none")
+    with pytest.raises(MeshError, match="plan\\(\\) needs a function that builds the model, got a model "
+                                        "Sequential: pass the function \\(or a lambda\\) that makes it"):
+        mesh.plan(BUILD(), BATCH)  # a model is callable too: it was called with no input
+
+    def never() -> torch.nn.Module:  # said before anything is built, traced or probed
+        raise AssertionError("built")
+
+    with pytest.raises(MeshError, match="unknown optimizer 'lion': use one of adamw, adam, sgd"):
+        mesh.plan(never, BATCH, optimizer="lion")
+    with pytest.raises(MeshError, match="unknown optimizer 'lion'"):
+        mesh.parallelize(never, Layout(dp_shard=4), optimizer="lion")
     with pytest.raises(MeshError, match="budget 'lots'"):
         mesh.plan(BUILD, BATCH, budget="lots")
     with pytest.raises(MeshError, match=r"budget=-1: give a number of bytes above 0"):  # before any tracing
@@ -288,6 +304,9 @@ def test_a_plan_for_another_mesh_is_refused_with_what_would_match(mesh: meshbook
         mesh.parallelize(BUILD, Layout(dp_shard=4), names=("model", "opt"))  # type: ignore[arg-type]
     named = meshbook.start(dims={"dp": 2}, name="named")
     try:
+        with pytest.raises(MeshError, match=r"the mesh is laid out as dp=2, and no layout of this model has those "
+                                            r"dimensions .*: start the mesh without --dims \(meshbook.start\(2\)\)"):
+            named.plan(BUILD, BATCH)  # not a report whose best parallelize refuses
         with pytest.raises(MeshError, match="the mesh is laid out as dp=2 and the plan as dp_shard=2: "
                                             "%mesh start --dims dp_shard=2"):
             named.parallelize(BUILD, Layout(dp_shard=2))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy
 import pytest
 
@@ -85,3 +87,9 @@ def test_rank_values_repr_groups_identical_values() -> None:
     assert repr(RankValues({0: "x\ny"})) == "[0] 'x\\ny'"
     with pytest.raises(KeyError, match="ranks here: 0-3"):
         vals[7]
+
+
+def test_selecting_a_dimension_named_rank_points_at_selecting_by_number() -> None:
+    with pytest.raises(SelectionError, match=re.escape("the mesh has no dimension 'rank'; its dimensions are "
+                                                       "dp=2, tp=2 (ranks by number: mesh.narrow([0]), or ranks=[0])")):
+        Topology.create(4, {"dp": 2, "tp": 2}).where(rank=0)

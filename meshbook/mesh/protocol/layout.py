@@ -20,6 +20,8 @@ from .errors import MeshError, whole
 CHECKPOINTING = ("none", "block", "selective")
 #: Pipeline schedules, by the names ``torch.distributed.pipelining`` gives them.
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+#: The optimizers named by a string (else a function ``params -> Optimizer``).
+OPTIMIZERS = ("adamw", "adam", "sgd")
 #: The mesh dimensions a layout uses, outermost first (torchtitan's order: pipeline stages
 #: furthest apart, tensor parallelism within a host).
 DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -34,11 +36,14 @@ class Layout:
     tp: int = 1
     pp: int = 1
     checkpointing: str = "none"
-    microbatches: int = 1
+    #: Micro-batches per step; 0 (not given): one per pipeline stage, the fewest 1F1B takes.
+    microbatches: int = 0
     schedule: str = "1f1b"
     reshard: bool = True
 
     def __post_init__(self) -> None:
+        if self.microbatches == 0:
+            object.__setattr__(self, "microbatches", self.pp)
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "microbatches"):
             value = getattr(self, name)
             degree = whole(value)
@@ -147,6 +152,14 @@ def factorisations(world: int) -> Iterator[tuple[int, int, int, int]]:
                     yield pp, dpr, dps, world // rest
 
 
+def why_not_optimizer(optimizer: object) -> str:
+    """Why ``optimizer`` names no optimizer ("" when it does, or is a function making one)."""
+    if (callable(optimizer) and not isinstance(optimizer, str)) or str(optimizer).lower() in OPTIMIZERS:
+        return ""
+    return (f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)} or a function "
+            f"params -> torch.optim.Optimizer")
+
+
 def why_unbuildable(layout: Layout, facts: ModelFacts) -> str:
     """Why ``layout`` cannot be applied to this model at all ("" when it can): what
     ``parallelize`` refuses, and the first thing ``plan`` checks."""
@@ -165,6 +178,9 @@ def why_unbuildable(layout: Layout, facts: ModelFacts) -> str:
             if facts.piece_params and not sum(facts.piece_params[start:stop]):
                 return (f"pp {layout.pp} makes stage {stage} (pieces {start}-{stop - 1}) one without "
                         f"parameters: nothing to train there")
+        if layout.schedule == "1f1b" and layout.microbatches < layout.pp:
+            return (f"pp {layout.pp} with {layout.microbatches} micro-batches: torch's 1F1B schedule needs at "
+                    f"least one per stage (microbatches={layout.pp} or more, or schedule='gpipe')")
     if layout.checkpointing != "none" and not facts.blocks:
         return "activation checkpointing needs repeated blocks (a ModuleList of one class)"
     return ""

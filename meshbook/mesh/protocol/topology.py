@@ -78,8 +78,10 @@ class Topology:
         wanted: dict[str, set[int]] = {}
         for name, sel in selectors.items():
             if name not in sizes:
+                by_number = (" (ranks by number: mesh.narrow([0]), or ranks=[0])"
+                             if name in ("rank", "ranks") else "")
                 raise SelectionError(
-                    f"the mesh has no dimension {name!r}; its dimensions are {self.describe()}")
+                    f"the mesh has no dimension {name!r}; its dimensions are {self.describe()}{by_number}")
             values = set(_rank_list(sel, name, "an index (0)", "a list of them ([0, 1])"))
             bad = sorted(v for v in values if not 0 <= v < sizes[name])
             if bad:

@@ -36,7 +36,15 @@ from torch import nn
 
 from ..protocol import config
 from ..protocol.errors import MeshError
-from ..protocol.layout import Layout, ModelFacts, split_points, stage_of, why_unbuildable
+from ..protocol.layout import (
+    OPTIMIZERS,
+    Layout,
+    ModelFacts,
+    split_points,
+    stage_of,
+    why_not_optimizer,
+    why_unbuildable,
+)
 from ..protocol.payload import Payload, pack
 from ..protocol.text import format_bytes
 from . import torch_compat
@@ -49,7 +57,7 @@ ROWWISE = frozenset({"o_proj", "down_proj", "fc2", "w2", "out_proj", "c_proj", "
                      "dense_4h_to_h", "dense"})
 #: Attributes (on a block's modules, or the model's ``config``) that count attention heads.
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads", "n_kv_heads")
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+OPTIMIZER_CLASSES = dict(zip(OPTIMIZERS, (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)))
 #: Layers that read a model's input: the first of them says what a batch is (token ids for an
 #: embedding, features for a linear; for the others, plan makes none).
 INPUT_LAYERS = (nn.Embedding, nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -552,10 +560,9 @@ def initialise(model: nn.Module) -> None:
 def make_optimizer(optimizer: Any, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     if callable(optimizer) and not isinstance(optimizer, str):
         return optimizer(model.parameters())
-    cls = OPTIMIZERS.get(str(optimizer).lower())
+    cls = OPTIMIZER_CLASSES.get(str(optimizer).lower())
     if cls is None:
-        raise MeshError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)} "
-                        "or a function params -> torch.optim.Optimizer")
+        raise MeshError(why_not_optimizer(optimizer))
     return cls(model.parameters(), lr=lr)
 
 

@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...protocol.errors import MeshError, check_bytes
-from ...protocol.layout import CHECKPOINTING, Layout, ModelFacts, Rejected, candidates, warm_up_layouts
+from ...protocol.layout import (
+    CHECKPOINTING,
+    Layout,
+    ModelFacts,
+    Rejected,
+    candidates,
+    warm_up_layouts,
+    why_not_optimizer,
+)
 from ...protocol.plan import (
     BUDGET_SHARE,
     KINDS,
@@ -274,6 +282,30 @@ def _order(row: Row) -> tuple[int, float, int, str]:
 # -- mesh.plan and mesh.parallelize ----------------------------------------------------------
 
 
+def _check_build(build: Any, optimizer: Any, caller: str) -> None:
+    """``build`` must be a function that makes the model: a model (an ``nn.Module``, callable
+    too) would be called as if it were one, with no input. And ``optimizer`` must name one:
+    said now, not once the ranks were probed."""
+    problem = why_not_optimizer(optimizer)
+    if problem:
+        raise MeshError(problem)
+    if not callable(build) or (hasattr(build, "parameters") and hasattr(build, "forward")):
+        got = "a model" if callable(build) else "a"
+        raise MeshError(f"{caller}() needs a function that builds the model, got {got} {type(build).__name__}: "
+                        f"pass the function (or a lambda) that makes it, which {caller} calls on the "
+                        f"{'meta device' if caller == 'plan' else 'ranks'}")
+
+
+def _named_dims(mesh: MeshView) -> dict[str, int] | None:
+    """The mesh's dimensions where it was started with ``dims`` (None: without, ``world``)."""
+    dims = dict(mesh.topology.dims)
+    return None if list(dims) == ["world"] else dims
+
+
+def _shape(dims: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in dims.items())
+
+
 class PlanOps:
     """What :class:`~meshbook.Mesh` can do to lay a model out: plan, then parallelize."""
 
@@ -290,11 +322,12 @@ class PlanOps:
         is ``"adamw"``, ``"adam"``, ``"sgd"`` or a function ``params -> Optimizer``. Nothing fits:
         a :class:`MeshError` saying what the smallest needs (its ``report`` has every row).
         """
-        if not callable(build):
-            raise MeshError(f"plan() needs a function that builds the model, got a {type(build).__name__}")
+        _check_build(build, optimizer, "plan")
         shape = parse_batch(batch)
         if sorted(self.ranks) != sorted(self.controller.ranks):
             raise MeshError("plan the whole mesh (a layout spans every rank), not a selection of it")
+        if isinstance(checkpointing, str):
+            checkpointing = (checkpointing,)
         unknown = set(checkpointing) - set(CHECKPOINTING)
         if unknown:
             raise MeshError(f"checkpointing {sorted(unknown)}: choose from {', '.join(CHECKPOINTING)}")
@@ -305,11 +338,19 @@ class PlanOps:
         with Planners(max(1, min(planners or MAX_PLANNERS, os.cpu_count() or 1))) as pool:
             facts = pool.ask(0, "inspect", build)  # first, where a failing build harms nothing
             found = candidates(len(self.ranks), facts, shape[0], min(ranks_on_host.values()))
+            dims = _named_dims(self)
+
             def wanted(lay: Layout) -> bool:
-                return lay.checkpointing in checkpointing and (only is None or only(lay))
+                return lay.checkpointing in checkpointing and (only is None or only(lay)) \
+                    and (dims is None or lay.dims == dims)
 
             layouts = [lay for lay in found.valid if wanted(lay)]
             found.rejected = [r for r in found.rejected if only is None or only(r.layout)]
+            if not layouts and dims is not None:
+                raise MeshError(f"the mesh is laid out as {_shape(dims)}, and no layout of this model has those "
+                                f"dimensions (a layout's are dp_replicate, dp_shard, tp, pp): start the mesh "
+                                f"without --dims (meshbook.start({len(self.ranks)})), and plan there: any "
+                                f"layout fits it")
             if not layouts:
                 reasons = "; ".join(sorted({r.reason for r in found.rejected}))[:600]
                 raise MeshError(f"no layout of {len(self.ranks)} ranks is possible for this model: "
@@ -356,8 +397,7 @@ class PlanOps:
         chosen = row.layout if row is not None else layout
         if not isinstance(chosen, Layout):
             raise MeshError(f"parallelize() needs a plan row (report.best) or a Layout, got a {type(layout).__name__}")
-        if not callable(build):
-            raise MeshError(f"parallelize() needs a function that builds the model, got a {type(build).__name__}")
+        _check_build(build, optimizer, "parallelize")
         if len(names) != 3 or not all(isinstance(n, str) and n.isidentifier() for n in names):
             raise MeshError(f"names={names!r}: give three variable names, for the model, the optimizer and the step")
         if sorted(self.ranks) != sorted(self.controller.ranks):
@@ -365,10 +405,9 @@ class PlanOps:
         if chosen.world != len(self.ranks):
             raise MeshError(f"this layout is for {chosen.world} ranks and the mesh has {len(self.ranks)}: "
                             f"plan again on this mesh, or %mesh start -n {chosen.world}")
-        dims = dict(self.topology.dims)
-        if list(dims) != ["world"] and dims != chosen.dims:
-            shape = ",".join(f"{k}={v}" for k, v in dims.items())
-            raise MeshError(f"the mesh is laid out as {shape} and the plan as {chosen.start_dims()}: "
+        dims = _named_dims(self)
+        if dims is not None and dims != chosen.dims:
+            raise MeshError(f"the mesh is laid out as {_shape(dims)} and the plan as {chosen.start_dims()}: "
                             f"%mesh start --dims {chosen.start_dims()} (or start without --dims and any plan fits)")
         predicted = row.stage_peaks if row is not None else {}
         step_s = row.step_s if row is not None else 0.0
