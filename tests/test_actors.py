@@ -377,6 +377,27 @@ def test_ctrl_c_while_streaming_stops_the_endpoint(two: tuple[meshbook.Mesh, mes
         future.run.interrupt()  # the endpoint never ends on its own
 
 
+class Relay(meshbook.Actor):
+    @meshbook.endpoint
+    def pass_on(self, target: Any, seconds: float) -> Any:
+        return target.nap.call(seconds).result(timeout=120)
+
+
+def test_interrupting_an_endpoint_stops_the_calls_it_made_to_other_ranks(two: tuple[meshbook.Mesh,
+                                                                                      meshbook.Mesh]) -> None:
+    """A call nested in an interrupted endpoint (an actor of one mesh calling another's) is
+    interrupted too: it used to run on to its end, holding the other rank for a minute."""
+    trainers, generators = two
+    relay = trainers.narrow([0]).spawn("relay", Relay)
+    napper = generators.narrow([1]).spawn("sleeper", Policy, 2)
+    future = relay.pass_on.call_one(napper, 60)
+    time.sleep(1.0)  # the nap has started, or still waits there: either way it must stop
+    future.run.interrupt()
+    with pytest.raises(RemoteError, match=r"\[0\] KeyboardInterrupt"):
+        future.result(timeout=60)
+    assert dict(generators.run("rank", ranks=[1]).result(timeout=30, echo=False)) == {1: 1}, "the nap went on"
+
+
 def test_ctrl_c_while_awaiting_stops_the_endpoint(two: tuple[meshbook.Mesh, meshbook.Mesh], tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """asyncio.run cancels the awaiting task on Ctrl-C: the endpoint is interrupted on the

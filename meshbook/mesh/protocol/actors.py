@@ -95,11 +95,13 @@ def endpoints_of(cls: type) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Peer:
     """How to reach the actors of one rank: the address of its request socket (its main
-    thread, in order with cells), its pid (liveness, and its shared memory) and its host."""
+    thread, in order with cells), its pid (liveness, and its shared memory), its host, and
+    its control socket (to stop a call the caller gave up on)."""
 
     address: str
     pid: int
     host: str
+    control: str
 
 
 @dataclass(frozen=True)

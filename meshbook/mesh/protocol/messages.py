@@ -14,7 +14,8 @@ Who sends what:
 * rank -> rank, on the target's ``MAIN`` channel, signed with the target mesh's key: ``PEER``
   (an endpoint call from an actor handle a rank holds), answered with ``RESULT``/``ERROR``
   straight to the caller's reply socket named in ``REPLY_TO``, after a ``RELEASED`` when the
-  target unmapped the shared memory of the call's arguments (the caller may reuse it).
+  target unmapped the shared memory of the call's arguments (the caller may reuse it); on its
+  ``CONTROL`` channel, ``PEER_STOP``: the caller gave up waiting (Ctrl-C): stop the call.
 * controller -> agent: ``OP``, whose body names the operation (``AgentOp``).
 * rank -> controller: ``HELLO``, ``READY``, ``INIT_FAILED`` (start-up and new process-group
   generations), ``OUTPUT``, ``DISPLAY``, ``INPUT`` (a debugger prompt), ``DEBUG_END``,
@@ -54,6 +55,7 @@ HOST_BEAT = "host_beat"
 JOIN = "join"
 ACTOR = "actor"
 PEER = "peer"
+PEER_STOP = "peer_stop"  # rank -> rank (control channel): interrupt the PEER request ID
 RELEASED = "released"
 FENCED = "fenced"
 COLLECTIVES = "collectives"

@@ -132,7 +132,7 @@ class ActorHost:
         instance = self._run(cls, body["args"], body["kwargs"])
         self.actors[name] = instance
         self.worker.namespace[name] = instance
-        return Peer(cfg.request_addr, os.getpid(), socket.gethostname())
+        return Peer(cfg.request_addr, os.getpid(), socket.gethostname(), cfg.control_addr)
 
     def drop(self, name: str) -> bool:
         """Forget actor ``name`` (and its namespace variable, if still the actor)."""
@@ -184,7 +184,9 @@ class PeerClient:
         if any(address.peers[r].address == own for r in ranks):
             raise MeshError(f"{address.name}.{endpoint}: an actor cannot call an actor on its own rank "
                             f"(rank {self.host.worker.rank}) and wait: both run on the rank's one main thread")
-        request = -next(self._ids)  # negative: never one of the controller's request ids
+        # Negative: never one of the controller's; with our pid: never another caller's (a call
+        # stopped by its number must be this one; callers share a host, see _Link.send).
+        request = -((os.getpid() << 32) + next(self._ids))
         return self.link(address.key).send(request, address, endpoint, ranks, args, kwargs, one)
 
 
@@ -234,6 +236,13 @@ class _Link:
             for peer in peers.values():
                 self._sock(peer.address).send_multipart(frames, copy=True)
         return future
+
+    def stop(self, request: int, peers: list[Peer]) -> None:
+        """Ask ``peers``' control threads to interrupt ``request`` (a caller that gave up)."""
+        frames = self.wire.pack({msg.KIND: msg.PEER_STOP, msg.ID: request, msg.RANK: self.rank})
+        with self._send_lock:
+            for peer in peers:
+                self._sock(peer.control).send_multipart(frames, copy=True)
 
     def _sock(self, address: str) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -330,7 +339,7 @@ class PeerFuture(ActorFuture):
     def done(self) -> bool:
         return len(self._values) + len(self._failures) == len(self.peers)
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def _wait(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.done():
             left = LIVENESS_S if deadline is None else min(LIVENESS_S, deadline - time.monotonic())
@@ -343,9 +352,19 @@ class PeerFuture(ActorFuture):
         self._forgotten = True
         threading.Thread(target=self.wait, name="meshbook-broadcast", daemon=True).start()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            return self._wait(timeout)
+        except KeyboardInterrupt:  # the endpoint waiting was interrupted (a Ctrl-C of its cell)
+            self.interrupt()
+            raise
+
     def interrupt(self) -> None:
-        """Nothing to stop from here: only the target mesh's controller interrupts its ranks,
-        so they run the call to its end (their answers are taken by this link's next wait)."""
+        """Stop the call on the ranks still running it (or drop it where it still waits): a
+        nested call must not run on after the one that made it was interrupted. Their answers
+        (``KeyboardInterrupt``) are taken by this link's next wait."""
+        self.link.stop(self.request, [p for r, p in self.peers.items()
+                                      if r not in self._values and r not in self._failures])
 
     def _error(self) -> RemoteError:
         return RemoteError(dict(self._failures), partial=RankValues(self._values, self.address.topology))
@@ -366,7 +385,11 @@ class PeerFuture(ActorFuture):
                 index += 1
             if self.done():
                 return
-            self.link.pump(LIVENESS_S)
+            try:
+                self.link.pump(LIVENESS_S)
+            except KeyboardInterrupt:  # as in wait: a caller that gives up stops the call
+                self.interrupt()
+                raise
 
 
 class RemoteActor(ActorView):

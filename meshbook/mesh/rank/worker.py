@@ -150,7 +150,7 @@ class Worker:
         #: rank-to-rank actor call is answered straight to its caller.
         self._reply_routes: dict[str, Callable[[wire.Message, list[Any]], None]] = {msg.PEER: self.actors.reply}
         self._control_handlers: dict[str, Callable[[wire.Message], None]] = {
-            msg.CALL: self._control_call, msg.INPUT: self._control_input}
+            msg.CALL: self._control_call, msg.INPUT: self._control_input, msg.PEER_STOP: self._control_peer_stop}
         self._noted_in: int | None = None
         self._noted: set[str] = set()
         self.generation = cfg.generation
@@ -350,7 +350,9 @@ class Worker:
                 # To the main thread itself: a blocking call there (sleep, select, a socket) returns
                 # with EINTR and the handler runs now; a process-wide SIGINT may land on any thread.
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
-            elif self.last_request is None or request > self.last_request:
+            elif request < 0 or self.last_request is None or request > self.last_request:
+                # (a rank-to-rank call's number says nothing of its order: dropped when its turn
+                # comes, or, had it ended already, kept here as a number no request will take)
                 self.cancelled.add(request)
 
     def _exec(self, body: dict[str, Any], request: int) -> Any:
@@ -595,6 +597,10 @@ class Worker:
         if message.header[msg.ID] is not None:  # someone waits for an answer: say why none comes
             failure = RankFailure(self.rank, "ValueError", f"no handler for {message.kind!r} messages")
             self.emit(msg.ERROR, message.header[msg.ID], failure)
+
+    def _control_peer_stop(self, message: wire.Message) -> None:
+        """A rank that called one of this rank's actors gave up waiting: stop that call."""
+        self.interrupt(message.header[msg.ID])
 
     def _control_input(self, message: wire.Message) -> None:
         """A line for this rank's debugger, typed in the notebook."""
