@@ -102,6 +102,17 @@ def test_who_counts_memory_held_under_two_names_once(mesh2: meshbook.Mesh) -> No
     assert ns["b"][0].nbytes == 4000, "the row keeps its own size for pull limits"
 
 
+def test_who_counts_an_optimizers_state(mesh2: meshbook.Mesh) -> None:
+    """Adam's two moments are twice the model: a rank's total without them misleads."""
+    mesh2.run("net = torch.nn.Linear(64, 64)\nadam = torch.optim.Adam(net.parameters())\n"
+              "net(torch.ones(2, 64)).sum().backward()\nadam.step()").result()
+    ns = mesh2.who()
+    params = (64 * 64 + 64) * 4
+    assert ns["adam"][0].nbytes == 2 * params + 2 * 4, "two moments and a step count per parameter"
+    assert (ns["adam"][0].type, ns["adam"][0].dtype, ns["adam"][0].device) == ("Adam", "float32", "cpu")
+    mesh2.run("del net, adam").result()
+
+
 def test_the_who_table_groups_ranks_and_totals_each_rank() -> None:
     layout = Layout(("dp", "tp"), (2, 1), (0, 1), (("Shard", 0), ("Replicate", None)), (2, 3))
     w = VarInfo("w", "DTensor", (4, 3), "bfloat16", "cpu", 12, layout=layout)

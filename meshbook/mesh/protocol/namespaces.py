@@ -131,6 +131,10 @@ def describe(name: str, value: Any) -> VarInfo:
                        device=_common(str(t.device) for t in held),
                        nbytes=sum(_tensor_bytes(t) for t in held),
                        params=sum(p.numel() for p in params))
+    if torch is not None and isinstance(value, torch.optim.Optimizer):
+        state = [local_shard(t) for t in _optimizer_state(value)]  # its moments: often twice the model
+        return VarInfo(name, kind, dtype=_common(_dtype_text(t.dtype) for t in state),
+                       device=_common(str(t.device) for t in state), nbytes=sum(_tensor_bytes(t) for t in state))
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(value, numpy.ndarray):
         return VarInfo(name, kind, tuple(value.shape), str(value.dtype), "cpu", int(value.nbytes))
@@ -139,6 +143,13 @@ def describe(name: str, value: Any) -> VarInfo:
     if isinstance(value, (bytes, bytearray)):
         return VarInfo(name, kind, nbytes=len(value))
     return VarInfo(name, kind)
+
+
+def _optimizer_state(optimizer: Any) -> list[Any]:
+    """The tensors an optimizer keeps per parameter (Adam's two moments, its step count...)."""
+    torch = sys.modules["torch"]
+    return [t for per_param in list(optimizer.state.values()) for t in list(per_param.values())
+            if isinstance(t, torch.Tensor)]
 
 
 def inventory(namespace: Mapping[str, Any]) -> dict[str, VarInfo]:
@@ -189,6 +200,8 @@ def _storages(value: Any, depth: int) -> dict[tuple[str, int], int]:
         return {(str(value.device), storage.data_ptr()): storage.nbytes()} if storage.nbytes() else {}
     if torch is not None and isinstance(value, torch.nn.Module):
         return _merged(_storages(t, depth) for t in itertools.chain(value.parameters(), value.buffers()))
+    if torch is not None and isinstance(value, torch.optim.Optimizer):
+        return _merged(_storages(t, depth) for t in _optimizer_state(value))
     if numpy is not None and isinstance(value, numpy.ndarray):
         while isinstance(value.base, numpy.ndarray):
             value = value.base
