@@ -39,6 +39,22 @@ def test_tensors_roundtrip_exactly(tensor: torch.Tensor) -> None:
     assert torch.equal(out, tensor.resolve_conj())
 
 
+@pytest.mark.parametrize("tensor", [
+    torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last),
+    torch.randn(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d),
+    torch.randn(5, 7).t(),
+])
+def test_a_tensor_dense_in_another_order_arrives_laid_out_as_it_was(tensor: torch.Tensor) -> None:
+    """As torch's own pickling keeps it (a channels_last batch stays channels_last on the ranks),
+    and its memory travels uncopied, in the order it lies in."""
+    _, buffers = dumps(tensor)
+    assert len(buffers) == 1 and np.asarray(memoryview(buffers[0])).ctypes.data == tensor.data_ptr()
+    out = roundtrip({"t": tensor})["t"]
+    assert torch.equal(out, tensor) and out.stride() == tensor.stride()
+    sliced = tensor[..., ::2]  # dense in no order: copied contiguous, as before
+    assert torch.equal(roundtrip(sliced), sliced)
+
+
 def test_big_tensor_payload_travels_out_of_band() -> None:
     tensor = torch.ones(1 << 20)
     body, buffers = dumps(tensor)

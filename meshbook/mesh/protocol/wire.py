@@ -81,7 +81,7 @@ class TooBig(Exception):
 
 
 def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...], requires_grad: bool,
-                    parameter: bool) -> Any:
+                    parameter: bool, order: tuple[int, ...] | None = None) -> Any:
     import torch
 
     if isinstance(buffer, bytes):  # in-band (no out-of-band buffers): never alias immutable bytes
@@ -95,6 +95,8 @@ def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...], requires_gr
             # them is the point of zero-copy, and nothing else holds them.
             warnings.simplefilter("ignore")
             tensor = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+    if order is not None:  # laid out in memory in that order (channels_last...): as it was sent
+        tensor = tensor.permute(sorted(range(len(order)), key=order.__getitem__))
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
@@ -109,11 +111,24 @@ def _reduce_tensor(tensor: Any) -> Any:
     data = tensor.detach()
     if data.device.type != "cpu":
         data = data.cpu()  # the notebook side is CPU; push moves it back to the rank's device
-    data = data.resolve_conj().resolve_neg().contiguous()
+    data = data.resolve_conj().resolve_neg()
+    order = _dense_order(data)
+    data = data.permute(order) if order is not None else data.contiguous()  # the permuted one: no copy
     raw = data.reshape(-1).view(torch.uint8).numpy()
     return (_rebuild_tensor,
-            (pickle.PickleBuffer(raw), tensor.dtype, tuple(tensor.shape),
-             tensor.requires_grad, parameter))
+            (pickle.PickleBuffer(raw), tensor.dtype, tuple(data.shape),
+             tensor.requires_grad, parameter, order))
+
+
+def _dense_order(tensor: Any) -> tuple[int, ...] | None:
+    """The order of ``tensor``'s dimensions in which its memory is contiguous, when that is
+    not their own (channels_last: 0, 2, 3, 1; a transposed matrix: 1, 0): it travels in that
+    order, uncopied, and arrives laid out as it was, as torch's own pickling keeps it. None:
+    contiguous already, or not dense in any order (expanded, sliced), copied contiguous."""
+    if tensor.dim() < 2 or tensor.is_contiguous():
+        return None
+    order = tuple(sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d)))
+    return order if tensor.permute(order).is_contiguous() else None
 
 
 class Pickler(cloudpickle.Pickler):
