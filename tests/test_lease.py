@@ -142,6 +142,7 @@ def test_attaching_again_in_the_same_kernel_lets_the_first_handle_go() -> None:
         assert [(s.state, s.generation) for s in second.status()] == [("idle", 1)] * 2
         assert _pushed_through_shared_memory(second), "and still are, seen from the kernel that attached it"
         assert dict(second.run("t = torch.ones(1); dist.all_reduce(t); x + t.item()").result()) == {0: 42, 1: 43}
+        mesh_id = first.controller.lease.id
         let_go = ("this kernel let go of the mesh, which runs on: it was attached again in this kernel, as "
                   "'second': meshbook.mesh_named('second') drives it")
         with pytest.raises(meshbook.MeshError) as info:  # not "the mesh is stopped ... start a new one"
@@ -152,6 +153,8 @@ def test_attaching_again_in_the_same_kernel_lets_the_first_handle_go() -> None:
         assert third.name == "first" and second.stopped and list(meshbook.meshes()) == ["first"]
         assert dict(third.run("x").result()) == {0: 40, 1: 41}
         second = third
+        third.stop()  # an attached mesh's agent is waited for, as a started one's is
+        assert mesh_id not in [r.id for r in meshbook.list_meshes()], "stopped, yet listed as kept"
     finally:
         (second or first).stop()
 

@@ -65,6 +65,7 @@ from typing import Any
 
 from . import wire
 from .errors import MeshError, SendError
+from .proc import exited
 
 #: Below this many buffer bytes a shared-memory file costs more than frames on the wire.
 SHARE_MIN = 1 << 20
@@ -590,7 +591,7 @@ def _open(shared: SharedFile, what: str, mode: int = os.O_RDONLY) -> int:
         with _descriptors():
             fd = os.open(f"/proc/{shared.pid}/fd/{shared.fd}", mode | os.O_CLOEXEC)
     except FileNotFoundError:
-        if _exited(shared.pid):
+        if exited(shared.pid):
             raise WriterExited(f"process {shared.pid}, which wrote the shared memory for this {what}, "
                                f"exited before it was read; {what} again") from None
         raise RuntimeError(gone) from None
@@ -601,15 +602,6 @@ def _open(shared: SharedFile, what: str, mode: int = os.O_RDONLY) -> int:
         os.close(fd)
         raise RuntimeError(gone)  # the number now names another file of that process
     return fd
-
-
-def _exited(pid: int) -> bool:
-    """Has process ``pid`` exited (gone, or a zombie whose files are closed)?"""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except OSError:
-        return True
 
 
 def _map(fd: int, shared: SharedFile) -> tuple[mmap.mmap, list[memoryview]]:

@@ -72,6 +72,16 @@ class Liveness:
         return time.monotonic() - self._heard[0]
 
 
+def exited(pid: int) -> bool:
+    """Has process ``pid`` (on this host) exited: gone, or a zombie whose files are closed and
+    whose parent has yet to reap it?"""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
 def pid_alive(pid: int) -> bool:
     """Is process ``pid`` still there (on this host; another user's counts)?"""
     try:

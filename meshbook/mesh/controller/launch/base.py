@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import abc
 import argparse
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ...protocol.bodies import AgentConfig
 from ...protocol.errors import MeshError
+from ...protocol.proc import exited
 from .network import Network
 from .record import MeshRecord
 
@@ -245,4 +247,9 @@ class RecordedAgent(AgentHandle):
         return f"its agent (pid {self.pid}) is {self.link.state}"
 
     def terminate(self, timeout: float) -> None:
-        """Nothing to do: it was told to stop over its link (and ends its ranks itself)."""
+        """It was told to stop over its link (and ends its ranks itself). On this machine,
+        wait for it to be gone, as for an agent this process started: the mesh is over (and
+        its file, which the agent removes, gone from %mesh list) once stop() returns."""
+        deadline = time.monotonic() + timeout
+        while self.same_host and not exited(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
