@@ -110,7 +110,10 @@ def test_who_counts_an_optimizers_state(mesh2: meshbook.Mesh) -> None:
     params = (64 * 64 + 64) * 4
     assert ns["adam"][0].nbytes == 2 * params + 2 * 4, "two moments and a step count per parameter"
     assert (ns["adam"][0].type, ns["adam"][0].dtype, ns["adam"][0].device) == ("Adam", "float32", "cpu")
-    mesh2.run("del net, adam").result()
+    mesh2.run("half = torch.nn.Linear(8, 8).to(torch.bfloat16)\nopt = torch.optim.AdamW(half.parameters())\n"
+              "half(torch.ones(2, 8, dtype=torch.bfloat16)).sum().backward()\nopt.step()").result()
+    assert mesh2.who()["opt"][0].dtype == "bfloat16", "its step count (a float32 scalar) aside"
+    mesh2.run("del net, adam, half, opt").result()
 
 
 def test_the_who_table_groups_ranks_and_totals_each_rank() -> None:

@@ -245,6 +245,58 @@ def test_a_run_waiting_behind_earlier_work_says_so_and_an_interrupt_drops_it_the
     assert dict(earlier.result(echo=False)) == {0: "earlier", 1: "earlier"}
 
 
+def test_a_rank_that_ran_earlier_work_first_shows_the_time_it_ran_this_run(mesh: meshbook.Mesh) -> None:
+    """Once a queued rank starts, its cell status counts from then (its heartbeat says when),
+    not from when the run was sent: the time it waited would make it a straggler."""
+    from meshbook.widgets.cell_status import rank_rows
+
+    mesh.run("import time\ntime.sleep(3)", ranks=[0, 1])
+    run = mesh.run("import time\ntime.sleep(1.0 if rank > 1 else 6)")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # ranks 0,1 on this run for a second, by their heartbeats
+        beats = {s.rank: s.metrics for s in mesh.status()}
+        if all(beats[r].get("request") == run.id and beats[r].get("busy_s", 0) > 1.0 for r in (0, 1)):
+            break
+        time.sleep(0.1)
+    rows = rank_rows(mesh, run)
+    waited = time.monotonic() - run.submitted_at
+    assert [r["state"] for r in rows] == ["running", "running", "done", "done"], rows
+    assert all(r["elapsed"] < waited - 1.5 and not r["straggler"] for r in rows[:2]), (waited, rows)
+    run.result(echo=False)
+
+
+@pytest.mark.parametrize("interrupt_at", [None, 0.3])
+def test_following_a_run_queued_behind_earlier_work_never_spins(mesh: meshbook.Mesh, capsys,
+                                                                interrupt_at: float | None) -> None:
+    """Waiting behind earlier work is no hang (its clock starts again) and an interrupt before
+    the queued note is due says it instead: either way the wait sleeps, it does not spin
+    (counted in the renderer's turns, a spin makes thousands)."""
+    import signal
+
+    from meshbook.mesh import EventRenderer, FollowOptions, follow
+
+    class Counting(EventRenderer):
+        turns = 0
+
+        def feed(self, events: list[Any]) -> None:
+            Counting.turns += 1
+            super().feed(events)
+
+    mesh.run("import time\ntime.sleep(5)", ranks=[0, 1])
+    run = mesh.run("rank")
+    if interrupt_at is not None:
+        ctrl_c = threading.Timer(interrupt_at, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        ctrl_c.start()
+    try:
+        follow(run, mesh, Counting(run), FollowOptions(timeout=60, hang_hint=1.0, grace=1.0))
+    except RemoteError:
+        assert interrupt_at is not None
+    note = capsys.readouterr().err
+    assert Counting.turns < 200, f"{Counting.turns} turns in about 5 s"
+    assert "after the others finished" not in note, note
+    mesh.run("pass").result(echo=False)
+
+
 def test_recover_interrupts_a_rank_running_python_where_it_killed_it(mesh: meshbook.Mesh) -> None:
     mesh.run("keep = rank").result()
     run = mesh.run("import time\nif rank == 1:\n    time.sleep(60)\nt = torch.ones(1)\ndist.all_reduce(t)")

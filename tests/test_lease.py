@@ -138,6 +138,13 @@ def test_attaching_again_in_the_same_kernel_lets_the_first_handle_go() -> None:
         first.restart([1])  # generation 1: the agent's store, as a new kernel finds it
         first.run("x = 40 + rank", ranks=[1]).result()
         assert _pushed_through_shared_memory(first), "a kept mesh's ranks are on this machine"
+        other = meshbook.start(1, name="other")
+        try:  # a name taken by another mesh: refused before the first handle lets go
+            with pytest.raises(meshbook.MeshError, match="a mesh named 'other' is already running"):
+                meshbook.attach(first.controller.lease.id, name="other")
+        finally:
+            other.stop()
+        assert dict(first.run("x").result()) == {0: 40, 1: 41}
         second = meshbook.attach(first.controller.lease.id, name="second")
         assert [(s.state, s.generation) for s in second.status()] == [("idle", 1)] * 2
         assert _pushed_through_shared_memory(second), "and still are, seen from the kernel that attached it"

@@ -307,6 +307,8 @@ def test_a_plan_for_another_mesh_is_refused_with_what_would_match(mesh: meshbook
         with pytest.raises(MeshError, match=r"the mesh is laid out as dp=2, and no layout of this model has those "
                                             r"dimensions .*: start the mesh without --dims \(meshbook.start\(2\)\)"):
             named.plan(BUILD, BATCH)  # not a report whose best parallelize refuses
+        with pytest.raises(MeshError, match="no layout of 2 ranks is possible for this model: only= left none"):
+            named.plan(BUILD, BATCH, only=lambda lay: False)  # the reason, not the dims
         with pytest.raises(MeshError, match="the mesh is laid out as dp=2 and the plan as dp_shard=2: "
                                             "%mesh start --dims dp_shard=2"):
             named.parallelize(BUILD, Layout(dp_shard=2))

@@ -124,7 +124,8 @@ def rank_rows(mesh: Mesh, run: Run, factor: float = DURATION_FACTOR) -> list[dic
     durations = run.durations
     states = {s.rank: s for s in mesh.status()}
     queued = mesh.queued(run)  # not started there: it waits behind earlier work
-    elapsed = {r: durations.get(r, 0.0 if r in queued else now - run.submitted_at) for r in run.ranks}
+    elapsed = {r: durations.get(r, 0.0 if r in queued else _running_for(states.get(r), run, now))
+               for r in run.ranks}
     # The run's own arrivals at its collectives; sampling counts only if taken in this run.
     exact = mesh.waiting(run) or {}
     sampled = {t.rank for t in mesh.stragglers(run).ranks
@@ -156,6 +157,16 @@ def rank_rows(mesh: Mesh, run: Run, factor: float = DURATION_FACTOR) -> list[dic
         rows.append({"rank": rank, "state": state, "elapsed": round(elapsed[rank], 2),
                      "waiting": waiting, "line": line, "straggler": rank in flagged})
     return rows
+
+
+def _running_for(state: Any, run: Run, now: float) -> float:
+    """How long a rank has run ``run``: since it was sent, or, where its heartbeat says it
+    started later (it ran earlier work first), since then."""
+    submitted = now - run.submitted_at
+    metrics = state.metrics if state is not None else {}
+    if metrics.get("request") != run.id or "busy_s" not in metrics:
+        return submitted
+    return min(submitted, metrics["busy_s"] + max(0.0, now - state.last_seen))
 
 
 def _overall(rows: list[dict[str, Any]]) -> str:

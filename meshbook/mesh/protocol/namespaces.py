@@ -133,8 +133,9 @@ def describe(name: str, value: Any) -> VarInfo:
                        params=sum(p.numel() for p in params))
     if torch is not None and isinstance(value, torch.optim.Optimizer):
         state = [local_shard(t) for t in _optimizer_state(value)]  # its moments: often twice the model
-        return VarInfo(name, kind, dtype=_common(_dtype_text(t.dtype) for t in state),
-                       device=_common(str(t.device) for t in state), nbytes=sum(_tensor_bytes(t) for t in state))
+        moments = [t for t in state if t.dim()]  # not Adam's step count, a CPU scalar beside GPU moments
+        return VarInfo(name, kind, dtype=_common(_dtype_text(t.dtype) for t in moments),
+                       device=_common(str(t.device) for t in moments), nbytes=sum(_tensor_bytes(t) for t in state))
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(value, numpy.ndarray):
         return VarInfo(name, kind, tuple(value.shape), str(value.dtype), "cpu", int(value.nbytes))

@@ -94,6 +94,10 @@ class _Follow:
         self.interrupted_at: float | None = None
         self.explained = False  # the hang hint was printed
         self.queue_explained = False  # the note that the run waits behind earlier work was printed
+        #: Where the hang hint's clock starts: when the first rank finished, or later, when
+        #: ranks still waited behind earlier work then (they had not started: no hang yet).
+        self.hang_since: float | None = None
+        self.queued_seen = False  # ranks waited behind earlier work when the hang clock was read
         self.interrupt_explained = False  # the "did not stop after the interrupt" note was printed
         self.asked_at = float("-inf")  # when the diagnosis was last asked whether a collective is blocked
         self.recovery_report = ""
@@ -137,7 +141,7 @@ class _Follow:
         if not self.interrupt_explained:  # once explained, a deadline is past: never spin on it
             waits.append(_left(self.options.grace, self.interrupted_at, now))
         if not self.explained:
-            waits += [_left(self.options.hang_hint, self.first_done_at, now), STUCK_CHECK_S]
+            waits += [_left(self.options.hang_hint, self._hang_clock(), now), STUCK_CHECK_S]
         if not self.queue_explained:
             waits.append(_left(QUEUED_HINT_S, self.started, now))
         return min((w for w in waits if w is not None), default=None)
@@ -156,11 +160,16 @@ class _Follow:
             if not self.interrupt_explained:
                 self.interrupt_explained = self.explained = True
                 self._explain_interrupt()
-        elif self.first_done_at is not None and now - self.first_done_at >= self.options.hang_hint:
-            if not self.explained and not self.mesh.queued(self.run):  # waiting its turn is no hang
+        elif (since := self._hang_clock()) is not None and now - since >= self.options.hang_hint \
+                and not self.explained:
+            if self.mesh.queued(self.run):  # waiting its turn is no hang: the clock starts again
+                self.hang_since, self.queued_seen = now, True
+            elif self.queued_seen:  # they started since: from about now
+                self.hang_since, self.queued_seen = now, False
+            else:
                 self.explained = True
                 self._explain(f"rank(s) {format_ranks(self.run.pending)} are still busy "
-                              f"{now - self.first_done_at:.0f} s after the others finished.")
+                              f"{now - since:.0f} s after the others finished.")
         timeout = self.options.timeout
         if timeout is not None and now - self._timed_from() >= timeout and not self.run.done():
             self.renderer.flush()
@@ -190,6 +199,9 @@ class _Follow:
             f"(still busy, blocked outside Python). Interrupt again to free them: meshbook restarts as few "
             f"ranks as possible (usually none) and keeps the others' variables.", waiting])))
 
+    def _hang_clock(self) -> float | None:
+        return self.hang_since if self.hang_since is not None else self.first_done_at
+
     def _timed_from(self) -> float:
         """Where the timeout counts from: the start, later by the time the user took to answer
         the ranks' prompts (``input()``, pdb), which is not the ranks' running time."""
@@ -198,10 +210,11 @@ class _Follow:
     def _check_queued(self) -> None:
         """Say once that the run waits behind earlier work on some ranks: nothing else would
         tell why it has not started there."""
-        if self.queue_explained or self.interrupted_at is not None \
-                or time.monotonic() - self.started < QUEUED_HINT_S:
+        if self.queue_explained or time.monotonic() - self.started < QUEUED_HINT_S:
             return
         self.queue_explained = True
+        if self.interrupted_at is not None:
+            return  # the interrupt's note says it
         behind = self.mesh.queued(self.run)
         if not behind:
             return

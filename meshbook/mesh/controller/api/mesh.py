@@ -166,15 +166,17 @@ def attach(mesh_id: str, name: str | None = None, timeout: float = 60.0) -> "Mes
                         f"kernel does not have (available: {', '.join(known)}): install the package that "
                         f"registers it")
     chosen = name or record.name
-    for driving in meshes().values():  # this kernel drives it already: that handle lets go (and its name)
-        lease = driving.controller.lease
-        if lease is not None and lease.id == record.id:
-            driving.controller.stop(f"it was attached again in this kernel, as {chosen!r}: "
-                                    f"meshbook.mesh_named({chosen!r}) drives it", detach=True)
+    # This kernel drives it already: that handle lets go (its name too), once the new one is made.
+    driving = next((m for m in meshes().values()
+                    if m.controller.lease is not None and m.controller.lease.id == record.id), None)
+    chosen = new_name(chosen, replacing=driving.name if driving is not None else None)
     record = next_epoch(record)
     controller = Controller(Topology(tuple((k, v) for k, v in record.dims)),
                             known[record.launcher].from_record(record), record.backend, record.collective_timeout,
-                            new_name(chosen), key=bytes.fromhex(record.key))
+                            chosen, key=bytes.fromhex(record.key))
+    if driving is not None:
+        driving.controller.stop(f"it was attached again in this kernel, as {chosen!r}: "
+                                f"meshbook.mesh_named({chosen!r}) drives it", detach=True)
     controller.agents.chosen = Backend.of(record.backend)
     controller.lease = Lease(record)
     recovery.install(controller)
@@ -274,9 +276,10 @@ def mesh_named(name: str) -> "Mesh":
     return running[name]
 
 
-def new_name(name: str | None) -> str:
-    """``name`` if no running mesh has it (else a MeshError); unnamed: mesh, mesh2..."""
-    running = meshes()
+def new_name(name: str | None, replacing: str | None = None) -> str:
+    """``name`` if no running mesh has it (else a MeshError); unnamed: mesh, mesh2...
+    ``replacing``: the name of a mesh about to let go of it (attached again)."""
+    running = {n: m for n, m in meshes().items() if n != replacing}
     if name is None:
         candidates = itertools.chain(["mesh"], (f"mesh{i}" for i in itertools.count(2)))
         return next(n for n in candidates if n not in running)

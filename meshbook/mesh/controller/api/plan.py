@@ -340,13 +340,12 @@ class PlanOps:
             found = candidates(len(self.ranks), facts, shape[0], min(ranks_on_host.values()))
             dims = _named_dims(self)
 
-            def wanted(lay: Layout) -> bool:
-                return lay.checkpointing in checkpointing and (only is None or only(lay)) \
-                    and (dims is None or lay.dims == dims)
+            def asked(lay: Layout) -> bool:
+                return lay.checkpointing in checkpointing and (only is None or only(lay))
 
-            layouts = [lay for lay in found.valid if wanted(lay)]
+            layouts = [lay for lay in found.valid if asked(lay) and (dims is None or lay.dims == dims)]
             found.rejected = [r for r in found.rejected if only is None or only(r.layout)]
-            if not layouts and dims is not None:
+            if not layouts and dims is not None and any(asked(lay) for lay in found.valid):
                 raise MeshError(f"the mesh is laid out as {_shape(dims)}, and no layout of this model has those "
                                 f"dimensions (a layout's are dp_replicate, dp_shard, tp, pp): start the mesh "
                                 f"without --dims (meshbook.start({len(self.ranks)})), and plan there: any "

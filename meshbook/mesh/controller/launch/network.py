@@ -188,11 +188,13 @@ class Network:
         if self._dialler is None:
             self._dialler = self._new_dialler()
         endpoint, identity = net.tcp_address(address, port), os.urandom(8)
-        self._connects.append((identity, endpoint))
         link = HostLink(host, name, info["addr"], ranks, port=port, sock=self._dialler, identity=identity,
                         agent_pid=info.get("pid"), hostname=info.get("hostname", ""),
                         store_port=int(info.get("store_port", 0)), gpus=int(info.get("gpus", 0)))
-        self._add(link)
+        self._add(link)  # a link it replaces is dropped first: it may have the same address
+        self._connects.append((identity, endpoint))
+        self.version += 1  # the receiver makes the connection at its next turn (or send)
+        self.wake()
         return link
 
     def _new_dialler(self) -> zmq.Socket:
@@ -281,7 +283,7 @@ class Network:
             try:
                 dialler.disconnect(self._retired.pop(0))
             except zmq.ZMQError:
-                pass  # dialled again at the same address: the new connection is the one to keep
+                pass  # never connected (the receiver had not yet made the connection)
         while dialler is not None and self._connects:
             identity, endpoint = self._connects.pop(0)
             dialler.setsockopt(zmq.CONNECT_ROUTING_ID, identity)
