@@ -171,9 +171,8 @@ def _running_for(state: Any, run: Run, now: float) -> float:
 
 def _overall(rows: list[dict[str, Any]]) -> str:
     states = {row["state"] for row in rows}
-    if "running" in states or "queued" in states:
-        return "running" if "running" in states else "queued"
-    return max(states, key=_SEVERITY.index)
+    busy = [state for state in ("running", "queued") if state in states]
+    return busy[0] if busy else max(states, key=_SEVERITY.index)
 
 
 def _render(rows: list[dict[str, Any]], state: str, final: str) -> str:

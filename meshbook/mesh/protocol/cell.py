@@ -30,7 +30,6 @@ import sys
 import tokenize
 import traceback
 from collections.abc import Iterable
-from dataclasses import dataclass
 from types import CodeType, FunctionType, TracebackType
 from typing import Any
 
@@ -48,20 +47,12 @@ def cell_filename(request_id: int | str) -> str:
 VALUE_NAME = "__meshbook_value__"
 
 
-@dataclass(frozen=True)
-class CompiledCell:
-    """A cell as one code object: a debugger steps from its body onto its final expression as
-    from line to line (two code objects, run one after the other, put the worker between)."""
-
-    code: CodeType
-    #: Its last statement is an expression: running the code leaves the value at ``VALUE_NAME``.
-    has_value: bool
-
-
 @functools.lru_cache(maxsize=64)
-def compile_cell(source: str, filename: str, first_line: int = 1) -> CompiledCell:
-    """Compile ``source``; the value of a final expression statement becomes the result
-    (left at :data:`VALUE_NAME` by the code).
+def compile_cell(source: str, filename: str, first_line: int = 1) -> CodeType:
+    """Compile ``source`` into one code object; the value of a final expression statement
+    becomes the result, left at :data:`VALUE_NAME` (one code object, not the body and the
+    expression apart: a debugger steps from the body onto the expression as from line to line,
+    where two, run one after the other, put the worker between).
 
     Cached (code objects are immutable): the same code run again, as in a loop of
     ``mesh.run(...)`` calls, is parsed once on the controller and once on each rank.
@@ -70,14 +61,12 @@ def compile_cell(source: str, filename: str, first_line: int = 1) -> CompiledCel
     try:
         tree = ast.parse(padded, filename, "exec")
         tail = tree.body[-1] if tree.body else None
-        has_value = isinstance(tail, ast.Expr) and not _ends_with_semicolon(padded)
-        if isinstance(tail, ast.Expr) and has_value:
+        if isinstance(tail, ast.Expr) and not _ends_with_semicolon(padded):
             keep = ast.Assign(targets=[ast.Name(VALUE_NAME, ast.Store())], value=tail.value)
             tree.body[-1] = ast.fix_missing_locations(ast.copy_location(keep, tail))
-        code = compile(tree, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+        return compile(tree, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
     except SyntaxError as exc:  # from the parse, or from the compile ('return' outside a function)
         raise CellSyntaxError(exc.msg + _not_python(exc.text), exc.lineno, exc.offset, exc.text) from None
-    return CompiledCell(code, has_value)
 
 
 def is_async(code: CodeType) -> bool:

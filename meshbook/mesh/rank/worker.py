@@ -358,12 +358,12 @@ class Worker:
     def _exec(self, body: dict[str, Any], request: int) -> Any:
         filename = cell_filename(body.get("name", request))
         source, first = body["code"], body.get("first_line", 1)
-        cell = compile_cell(source, filename, first)
+        code = compile_cell(source, filename, first)
         register_source(filename, source, first)
         ns = self.namespace
         try:
             with self.user_code():
-                self._evaluate(cell.code, ns)
+                self._evaluate(code, ns)
         finally:  # never left in the namespace, however the cell ends
             value = ns.pop(VALUE_NAME, None)
         if value is not None:

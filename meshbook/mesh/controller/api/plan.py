@@ -282,10 +282,10 @@ def _order(row: Row) -> tuple[int, float, int, str]:
 # -- mesh.plan and mesh.parallelize ----------------------------------------------------------
 
 
-def _check_build(build: Any, optimizer: Any, caller: str) -> None:
-    """``build`` must be a function that makes the model: a model (an ``nn.Module``, callable
-    too) would be called as if it were one, with no input. And ``optimizer`` must name one:
-    said now, not once the ranks were probed."""
+def _check_arguments(build: Any, optimizer: Any, caller: str) -> None:
+    """Refuse now, not once the ranks were probed: ``build`` must be a function that makes the
+    model (a model, an ``nn.Module``, is callable too, and would be called with no input), and
+    ``optimizer`` must name one."""
     problem = why_not_optimizer(optimizer)
     if problem:
         raise MeshError(problem)
@@ -322,7 +322,7 @@ class PlanOps:
         is ``"adamw"``, ``"adam"``, ``"sgd"`` or a function ``params -> Optimizer``. Nothing fits:
         a :class:`MeshError` saying what the smallest needs (its ``report`` has every row).
         """
-        _check_build(build, optimizer, "plan")
+        _check_arguments(build, optimizer, "plan")
         shape = parse_batch(batch)
         if sorted(self.ranks) != sorted(self.controller.ranks):
             raise MeshError("plan the whole mesh (a layout spans every rank), not a selection of it")
@@ -396,7 +396,7 @@ class PlanOps:
         chosen = row.layout if row is not None else layout
         if not isinstance(chosen, Layout):
             raise MeshError(f"parallelize() needs a plan row (report.best) or a Layout, got a {type(layout).__name__}")
-        _check_build(build, optimizer, "parallelize")
+        _check_arguments(build, optimizer, "parallelize")
         if len(names) != 3 or not all(isinstance(n, str) and n.isidentifier() for n in names):
             raise MeshError(f"names={names!r}: give three variable names, for the model, the optimizer and the step")
         if sorted(self.ranks) != sorted(self.controller.ranks):

@@ -251,7 +251,7 @@ class Controller:
         """Ask the attached ranks what their READY said (their device, which ``%mesh status``
         and the start line show): answered by their control threads, busy or not. A rank that
         does not answer in time keeps it unsaid; the attach goes on."""
-        live = [r for r, s in self.ranks.items() if s.state != "dead"]
+        live = self.book.live(list(self.ranks))
         if not live:
             return
         asked = self.call(ready_report, ranks=live, what="what the attached ranks run on")
@@ -364,8 +364,7 @@ class Controller:
 
     def _alive(self, ranks: list[int]) -> bool:
         """Does any of ``ranks`` live on (to take the big buffers sent to them)?"""
-        states = self.book.ranks  # the parts themselves, not the facade's properties: per rank, per send
-        return not self.stopped and any(states[r].state != "dead" for r in ranks)
+        return not self.stopped and bool(self.book.live(ranks))
 
     def send_input(self, rank: int, text: str | None, question: int) -> None:
         """A line typed in the notebook, for ``rank``'s ``input()`` or debugger (its control
@@ -377,7 +376,7 @@ class Controller:
         """SIGKILL ``ranks`` and wait until their agent reported them dead. ``why``: meshbook
         kills them to re-fork them (a recovery), which is what their runs' errors then say
         (``rank 3 was re-forked ...``), not that they died and want a restart."""
-        live = [r for r in ranks if self.ranks[r].state != "dead"]
+        live = self.book.live(ranks)
         if not live:
             return
         if why:
@@ -386,7 +385,7 @@ class Controller:
         self.signal(live, signal.SIGKILL)
         deadline = time.monotonic() + timeout
         with self._changed:
-            while any(self.ranks[r].state != "dead" for r in live):
+            while self.book.live(live):
                 if time.monotonic() > deadline or self.stopped:
                     for r in live:  # a death that comes later is not this kill's: it says how it died
                         self._refork_why.pop(r, None)
@@ -452,7 +451,7 @@ class Controller:
         ranks where it still waits in the queue drop it before it starts. Other runs (a
         background ``mesh.run``) are not touched."""
         run.interrupted, run.interrupted_at = True, time.monotonic()
-        ranks = [r for r in run.pending if self.ranks[r].state != "dead"]
+        ranks = self.book.live(run.pending)
         if ranks and not self.stopped:
             self.call(interrupt_request, run.id, ranks=ranks, what="interrupt")
 
@@ -481,7 +480,7 @@ class Controller:
                 self.interrupt_run(run)
 
     def signal(self, ranks: list[int], sig: int) -> None:
-        live = [r for r in ranks if self.ranks[r].state != "dead"]
+        live = self.book.live(ranks)
         if live and not self.stopped:
             self.agent_op(msg.AgentOp.SIGNAL, live, sig=int(sig))
 
@@ -728,7 +727,7 @@ class Controller:
         detail = body.get("crash", "").strip()
         with self._changed:
             told = ranks
-            ranks = [r for r in ranks if self.book.ranks[r].state != "dead"]
+            ranks = self.book.live(ranks)
             whys = {self._refork_why.pop(r, "") for r in ranks}
             refork = whys.pop() if len(whys) == 1 else ""  # each killed to be re-forked, for one reason
             death = self.book.died(ranks, cause)
