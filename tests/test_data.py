@@ -286,6 +286,23 @@ def test_a_pull_from_local_ranks_maps_their_shared_memory(mesh4: meshbook.Mesh) 
     assert "/memfd:meshbook-pull" not in Path("/proc/self/maps").read_text(), "the mapping goes with the tensors"
 
 
+def test_a_small_tensor_kept_does_not_keep_its_push_or_pull_mapped(mesh2: meshbook.Mesh) -> None:
+    mesh2.push({"big": torch.ones(SHARE_MIN), "small": torch.arange(3.0)})
+    mapped = "'/memfd:meshbook-push' in open('/proc/self/maps').read()"
+    assert all(mesh2.run(mapped).result().values()), "the push came through shared memory"
+    after = mesh2.run(f"del big; import gc; gc.collect(); small.add_(rank); {mapped}").result()
+    assert not any(after.values()), "the small tensor was copied out: the file went with the big one"
+    assert mesh2.run("small.tolist()").result() == {0: [0.0, 1.0, 2.0], 1: [1.0, 2.0, 3.0]}
+    mesh2.run(f"both = {{'big': torch.ones({SHARE_MIN}), 'small': torch.arange(3.0) + rank}}").result()
+    pulled = mesh2.pull("both")
+    assert "/memfd:meshbook-pull" in Path("/proc/self/maps").read_text(), "the pull came through shared memory"
+    small = {rank: value["small"] for rank, value in pulled.items()}
+    del pulled
+    gc.collect()
+    assert "/memfd:meshbook-pull" not in Path("/proc/self/maps").read_text(), "nothing maps the files now"
+    assert {rank: t.tolist() for rank, t in small.items()} == {0: [0.0, 1.0, 2.0], 1: [1.0, 2.0, 3.0]}
+
+
 def lend(lent: Lent, value: object, slot: Slot | None = None) -> Payload:
     """``value`` lent as a rank's ``fetch`` lends it."""
     return lent.lend(*pickled_for_pull("x", value, None), slot)

@@ -30,7 +30,9 @@ notebook keeps that one too, for the pulls after. Each rank weighs its value as 
 
 Every value held mapped from shared memory keeps a file descriptor open (Python's ``mmap``
 keeps its own, before 3.13): :func:`raise_fd_limit` lifts the soft limit where a mesh starts
-and before ranks are forked, and running out anyway says so and what to do.
+and before ranks are forked, and running out anyway says so and what to do. Buffers under
+64 KiB (:data:`COPY_BELOW`) are copied out of the file as it is mapped: a small tensor kept
+from a push or pull (a step count, a bias) must not keep the whole file mapped.
 
 The message naming the shared file is signed like every other message; the file starts with
 a random token the message carries too, so a rank never maps a file that is not this push's.
@@ -71,6 +73,10 @@ from .proc import exited
 SHARE_MIN = 1 << 20
 #: The pieces a push to other hosts travels in; one that is not twice as big goes whole.
 PIECE = 16 << 20
+#: Buffers smaller than this are copied out of a mapped file, not viewed in it: a small tensor
+#: kept (a step count, a bias) would otherwise keep the whole file mapped, its big neighbours'
+#: pages and a descriptor with it. The size under which wire frames are copied too.
+COPY_BELOW = wire.ZERO_COPY_MIN
 
 _ALIGN = 64  # buffers start on cache-line boundaries, as allocators would place them
 _TOKEN_BYTES = 16
@@ -610,4 +616,5 @@ def _map(fd: int, shared: SharedFile) -> tuple[mmap.mmap, list[memoryview]]:
         mapped = mmap.mmap(fd, shared.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
                            **_MMAP_OPTIONS)
     with memoryview(mapped) as whole:
-        return mapped, [whole[start:start + length] for start, length in shared.spans]
+        return mapped, [whole[start:start + length] if length >= COPY_BELOW
+                        else memoryview(bytearray(whole[start:start + length])) for start, length in shared.spans]
