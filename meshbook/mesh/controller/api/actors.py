@@ -300,7 +300,7 @@ class ActorMesh(ActorView):
         lost = sorted(state.lost)
         if not lost:
             raise MeshError(f"actor {self.name!r} lost no rank: nothing to respawn")
-        dead = [r for r in lost if state.controller.ranks[r].state == "dead"]
+        dead = state.controller.dead(lost)
         if dead:
             raise MeshError(f"rank(s) {format_ranks(dead)} of actor {self.name!r} are still dead: restart them "
                             f"first with mesh.restart({dead}) (%mesh restart {','.join(map(str, dead))})")

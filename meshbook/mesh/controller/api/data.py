@@ -361,7 +361,7 @@ def _release(mesh: MeshView, run: Run, slots: Mapping[int, Slot]) -> None:
     offered = {slot.token for slot in slots.values()}
     lent = {rank: answer.shared.token for rank, answer in run.values().items()
             if isinstance(answer, Payload) and answer.shared and answer.shared.token not in offered}
-    lent = {rank: token for rank, token in lent.items() if mesh.controller.ranks[rank].state != "dead"}
+    lent = {rank: lent[rank] for rank in mesh.controller.live(list(lent))}
     if lent:  # a dead rank's files went with it; one dead must not keep the others' pinned
         with contextlib.suppress(MeshError):  # a stopped mesh's ranks are gone, files and all
             mesh.call(ops.unshare, lent, ranks=sorted(lent), what=f"{run.what}: release")

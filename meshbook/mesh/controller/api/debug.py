@@ -42,8 +42,7 @@ class DebugOps:
         """Each selected rank's stack and pending collectives, taken while it is busy."""
         ctl = self.controller
         chosen = self.select(ranks)
-        out = {r: RankSnapshot(r, False, dead=ctl.ranks[r].cause or "dead")
-               for r in chosen if ctl.ranks[r].state == "dead"}
+        out = {r: RankSnapshot(r, False, dead=ctl.ranks[r].cause or "dead") for r in ctl.dead(chosen)}
         live = [r for r in chosen if r not in out]
         if live:
             asked = ctl.call(ops.snapshot, ranks=live, what="stacks")
@@ -86,8 +85,7 @@ class DebugOps:
     def recover(self, timeout: float = 120.0) -> Recovery:
         """Free every stuck rank, restarting as few as possible (usually none), and
         re-create the process group on all ranks. See :mod:`meshbook.mesh.controller.recovery.ladder`."""
-        dead = [r for r, s in self.controller.ranks.items() if s.state == "dead"]
-        return recover(self.controller, dead, timeout)
+        return recover(self.controller, self.controller.dead(), timeout)
 
     def debug(self, rank: int) -> Run:
         """Post-mortem pdb on ``rank``'s last exception; prompts are answered by whoever

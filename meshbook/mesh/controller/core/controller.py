@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ...protocol import bundle, wire
 from ...protocol import messages as msg
@@ -158,6 +158,16 @@ class Controller:
     @property
     def generation(self) -> int:
         return self.book.generation
+
+    def live(self, ranks: Sequence[int] | None = None) -> list[int]:
+        """``ranks`` (every rank: None) without the dead, in their order."""
+        with self._lock:
+            return self.book.live(list(self.book.ranks) if ranks is None else list(ranks))
+
+    def dead(self, ranks: Sequence[int] | None = None) -> list[int]:
+        """The dead among ``ranks`` (every rank: None), in rank order."""
+        with self._lock:
+            return [s.rank for s in self.book.dead(ranks)]
 
     @property
     def host_of(self) -> dict[int, int]:
@@ -785,7 +795,7 @@ class Controller:
         again (a Slurm job that ended, hosts that joined from elsewhere): the mesh has ended.
         It stops, its cells say how it ended, and a new start needs no --force. (Ranks that
         all died of their code, under live agents, are a restart away: the mesh stays.)"""
-        if self.launcher.relaunchable or any(s.state != "dead" for s in self.ranks.values()):
+        if self.launcher.relaunchable or self.live():
             return
         if len(self.agents.hosts_gone(list(self.ranks))) < len(self.agents.plans):
             return

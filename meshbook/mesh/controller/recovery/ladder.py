@@ -120,7 +120,7 @@ def recover(controller: "Controller", restart: list[int], timeout: float, cause:
 def _recover(controller: "Controller", restart: list[int], timeout: float, cause: str) -> Recovery:
     started = time.monotonic()
     controller.kill(restart, why=f"by {cause}")
-    restarted = [r for r, s in controller.ranks.items() if s.state == "dead"]
+    restarted = controller.dead()
     generation = controller.new_generation()
     survivors = [r for r in controller.ranks if r not in restarted]
     # What each runs, asked of the ranks themselves as well as read from the book: an endpoint
@@ -223,12 +223,12 @@ def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int,
     they run now (``stuck_in``, where the ranks said; else the controller's book): a
     collective blocked on them fails at once (with ``reason`` as its error). Connections to
     ``lost_hosts`` (addresses of hosts found lost) go too."""
-    ranks = [r for r in ranks if controller.ranks[r].state != "dead"]
+    ranks = controller.live(ranks)
     if not ranks:
         return
     reasons = {r: reason if isinstance(reason, str) else reason[r] for r in ranks}
     stuck_in = {r: stuck_in[r] if stuck_in and r in stuck_in else controller.current_request(r) for r in ranks}
-    live = [r for r, s in controller.ranks.items() if s.state != "dead"]
+    live = controller.live()
     asked = controller.call(prepare_abort, stuck_in, {r: t for r, t in reasons.items() if t},
                             ranks=live, what="listening ports")
     asked.wait(5)
@@ -241,7 +241,7 @@ def _running(controller: "Controller", ranks: list[int]) -> dict[int, int | None
     """The request each of ``ranks`` runs now, as its control thread says (a negative number:
     an endpoint another rank's actor called); a rank that does not say within
     :data:`ASK_RUNNING_S` (its control thread cannot run) is left out."""
-    live = [r for r in ranks if controller.ranks[r].state != "dead"]
+    live = controller.live(ranks)
     if not live:
         return {}
     asked = controller.call(heartbeat, ranks=live, what="what the ranks run")

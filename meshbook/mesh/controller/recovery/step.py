@@ -80,7 +80,7 @@ def compare(reports: Mapping[int, Positions]) -> tuple[list[Skew], list[int]]:
 def check_after(controller: "Controller", run: "Run") -> "StepCheck | None":
     """Check that every rank is at the same collective in each group after ``run`` stopped
     irregularly (the controller's ``on_irregular_end``)."""
-    if controller.stopped or any(s.state == "dead" for s in controller.ranks.values()):
+    if controller.stopped or controller.dead():
         return None  # a dead rank's restart re-creates every group anyway
     check = StepCheck(controller, "the interrupt" if run.interrupted else "the failed cell", run.forced_resync)
     try:
@@ -103,7 +103,7 @@ class StepCheck:
         self._lock = threading.Lock()
         self._owner = ""  # who gives the verdict: "check" or "cancel", whoever comes first
         self._released = False
-        self.ranks = [r for r, s in controller.ranks.items() if s.state != "dead"]
+        self.ranks = controller.live()
 
     def start(self) -> None:
         ctl = self.controller
@@ -160,7 +160,7 @@ class StepCheck:
                 return
             self._released = True
         ctl = self.controller
-        ranks = [r for r in self.held.pending if ctl.ranks[r].state != "dead"]
+        ranks = ctl.live(self.held.pending)
         try:
             if ranks:
                 ctl.call(release, self.held.id, verdict, ranks=ranks, what="step verdict")

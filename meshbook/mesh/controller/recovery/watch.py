@@ -72,7 +72,7 @@ def _check(controller: "Controller", run: "Run") -> None:
 def free_unpairable(controller: "Controller", run: "Run") -> None:
     """Abort the collectives of ``run``'s waiting ranks that a member who finished the run,
     and runs nothing else, will never join."""
-    live = [r for r in run.pending if controller.ranks[r].state != "dead"]
+    live = controller.live(run.pending)
     if not live or controller.stopped:
         return
     asked = controller.call(snapshot, ranks=live, what="stacks")
