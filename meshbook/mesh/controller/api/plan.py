@@ -107,6 +107,12 @@ class PlanReport:
         sized = [r for r in self.rows if r.status == "OOM"]
         if not sized:
             return "no layout could be traced: " + "; ".join(sorted({r.reason for r in self.rows}))[:500]
+        overhead = self.probe.overhead
+        if self.budget <= overhead:  # no lever below helps: the process alone is over the budget
+            return (f"no plan fits in {format_bytes(self.budget)} per rank: a rank takes {format_bytes(overhead)} "
+                    f"before it holds any of the model (Python, torch and its process group, measured on "
+                    f"the ranks); give a budget above that, such as budget=\"8G\", or none for "
+                    f"{BUDGET_SHARE:.0%} of what each rank has")
         small = min(sized, key=lambda r: r.peak)
         big = largest_part(small.memory)
         levers = (["checkpointing"] if small.layout.checkpointing != "block" else []) + [
