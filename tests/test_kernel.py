@@ -189,6 +189,11 @@ def test_display_on_a_rank_reaches_the_cell(kernel: Kernel) -> None:
     (shown,) = reply.of_type("display_data")
     assert shown["content"]["data"]["text/html"] == "<i>hi</i>"
     assert shown["content"]["metadata"]["meshbook"]["rank"] == 2
+    # A final expression with an HTML form renders so, per group of ranks; the text stays beside it
+    result = kernel.ok("%%mesh --ranks 1,2\nfrom IPython.display import HTML\nHTML(f'<b>{rank % 2}</b>')")
+    (data,) = [m["content"]["data"] for m in result.of_type("execute_result")]
+    assert data["text/html"] == "<div><b>[1]</b><b>1</b></div><div><b>[2]</b><b>0</b></div>"
+    assert data["text/plain"] == "[1,2] <IPython.core.display.HTML object>"
     # IPython's own display(), imported as users do, reaches the notebook too (it printed a repr)
     reply = kernel.ok("%%mesh --ranks 1,3\nfrom IPython.display import display, HTML\ndisplay(HTML(f'<b>{rank}</b>'))")
     assert sorted(m["content"]["data"]["text/html"] for m in reply.of_type("display_data")) == ["<b>1</b>", "<b>3</b>"]

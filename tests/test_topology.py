@@ -89,6 +89,22 @@ def test_rank_values_repr_groups_identical_values() -> None:
         vals[7]
 
 
+class Html:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def _repr_html_(self) -> str:
+        return f"<i>{self.text}</i>"
+
+
+def test_rank_values_render_html_values_grouped_and_the_rest_as_escaped_text() -> None:
+    vals = RankValues({0: Html("a"), 1: Html("a"), 2: Html("b"), 3: "x<y"})
+    assert vals._repr_html_() == ("<div><b>[0,1]</b><i>a</i></div><div><b>[2]</b><i>b</i></div>"
+                                  "<div><b>[3]</b><pre>&#x27;x&lt;y&#x27;</pre></div>")
+    assert RankValues({0: 1.5, 1: "x"})._repr_html_() is None, "no value has HTML: text alone"
+    assert RankValues({0: Html})._repr_html_() is None, "a class is not rendered through its method"
+
+
 def test_selecting_a_dimension_named_rank_points_at_selecting_by_number() -> None:
     with pytest.raises(SelectionError, match=re.escape("the mesh has no dimension 'rank'; its dimensions are "
                                                        "dp=2, tp=2 (ranks by number: mesh.narrow([0]), or ranks=[0])")):

@@ -6,10 +6,14 @@ whose values print the same way::
 
     >>> vals
     [0-3] 12.0
+
+In a notebook, values that render as HTML (a DataFrame, ``IPython.display.HTML``) render so,
+each group of ranks under its label, as the text groups them.
 """
 
 from __future__ import annotations
 
+import html
 from typing import Any, Iterator, Mapping
 
 from .limits import capped
@@ -76,6 +80,16 @@ class RankValues(Mapping[int, Any]):
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))
 
+    def _repr_html_(self) -> str | None:
+        """The values' HTML, grouped by rank (values without any show their text); None, for
+        text alone, when no value has an HTML form."""
+        shown = {r: _html_of(v) for r, v in self._values.items()}
+        if not any(shown.values()):
+            return None
+        texts = {r: text if text is not None else f"<pre>{html.escape(capped(_safe_repr(self._values[r])))}</pre>"
+                 for r, text in shown.items()}
+        return "".join(f"<div><b>[{format_ranks(ranks)}]</b>{text}</div>" for ranks, text in group_by_text(texts))
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RankValues):
             return self._values == other._values
@@ -87,6 +101,18 @@ class RankValues(Mapping[int, Any]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RankValues, (self._values, self._topology))
+
+
+def _html_of(value: Any) -> str | None:
+    """``value._repr_html_()`` where its type has one and it gives text (IPython's rule too)."""
+    method = getattr(type(value), "_repr_html_", None)
+    if not callable(method) or isinstance(value, type):
+        return None
+    try:
+        text = method(value)
+    except Exception:  # noqa: BLE001 - a broken one falls back to the text, as in IPython
+        return None
+    return text if isinstance(text, str) and text else None
 
 
 def _safe_repr(value: Any) -> str:
