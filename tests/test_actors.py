@@ -382,6 +382,25 @@ class Relay(meshbook.Actor):
     def pass_on(self, target: Any, seconds: float) -> Any:
         return target.nap.call(seconds).result(timeout=120)
 
+    @meshbook.endpoint
+    def fail_through(self, target: Any, message: str) -> Any:
+        return target.fail.call(message).result(timeout=120)
+
+
+def test_a_failure_in_a_call_an_endpoint_made_shows_where_it_ran(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    trainers, generators = two
+    relay = trainers.narrow([0]).spawn("fail_relay", Relay)
+    target = generators.spawn("fail_target", Policy, 2)
+    with pytest.raises(RemoteError) as info:
+        relay.fail_through.call_one(target, "bad batch").result(timeout=120)
+    text = info.value.render()
+    assert text.startswith("[0] meshbook.RemoteError: 2 ranks failed; first: [0,1] ValueError: bad batch"), text
+    relayed = inspect.getsourcelines(Relay.fail_through)[1] + 2
+    raised = inspect.getsourcelines(Policy.fail)[1] + 2
+    assert f"{__file__}:{relayed}, in fail_through" in text, "where the endpoint made the call"
+    assert "The call failed where it ran:\n    [0,1] ValueError: bad batch" in text, text
+    assert f"{__file__}:{raised}, in fail" in text and "raise ValueError(message)" in text, "where it failed"
+
 
 def test_interrupting_an_endpoint_stops_the_calls_it_made_to_other_ranks(two: tuple[meshbook.Mesh,
                                                                                       meshbook.Mesh]) -> None:

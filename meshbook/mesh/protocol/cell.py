@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from types import CodeType, FunctionType, TracebackType
 from typing import Any
 
-from .errors import CellSyntaxError, Frame, RankFailure, short_path
+from .errors import CellSyntaxError, Frame, RankFailure, RemoteError, short_path
 
 #: File names of submitted code start with this, so their frames are recognised as cell code.
 CELL_PREFIX = "<mesh cell "
@@ -197,16 +197,25 @@ def _frame(filename: str, lineno: int, name: str, line: str) -> Frame:
 
 def failure_from(rank: int, exc: BaseException) -> RankFailure:
     """Describe ``exc`` raised on ``rank`` for the controller (no pickling of the exception)."""
-    cls = type(exc)
-    name = cls.__qualname__ if cls.__module__ in ("builtins", "__main__") else \
-        f"{cls.__module__}.{cls.__qualname__}"
     message = _message(exc)
     frames = frames_of(exc.__traceback__)
     if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
         # The error is *in* the code, not raised by it: point at the offending line.
         frames = frames + (_frame(exc.filename, exc.lineno, "<module>", exc.text or ""),)
         message = exc.msg
-    return RankFailure(rank, name, message, frames)
+    detail = ""
+    if isinstance(exc, RemoteError):  # a call this rank made failed where it ran (an actor's endpoint)
+        detail = "\n".join(["The call failed where it ran:", *("  " + line for line in exc.render().splitlines())])
+    return RankFailure(rank, _public_name(type(exc)), message, frames, detail=detail)
+
+
+def _public_name(cls: type) -> str:
+    """How users name an exception class: ``ValueError``, ``meshbook.RemoteError``, ``torch.OutOfMemoryError``."""
+    if cls.__module__ in ("builtins", "__main__"):
+        return cls.__qualname__
+    if cls.__module__.startswith(PACKAGE + ".") and cls.__qualname__ in getattr(sys.modules[PACKAGE], "__all__", ()):
+        return f"{PACKAGE}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _message(exc: BaseException) -> str:
