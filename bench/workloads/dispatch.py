@@ -4,7 +4,9 @@ Python API: ``Mesh.run("pass").result()`` against ipyparallel's ``DirectView.app
 of a no-op function and a Monarch actor endpoint's ``call().get()``; each system is started
 once per size and timed on a warm connection, back to back (every process awake), then
 after a short idle gap before each call (every process asleep, as a notebook cell finds
-them). The floor column runs meshbook's path in bare pyzmq (see ``peers/zmq_floor.py``).
+them). The floor column runs meshbook's path in bare pyzmq (see ``peers/zmq_floor.py``), and
+a second one the same path over Unix datagrams, without ZeroMQ's I/O threads
+(``peers/unix_floor.py``).
 
 Notebook: a ``pass`` cell timed as a frontend sees it (execute_request to execute_reply),
 run locally and as ``%%mesh pass`` in one kernel, and as ``%%px pass`` in a kernel with an
@@ -20,7 +22,7 @@ from contextlib import AbstractContextManager
 from functools import partial
 
 from ..harness import Context, Outcome
-from ..peers import PEERS, cells, module, zmq_floor
+from ..peers import PEERS, cells, module, unix_floor, zmq_floor
 from ..procs import reaped
 from ..report import Check, Table, duration, latency, ratio
 from ..timing import Budget, Sample, Samples, after_idle, clock, interleave, measure, median_of
@@ -42,6 +44,9 @@ Latencies = dict[str, dict[int, "Samples | None"]]
 
 #: The reference column: meshbook's processes and sockets without meshbook (see zmq_floor).
 FLOOR = "floor"
+#: The same without ZeroMQ (see unix_floor): what its I/O threads' hand-offs cost.
+BARE = "floor without ZeroMQ"
+FLOORS = {FLOOR: zmq_floor, BARE: unix_floor}
 
 
 def api_latencies(ctx: Context, sizes: tuple[int, ...], budget: Budget,
@@ -51,7 +56,7 @@ def api_latencies(ctx: Context, sizes: tuple[int, ...], budget: Budget,
     hot: Latencies = {}
     cold: Latencies = {}
     for n in sizes:
-        for name in [*ctx.systems(), FLOOR]:
+        for name in [*ctx.systems(), *FLOORS]:
             got = ctx.attempt(f"dispatch: {name}, {n} ranks", partial(_api, name, n, budget, idle))
             hot.setdefault(name, {})[n], cold.setdefault(name, {})[n] = got or (None, None)
     return hot, cold
@@ -59,7 +64,7 @@ def api_latencies(ctx: Context, sizes: tuple[int, ...], budget: Budget,
 
 def _api(name: str, n: int, budget: Budget,
          idle: Budget | None) -> tuple[Samples, Samples | None]:
-    start = partial(zmq_floor.start, n) if name == FLOOR else partial(module(name).start, n)
+    start = partial(FLOORS[name].start, n) if name in FLOORS else partial(module(name).start, n)
     with reaped(f"{name} with {n} ranks", start, lambda handle: handle.close()) as handle:
         hot = measure(clock(handle.noop), budget)
         return hot, measure(after_idle(handle.noop, IDLE_GAP_S), idle) if idle else None
@@ -67,21 +72,24 @@ def _api(name: str, n: int, budget: Budget,
 
 def api_table(title: str, found: Latencies, sizes: tuple[int, ...]) -> Table:
     peers = [p for p in PEERS if p in found]
-    labels = {name: f"{name} `{module(name).DISPATCH}`" for name in found if name != FLOOR}
-    labels[FLOOR] = f"{FLOOR}: {zmq_floor.DISPATCH}"
+    labels = {name: f"{name}: {FLOORS[name].DISPATCH}" if name in FLOORS else f"{name} `{module(name).DISPATCH}`"
+              for name in found}
     table = Table(title, ["ranks", *(labels[name] for name in found),
-                          *(f"{p} / meshbook" for p in peers), f"meshbook / {FLOOR}"])
+                          *(f"{p} / meshbook" for p in peers), f"meshbook / {FLOOR}", f"{FLOOR} / {BARE}"])
     for n in sizes:
-        ours = median_of(found["meshbook"][n])
+        ours, floor = median_of(found["meshbook"][n]), median_of(found[FLOOR][n])
         table.add(n, *(latency(s[n]) if s[n] else "failed" for s in found.values()),
                   *(ratio(median_of(found[p][n]), ours) for p in peers),
-                  ratio(ours, median_of(found[FLOOR][n])))
+                  ratio(ours, floor), ratio(floor, median_of(found[BARE][n])))
     table.notes += [
         "median (p99) of the round trip; peer / meshbook above 1x: meshbook is faster",
         (f"{FLOOR}: meshbook's path (controller -> each rank -> controller over ipc, a "
          f"receiver thread; the host agent only supervises) in bare pyzmq with nothing of "
          f"meshbook; meshbook / {FLOOR} is what meshbook's own work (signing, pickling, "
-         f"running the code, book-keeping) multiplies it by")]
+         f"running the code, book-keeping) multiplies it by"),
+        (f"{BARE}: the same processes and path over Unix datagram sockets, each read and written "
+         f"by the thread that uses it; ZeroMQ adds an I/O thread at each end of every message "
+         f"(two more thread wake-ups), and {FLOOR} / {BARE} is what that costs here")]
     return table
 
 
