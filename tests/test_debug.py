@@ -6,6 +6,7 @@ import re
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import cloudpickle
@@ -304,6 +305,27 @@ def test_recover_interrupts_a_rank_running_python_where_it_killed_it(mesh: meshb
     recovery = mesh.recover()
     assert (recovery.restarted, recovery.interrupted, recovery.aborted) == ([], [1], [0, 2, 3])
     assert "rank 1 was interrupted (no process restarted)." in recovery.render()
+    with pytest.raises(RemoteError) as info:
+        run.result(echo=False)
+    assert info.value.failures[1].type_name == "KeyboardInterrupt"
+    assert dict(mesh.run("keep").result()) == {0: 0, 1: 1, 2: 2, 3: 3}  # nobody lost a variable
+
+
+def test_a_second_interrupt_stops_the_cleanup_of_the_first_and_keeps_the_variables(mesh: meshbook.Mesh,
+                                                                                    tmp_path: Path) -> None:
+    """A rank that catches the first Ctrl-C to save a checkpoint, for longer than the user
+    waits: the second (recover) interrupts it again. It was re-forked 2 s later, its
+    variables lost, 'for SIGINT blocked, or C code'."""
+    mesh.run("keep = rank").result()
+    cleaning = tmp_path / "cleaning"
+    run = mesh.run(f"import time, pathlib\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
+                   f"    pathlib.Path({str(cleaning)!r}).touch()\n    t = time.time()\n"
+                   f"    while time.time() - t < 60:\n        pass", ranks=[1])
+    wait_until(lambda: mesh.snapshots([1])[1].busy)
+    run.interrupt()
+    wait_until(cleaning.exists)  # in the cleanup, in Python
+    recovery = mesh.recover()
+    assert (recovery.restarted, recovery.interrupted) == ([], [1]), recovery.render()
     with pytest.raises(RemoteError) as info:
         run.result(echo=False)
     assert info.value.failures[1].type_name == "KeyboardInterrupt"

@@ -180,8 +180,8 @@ class _Follow:
                 f"are: {self.options.next_steps}." + (f"\n{diagnosis}" if diagnosis else ""))
 
     def _explain_interrupt(self) -> None:
-        """Ranks still on the run after the interrupt's grace: blocked outside Python, or where
-        the run never started (they run earlier work, and drop it when that ends: a second
+        """Ranks still on the run after the interrupt's grace: in its cleanup, blocked outside
+        Python, or where the run never started (they run earlier work, and drop it when that ends: a second
         interrupt would stop that work too)."""
         behind = self.mesh.queued(self.run)
         blocked = [r for r in self.run.pending if r not in behind]
@@ -196,8 +196,10 @@ class _Follow:
             return
         self._explain(" ".join(filter(None, [
             f"rank(s) {format_ranks(blocked)} did not stop within {self.options.grace:g} s of the interrupt "
-            f"(still busy, blocked outside Python). Interrupt again to free them: meshbook restarts as few "
-            f"ranks as possible (usually none) and keeps the others' variables.", waiting])))
+            f"(still busy: in the cleanup of the interrupt, or blocked outside Python). Interrupt again to "
+            f"free them: meshbook interrupts them once more, aborts the collectives they wait in, and "
+            f"restarts only those that still do not stop (usually none; they lose their variables).",
+            waiting])))
 
     def _hang_clock(self) -> float | None:
         return self.hang_since if self.hang_since is not None else self.first_done_at

@@ -474,10 +474,11 @@ class Controller:
                     for rank, request in ahead.items()}
 
     def interrupt_where(self, running: dict[int, int]) -> None:
-        """Interrupt what each rank runs (``running``: rank -> request), as a Ctrl-C would: a
-        run of the book as a whole, unless it was interrupted already (a second interrupt
-        would cut its ranks' cleanup short); a request the book does not have (an endpoint
-        another rank's actor called) on its ranks."""
+        """Interrupt what each rank runs (``running``: rank -> request), as a second Ctrl-C
+        would: a run of the book as a whole, interrupted already or not (a rank still in the
+        cleanup of the first interrupt is stopped there, where the recovery's last step would
+        re-fork it); a request the book does not have (an endpoint another rank's actor
+        called) on its ranks."""
         by_request: dict[int, list[int]] = {}
         for rank, request in running.items():
             by_request.setdefault(request, []).append(rank)
@@ -486,7 +487,7 @@ class Controller:
                 run = self.book.runs.get(request)
             if run is None:
                 self.call(interrupt_request, request, ranks=ranks, what="interrupt")
-            elif not run.interrupted:
+            else:
                 self.interrupt_run(run)
 
     def signal(self, ranks: list[int], sig: int) -> None:

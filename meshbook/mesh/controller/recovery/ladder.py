@@ -139,8 +139,9 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
                                what="why collectives end")
         told.wait(ASK_RUNNING_S)
         in_python = {r for r, (_, waiting) in told.values().items() if not waiting}
-        # Then a Ctrl-C: a rank running Python stops and keeps its variables, where only the
-        # kill below would free it (the abort frees collectives, not a sleep or a loop).
+        # Then a Ctrl-C, a second one where the run was interrupted already: a rank running
+        # Python stops and keeps its variables, where only the kill below would free it (the
+        # abort frees collectives, not a sleep, a loop, or the cleanup of a first interrupt).
         controller.interrupt_where({r: q for r, q in doing.items() if q is not None})
     # Re-forked first: a host re-formed elsewhere brings the store with it (across hosts).
     controller.respawn(restarted, generation)
@@ -173,8 +174,13 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
                                                           for r in aborted})
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = still_stuck()
-            controller.kill(hopeless, why=f"to free the mesh ({cause}): it did not stop on an interrupt nor "
-                                          f"when its collectives were aborted (SIGINT blocked, or C code)")
+            python = [r for r in hopeless if r in in_python]
+            controller.kill(python, why=f"to free the mesh ({cause}): it ran Python and did not stop on an "
+                                        f"interrupt within {KILL_AFTER_S + ABORT_AFTER_S:g} s (it catches "
+                                        f"KeyboardInterrupt, or SIGINT is ignored)")
+            controller.kill([r for r in hopeless if r not in in_python],
+                            why=f"to free the mesh ({cause}): it did not stop on an interrupt nor when its "
+                                f"collectives were aborted (SIGINT blocked, or C code)")
             controller.respawn(hopeless, generation)
             restarted += hopeless
             break
