@@ -154,6 +154,22 @@ def test_a_forced_start_says_which_mesh_it_stopped(kernel: Kernel) -> None:
         kernel.ok("%mesh use mesh\nimport meshbook\nmeshbook.mesh_named('side').stop()")
 
 
+def test_a_stopped_current_mesh_says_which_runs_still(kernel: Kernel) -> None:
+    kernel.ok("%mesh start -n 1 --name gen")  # the current mesh from now on
+    try:
+        assert kernel.ok("%mesh stop gen").stream() == "stopped gen; still running: mesh (%mesh use NAME picks one)\n"
+        status = kernel.ok("%mesh status").stream()
+        assert status.startswith("the current mesh is stopped; running: mesh (%mesh use NAME picks one)\n4 ranks")
+        reply = kernel.execute("%%mesh\nrank")
+        assert reply.content["ename"] == "UsageError"
+        assert "the current mesh 'gen' is stopped; running: mesh. Pick one with" in reply.content["evalue"]
+        refused = kernel.execute("%mesh start -n 1")  # unnamed: one at a time, and mesh runs
+        assert refused.status == "error" and "a mesh is already running" in refused.content["evalue"]
+    finally:
+        kernel.ok("%mesh use mesh")
+    assert kernel.ok("%%mesh\nrank").of_type("execute_result")[0]["content"]["data"]["text/plain"].startswith("[0] 0")
+
+
 def test_late_output_goes_to_the_cell_that_started_it(kernel: Kernel) -> None:
     first = kernel.ok("%%mesh --ranks 1\nimport threading, time\n"
                       "threading.Thread(target=lambda: (time.sleep(1), print('late line'))).start()")
@@ -244,7 +260,9 @@ def test_no_mesh_says_how_to_start_one() -> None:
         assert "started 2 ranks" in started and "OMP_NUM_THREADS=1 per rank, as torchrun sets it" in started
         reply = k.ok("%%mesh\nimport os\nos.environ.get('MESHBOOK_TEST_SETTING')")
         assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[0,1] 'set in a cell'"
-        k.ok("%mesh stop")
+        k.ok("%mesh on")
+        assert k.ok("%mesh stop").stream() == "mesh stopped\ncells run locally again\n", "%mesh on ends with it"
+        assert k.ok("1 + 1").of_type("execute_result")[0]["content"]["data"]["text/plain"] == "2"
     finally:
         k.close()
 

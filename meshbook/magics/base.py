@@ -9,7 +9,17 @@ from typing import Any, Callable
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
-from ..mesh import Mesh, MeshError, MeshStoppedError, check_seconds, current, mesh_named, parse_where
+from ..mesh import (
+    Mesh,
+    MeshError,
+    MeshStoppedError,
+    check_seconds,
+    current,
+    ended_meshes,
+    mesh_named,
+    meshes,
+    parse_where,
+)
 
 Command = Callable[[Any, str], Any]
 
@@ -95,7 +105,9 @@ def require_mesh(name: str | None = None) -> Mesh:
         return current()
     except MeshStoppedError as exc:  # another kernel attached the current (kept) mesh
         raise UsageError(str(exc)) from None
-    except MeshError:
+    except MeshError as exc:
+        if meshes() or ended_meshes():  # the current one stopped or ended: which, and what runs
+            raise UsageError(str(exc)) from None
         raise UsageError("no mesh is running: start one with %mesh start -n 4 "
                          "(or %mesh start --dims dp=2,tp=2)") from None
 

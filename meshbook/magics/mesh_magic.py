@@ -94,7 +94,13 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
     def _cell(self, line: str, cell: str) -> Any:
         args = parse_argstring(self.mesh, line)
         out, (ranks, where) = out_name(args), selected(args)
-        mesh = require_mesh(args.mesh_name)
+        try:
+            mesh = require_mesh(args.mesh_name)
+        except UsageError as exc:
+            if not self._auto:
+                raise
+            raise UsageError(f"{exc} (every cell runs on the mesh since %mesh on: %mesh off runs them "
+                             f"locally)") from None
         run = mesh.run(cell, ranks, where=where, first_line=args.first_line,
                        name=self.shell.execution_count,
                        max_bytes=parse_size(args.max_bytes) if args.max_bytes else None)
@@ -176,8 +182,10 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
                    "backend": args.backend, "timeout": args.timeout,
                    "collective_timeout": args.collective_timeout, "name": args.name,
                    "launcher": launcher, "keep": args.keep, "env": args.env}
-        # Unnamed: one mesh at a time, as ever. Named: another mesh beside the running ones.
-        running = meshes().get(args.name) if args.name else running_mesh()
+        # Unnamed: one mesh at a time, as ever (the current one, or, where it stopped, one still
+        # running). Named: another mesh beside the running ones.
+        running = meshes().get(args.name) if args.name else \
+            running_mesh() or next(iter(meshes().values()), None)
         if running is not None:
             if not args.force:
                 raise UsageError(f"a mesh is already running ({running!r}); %mesh stop it first, "
@@ -231,6 +239,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
         print("mesh stopped" if len(chosen) == 1 and chosen[0].name == "mesh" and not left else
               f"stopped {', '.join(m.name for m in chosen)}" +
               (f"; still running: {', '.join(left)} (%mesh use NAME picks one)" if left else ""))
+        if self._auto and not left:  # %mesh on ends with the last mesh: cells are not left failing
+            self.off("")
 
     @magic_arguments(name="mesh use")
     @argument("name", help="the mesh %%%%mesh cells and %%mesh commands use from now on")
@@ -280,8 +290,10 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
             print("\n".join(f"{'mesh' if name == 'mesh' else f'mesh {name!r}'} ended: {reason}. Start a new "
                             f"one with %mesh start" for name, reason in ended.items()))
             return
-        current = require_mesh()
         running = meshes()
+        current = require_mesh() if not running else running_mesh()
+        if current is None:
+            print(f"the current mesh is stopped; running: {', '.join(running)} (%mesh use NAME picks one)")
         for mesh in running.values():
             rows = [{"rank": s.rank, "host": s.hostname, "pid": s.pid or "-", "device": s.device,
                      **{k: v for k, v in mesh.topology.coords(s.rank).items()},
@@ -292,7 +304,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
                 print(job)
             if hosts:
                 print(status_table([h.row() for h in hosts]))
-            mark = " (current)" if mesh.controller is current.controller and len(running) > 1 else ""
+            mark = " (current)" if current is not None and mesh.controller is current.controller \
+                and len(running) > 1 else ""
             actors = [f"{a.name} ({a.cls_name}{', failed: ' + a.failed if a.failed else ''})"
                       for a in mesh.actors().values()]
             lease = mesh.controller.lease
