@@ -119,6 +119,11 @@ def test_kill_then_degraded_message_then_restart(kernel: Kernel) -> None:
     reply = kernel.execute("%%mesh\n1")
     assert reply.status == "error" and "degraded" in reply.content["evalue"]
     assert "%mesh restart 3" in reply.content["evalue"]
+    for command in ("kill", "interrupt"):  # a dead rank is not said to be signalled
+        again = kernel.execute(f"%mesh {command} 3")
+        assert again.content.get("evalue") == (f"rank(s) 3 are dead: nothing to {command}; mesh.restart([3]) "
+                                               f"(%mesh restart 3) brings them back"), again.content
+    assert kernel.ok("%mesh interrupt 2-3").stream() == "interrupted rank(s) 2-3 (rank(s) 3 dead already)\n"
     kernel.ok("%mesh restart 3")
     assert kernel.ok("%%mesh\nrank").status == "ok"
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..mesh import Mesh, format_ranks
 from .base import command, require_mesh, selected, selection
 from .render import RenderOptions, show_run
 
@@ -41,7 +42,7 @@ class DebugCommands:
         args = parse_argstring(self.interrupt, line)
         mesh = require_mesh()
         mesh.interrupt(args.ranks)
-        print(f"interrupted rank(s) {args.ranks or 'all'}")
+        print(f"interrupted rank(s) {args.ranks or 'all'}{_dead_skipped(mesh, args.ranks)}")
 
     @magic_arguments(name="mesh kill")
     @argument("ranks", help="ranks to kill: 1 or 0,2")
@@ -49,8 +50,10 @@ class DebugCommands:
     def kill(self, line: str) -> None:
         """SIGKILL ranks (their variables are lost); %mesh restart RANKS brings them back."""
         args = parse_argstring(self.kill, line)
-        require_mesh().kill(args.ranks)
-        print(f"killed rank(s) {args.ranks}; %mesh restart {args.ranks} brings them back")
+        mesh = require_mesh()
+        skipped = _dead_skipped(mesh, args.ranks)  # before: these die now
+        mesh.kill(args.ranks)
+        print(f"killed rank(s) {args.ranks}{skipped}; %mesh restart {args.ranks} brings them back")
 
     def restart_ranks(self, ranks: str, on: str | None = None) -> None:
         """%mesh restart RANKS [--on HOST]: re-fork those ranks, keep every other rank's
@@ -66,3 +69,9 @@ class DebugCommands:
         mesh = require_mesh()
         values = show_run(mesh.debug(args.rank), RenderOptions(), mesh)
         print(values[args.rank])
+
+
+def _dead_skipped(mesh: Mesh, ranks: str | None) -> str:
+    """What a signal to ``ranks`` skips: `` (rank(s) 1 dead already)``, or nothing."""
+    dead = mesh.controller.dead(mesh.select(ranks))
+    return f" (rank(s) {format_ranks(dead)} dead already)" if dead else ""

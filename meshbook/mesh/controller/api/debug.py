@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ...protocol import messages as msg
 from ...protocol.cell import is_internal
+from ...protocol.errors import MeshError
 from ...protocol.reports import RankSnapshot
 from ...protocol.text import format_ranks
 from ...protocol.topology import DimSelector, Topology
@@ -69,8 +70,20 @@ class DebugOps:
         return diagnose(self.snapshots(ranks), self.topology)
 
     def kill(self, ranks: Sequence[int] | str | int) -> None:
-        """SIGKILL ranks (their variables are lost); ``restart`` brings them back."""
-        self.controller.kill(self.select(ranks))
+        """SIGKILL ranks (their variables are lost); ``restart`` brings them back. The dead
+        among them are skipped; a :class:`MeshError` if every one is dead."""
+        self.controller.kill(self.living(ranks, "kill"))
+
+    def living(self, ranks: Sequence[int] | str | int | None, what: str) -> list[int]:
+        """The live ranks of a selection to ``what`` (interrupt, kill); a :class:`MeshError`
+        that says how to bring them back if every one is dead."""
+        chosen = self.select(ranks)
+        live = self.controller.live(chosen)
+        if not live:
+            text = format_ranks(chosen)
+            raise MeshError(f"rank(s) {text} are dead: nothing to {what}; mesh.restart([{text}]) "
+                            f"(%mesh restart {text}) brings them back")
+        return live
 
     def restart(self, ranks: Sequence[int] | str | int, timeout: float = 120.0, on: str | None = None) -> Recovery:
         """Re-fork ``ranks`` under the same rank ids and re-create the process group on all

@@ -478,8 +478,9 @@ class Mesh(DebugOps, DataOps, PlanOps):
         return self.controller.launcher.job()
 
     def interrupt(self, ranks: Sequence[int] | str | int | None = None) -> None:
-        """SIGINT to the selected ranks: running user code raises ``KeyboardInterrupt``."""
-        self.controller.interrupt(self.select(ranks))
+        """SIGINT to the selected ranks: running user code raises ``KeyboardInterrupt``. The
+        dead among them are skipped; a :class:`MeshError` if every one is dead."""
+        self.controller.interrupt(self.living(ranks, "interrupt"))
 
     def stop(self) -> None:
         """Stop the whole mesh (every rank and agent), not only this view's ranks."""

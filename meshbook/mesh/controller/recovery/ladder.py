@@ -175,9 +175,9 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = still_stuck()
             python = [r for r in hopeless if r in in_python]
-            controller.kill(python, why=f"to free the mesh ({cause}): it ran Python and did not stop on an "
-                                        f"interrupt within {KILL_AFTER_S + ABORT_AFTER_S:g} s (it catches "
-                                        f"KeyboardInterrupt, or SIGINT is ignored)")
+            controller.kill(python, why=f"to free the mesh ({cause}): it did not stop on an interrupt within "
+                                        f"{KILL_AFTER_S + ABORT_AFTER_S:g} s and waits in no collective (it "
+                                        f"catches KeyboardInterrupt, blocks SIGINT, or C code holds on)")
             controller.kill([r for r in hopeless if r not in in_python],
                             why=f"to free the mesh ({cause}): it did not stop on an interrupt nor when its "
                                 f"collectives were aborted (SIGINT blocked, or C code)")
