@@ -182,11 +182,12 @@ def test_late_output_goes_to_the_cell_that_started_it(kernel: Kernel) -> None:
 
 
 def test_a_cell_that_timed_out_still_shows_its_output_and_how_it_ended(kernel: Kernel) -> None:
-    cell = ("%%mesh --timeout 1\nimport time\ntime.sleep(3)\nprint('slept', rank)\n"
+    cell = ("%%mesh --timeout 1 --out late\nimport time\ntime.sleep(3)\nprint('slept', rank)\n"
             "if rank == 1:\n    1 / 0\n'value'")
     reply = kernel.execute(cell)
     assert reply.status == "error" and "still running on rank(s) 0-3 after 1 s" in reply.content["evalue"]
     assert "how the cell ends, still comes here" in reply.content["evalue"]
+    assert "The values of the ranks that finish go to `late` when the cell ends." in reply.content["evalue"]
     deadline = time.monotonic() + 30
     while "ended after the wait" not in (seen := "".join(
             m["content"].get("text", "") for _, m in kernel.outputs_of(reply.msg_id))):
@@ -194,7 +195,9 @@ def test_a_cell_that_timed_out_still_shows_its_output_and_how_it_ended(kernel: K
         time.sleep(0.1)
     assert all(f"[{r}] slept {r}" in seen for r in range(4)), seen
     assert ("meshbook: cell [" in seen and "] ended after the wait for it timed out: [0,2,3] finished; [1] "
-            "ZeroDivisionError: division by zero (%mesh debug 1 shows where)") in seen, seen
+            "ZeroDivisionError: division by zero (%mesh debug 1 shows where); the values of the ranks that "
+            "finished are in `late`") in seen, seen
+    assert kernel.value("dict(late)") == {0: "value", 2: "value", 3: "value"}
     assert kernel.ok("%%mesh\nrank").of_type("execute_result")[0]["content"]["data"]["text/plain"] == (
         "[0] 0\n[1] 1\n[2] 2\n[3] 3")
 

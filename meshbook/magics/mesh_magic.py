@@ -9,6 +9,7 @@ a bad selection, no mesh running) are shown as one line; the mesh is left untouc
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from typing import Any, Callable
 
 from IPython.core.error import UsageError
@@ -18,6 +19,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..mesh import (
     CellSyntaxError,
     MeshError,
+    MeshTimeout,
+    RankValues,
     RemoteError,
     add_start_arguments,
     attach,
@@ -104,18 +107,29 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
         run = mesh.run(cell, ranks, where=where, first_line=args.first_line,
                        name=self.shell.execution_count,
                        max_bytes=parse_size(args.max_bytes) if args.max_bytes else None)
+        options = RenderOptions(ordered=args.ordered, timeout=args.timeout,
+                                late_values=partial(self._store_late, out) if out else None)
         try:
-            values = show_run(run, RenderOptions(ordered=args.ordered, timeout=args.timeout), mesh,
-                              view=self.cell_view(mesh, run, enabled=not args.no_status))
+            values = show_run(run, options, mesh, view=self.cell_view(mesh, run, enabled=not args.no_status))
         except RemoteError as exc:
             if out:  # the ranks that succeeded: their values are the user's as well
                 self.shell.user_ns[out] = exc.partial
+            raise
+        except MeshTimeout as exc:
+            if out:
+                raise MeshTimeout(f"{exc}\nThe values of the ranks that finish go to `{out}` when the cell "
+                                  f"ends.") from None
             raise
         if out:
             self.shell.user_ns[out] = values
         if args.quiet or all(v is None for v in values.values()):
             return None
         return values
+
+    def _store_late(self, out: str, values: RankValues) -> str:
+        """``--out`` of a cell that ended after its timeout (the receiver thread): stored then."""
+        self.shell.user_ns[out] = values
+        return f"; the values of the ranks that finished are in `{out}`"
 
     # -- %mesh COMMAND -----------------------------------------------------------------------
 

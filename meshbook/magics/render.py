@@ -13,6 +13,7 @@ cell's live status view is updated as the run goes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..mesh import (
     Display,
@@ -32,6 +33,10 @@ from ..mesh import (
 class RenderOptions:
     ordered: bool = False
     timeout: float | None = None
+    #: Called with the values of a run that ends after the cell stopped waiting for it (its
+    #: timeout); what it returns ends the late note of how the run ended (``--out``: where
+    #: the values went).
+    late_values: Callable[[RankValues], str] | None = None
 
 
 def publish_display(event: Display) -> None:
@@ -50,5 +55,8 @@ def show_run(run: Run, options: RenderOptions, mesh: Mesh, view: View | None = N
                                        "interrupting this cell drops this cell instead")
         return follow(run, mesh, renderer, follow_options, view)
     except MeshTimeout:
+        if options.late_values is not None:
+            late_values, told = options.late_values, run.on_late_end
+            run.on_late_end = lambda text: told(text + late_values(run.values()))
         run.let_go()  # nobody can follow it again: its output and its end come to this cell
         raise
