@@ -246,6 +246,20 @@ def test_a_run_waiting_behind_earlier_work_says_so_and_an_interrupt_drops_it_the
     assert dict(earlier.result(echo=False)) == {0: "earlier", 1: "earlier"}
 
 
+def test_a_queued_run_that_times_out_says_it_has_not_started_there(mesh: meshbook.Mesh) -> None:
+    """Its timeout quoted the earlier work's line as if the run were at it."""
+    earlier = mesh.run("import time\ntime.sleep(4)\n'earlier'", ranks=[0, 1])
+    run = mesh.run("import time\ntime.sleep(5 if rank == 3 else 0)\nrank")
+    with pytest.raises(meshbook.MeshTimeout) as info:
+        run.result(timeout=1.5)
+    text = str(info.value)
+    assert text.startswith("run('import time') is still running on rank(s) 3 after 1.5 s. run('import time') has "
+                           "not started on rank(s) 0,1 after 1.5 s: rank(s) 0,1 still run run('import time') "
+                           "(mesh.interrupt('0,1') stops it). The ranks keep running as they are:"), text
+    assert dict(earlier.result(echo=False)) == {0: "earlier", 1: "earlier"}
+    assert dict(run.result(echo=False)) == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
 def test_a_rank_that_ran_earlier_work_first_shows_the_time_it_ran_this_run(mesh: meshbook.Mesh) -> None:
     """Once a queued rank starts, its cell status counts from then (its heartbeat says when),
     not from when the run was sent: the time it waited would make it a straggler."""

@@ -173,11 +173,26 @@ class _Follow:
         timeout = self.options.timeout
         if timeout is not None and now - self._timed_from() >= timeout and not self.run.done():
             self.renderer.flush()
-            diagnosis = self._diagnosis()
-            raise MeshTimeout(
-                f"{self.options.what or self.run.what} is still running on rank(s) "
-                f"{format_ranks(self.run.pending)} after {timeout:g} s. The ranks keep running as they "
-                f"are: {self.options.next_steps}." + (f"\n{diagnosis}" if diagnosis else ""))
+            raise MeshTimeout(self._timed_out(timeout))
+
+    def _timed_out(self, timeout: float) -> str:
+        """Why the wait ends: where the run still runs (and the hang diagnosis of those ranks),
+        and where it has not started, behind earlier work (whose lines are not this run's)."""
+        what = self.options.what or self.run.what
+        behind = self.mesh.queued(self.run)
+        running = [r for r in self.run.pending if r not in behind]
+        parts = [f"{what} is still running on rank(s) {format_ranks(running)} after {timeout:g} s"] if running else []
+        if behind:
+            ahead: dict[str, list[int]] = {}
+            for rank, earlier in sorted(behind.items()):
+                ahead.setdefault(earlier, []).append(rank)
+            parts.append(f"{what} has not started on rank(s) {format_ranks(behind)} after {timeout:g} s: "
+                         + "; ".join(f"rank(s) {format_ranks(ranks)} still run {earlier}"
+                                     for earlier, ranks in ahead.items())
+                         + f" ({self.options.stop_earlier.format(ranks=format_ranks(behind))})")
+        diagnosis = self._diagnosis() if running else ""
+        return (". ".join(parts) + f". The ranks keep running as they are: {self.options.next_steps}."
+                + (f"\n{diagnosis}" if diagnosis else ""))
 
     def _explain_interrupt(self) -> None:
         """Ranks still on the run after the interrupt's grace: in its cleanup, blocked outside
