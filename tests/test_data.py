@@ -286,6 +286,15 @@ def test_a_pull_from_local_ranks_maps_their_shared_memory(mesh4: meshbook.Mesh) 
     assert "/memfd:meshbook-pull" not in Path("/proc/self/maps").read_text(), "the mapping goes with the tensors"
 
 
+def test_a_push_behind_earlier_work_says_what_it_waits_for(mesh2: meshbook.Mesh,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    earlier = mesh2.run("import time\ntime.sleep(3)", ranks=[1])  # a cell that outlived its wait
+    mesh2.push(lr=0.5)
+    assert ("rank(s) 1 still run run('import time'): the push is stored there once that ends "
+            "(mesh.interrupt('1') stops it; Ctrl-C drops the push instead)") in capsys.readouterr().err
+    assert earlier.done() and dict(mesh2.run("lr").result()) == {0: 0.5, 1: 0.5}
+
+
 def test_a_small_tensor_kept_does_not_keep_its_push_or_pull_mapped(mesh2: meshbook.Mesh) -> None:
     mesh2.push({"big": torch.ones(SHARE_MIN), "small": torch.arange(3.0)})
     mapped = "'/memfd:meshbook-push' in open('/proc/self/maps').read()"

@@ -64,11 +64,14 @@ from ...protocol.payload import PIECE, Landing, Overweight, Payload, Slot, Write
 from ...protocol.text import format_bytes, format_ranks, group_by_text
 from ...protocol.values import RankValues
 from ...rank import ops
+from ..core.render import write_stream
+from .follow import QUEUED_HINT_S, still_running
 from .view import MeshView, Ranks, Where
 
 if TYPE_CHECKING:
     import torch
 
+    from ..core.controller import Controller
     from ..core.run import Run
 
 #: What a rank may send of a limited pull beyond its share of the limit: the pickle's own bytes
@@ -384,8 +387,7 @@ def _deliver(mesh: MeshView, parts: list[tuple[list[int], dict[str, Any]]], what
                          for piece in sent_ahead]
             runs.append(mesh.call(ops.store, payload, ranks=ranks, what=what))
         try:
-            for run in runs:
-                run.wait()
+            _wait_saying_what_is_ahead(controller, runs, what)
         except KeyboardInterrupt:
             raise _interrupted(runs, parts, everyone, what) from None
     failures = {r: f for run in runs for r, f in getattr(run.exception(), "failures", {}).items()}
@@ -397,6 +399,22 @@ def _deliver(mesh: MeshView, parts: list[tuple[list[int], dict[str, Any]]], what
     if failures:
         raise RemoteError(failures, hint=f"{what}: {_landed(parts, everyone, set(failures))} "
                                          f"(a rank stores all or none)")
+
+
+def _wait_saying_what_is_ahead(controller: Controller, runs: list[Run], what: str) -> None:
+    """Wait for ``runs``; where they still wait behind earlier work after
+    :data:`~.follow.QUEUED_HINT_S` (a cell that outlived its timeout), say so once: nothing
+    else would tell why the push does not return."""
+    deadline = time.monotonic() + QUEUED_HINT_S
+    if all(run.wait(max(0.0, deadline - time.monotonic())) for run in runs):
+        return
+    behind = {rank: earlier for run in runs for rank, earlier in controller.queued_behind(run).items()}
+    if behind:
+        write_stream("stderr", f"{still_running(behind)}: the {what} is stored there once that ends "
+                               f"(mesh.interrupt('{format_ranks(behind)}') stops it; Ctrl-C drops the {what} "
+                               f"instead)\n")
+    for run in runs:
+        run.wait()
 
 
 def _interrupted(runs: list[Run], parts: list[tuple[list[int], dict[str, Any]]], everyone: list[int],

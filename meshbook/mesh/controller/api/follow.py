@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 from ...protocol.errors import MeshTimeout, RemoteError
 from ...protocol.text import format_ranks
@@ -183,13 +183,8 @@ class _Follow:
         running = [r for r in self.run.pending if r not in behind]
         parts = [f"{what} is still running on rank(s) {format_ranks(running)} after {timeout:g} s"] if running else []
         if behind:
-            ahead: dict[str, list[int]] = {}
-            for rank, earlier in sorted(behind.items()):
-                ahead.setdefault(earlier, []).append(rank)
             parts.append(f"{what} has not started on rank(s) {format_ranks(behind)} after {timeout:g} s: "
-                         + "; ".join(f"rank(s) {format_ranks(ranks)} still run {earlier}"
-                                     for earlier, ranks in ahead.items())
-                         + f" ({self.options.stop_earlier.format(ranks=format_ranks(behind))})")
+                         f"{still_running(behind)} ({self.options.stop_earlier.format(ranks=format_ranks(behind))})")
         diagnosis = self._diagnosis() if running else ""
         return (". ".join(parts) + f". The ranks keep running as they are: {self.options.next_steps}."
                 + (f"\n{diagnosis}" if diagnosis else ""))
@@ -235,13 +230,9 @@ class _Follow:
         behind = self.mesh.queued(self.run)
         if not behind:
             return
-        ahead: dict[str, list[int]] = {}
-        for rank, what in sorted(behind.items()):
-            ahead.setdefault(what, []).append(rank)
-        doing = "; ".join(f"rank(s) {format_ranks(ranks)} still run {what}" for what, ranks in ahead.items())
         steps = f"{self.options.stop_earlier.format(ranks=format_ranks(behind))}; {self.options.drop_this}"
         self.renderer.flush()
-        _note(f"{doing}: {self.options.what or self.run.what} starts there once that ends ({steps}).")
+        _note(f"{still_running(behind)}: {self.options.what or self.run.what} starts there once that ends ({steps}).")
 
     def _check_stuck(self) -> None:
         """Explain ranks waiting in a collective call the other ranks have not joined: ranks
@@ -287,6 +278,15 @@ class _Follow:
         self.renderer.flush()
         _note(f"freeing rank(s) {format_ranks(self.run.pending)} ...")
         self.recovery_report = self.mesh.recover().render()
+
+
+def still_running(behind: Mapping[int, str]) -> str:
+    """``rank(s) 0,1 still run cell [3]``: what ranks run that a request waits behind (rank ->
+    what it runs, as :meth:`Controller.queued_behind` says), ranks grouped by what they run."""
+    ahead: dict[str, list[int]] = {}
+    for rank, earlier in sorted(behind.items()):
+        ahead.setdefault(earlier, []).append(rank)
+    return "; ".join(f"rank(s) {format_ranks(ranks)} still run {earlier}" for earlier, ranks in ahead.items())
 
 
 def _note(text: str) -> None:
