@@ -135,10 +135,7 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
     if interrupted:
         doing = {r: running.get(r) or controller.current_request(r) for r in interrupted}
         # Told first: ranks that leave the old group free a collective with a closed connection.
-        told = controller.call(prepare_abort, doing, dict.fromkeys(interrupted, reason), True, ranks=interrupted,
-                               what="why collectives end")
-        told.wait(ASK_RUNNING_S)
-        in_python = {r for r, (_, waiting) in told.values().items() if not waiting}
+        in_python = _outside_collectives(controller, doing, reason)
         # Then a Ctrl-C, a second one where the run was interrupted already: a rank running
         # Python stops and keeps its variables, where only the kill below would free it (the
         # abort frees collectives, not a sleep, a loop, or the cleanup of a first interrupt).
@@ -164,15 +161,20 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
         return [r for r in stuck() if running.get(r) != joined.id]
 
     aborted: list[int] = []
+    tried_abort = False
     while stuck():
         waited = time.monotonic() - started
-        if not aborted and waited >= ABORT_AFTER_S:
-            aborted = still_stuck()
+        if not tried_abort and waited >= ABORT_AFTER_S:
+            tried_abort = True
             # In what each said it is stuck; a rank that said nothing, or idle, in what the book
             # says (a request on its way to it, or one whose answer is on its way here).
-            abort(controller, aborted, reason, stuck_in={r: running.get(r) or controller.current_request(r)
-                                                          for r in aborted})
-        elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
+            stuck_in = {r: running.get(r) or controller.current_request(r) for r in still_stuck()}
+            # A rank still in Python is on its way out of the interrupt (a busy machine): its
+            # sockets are no reason to end, and its report says it was interrupted.
+            slow = _outside_collectives(controller, {r: q for r, q in stuck_in.items() if r in in_python}, reason)
+            aborted = [r for r in stuck_in if r not in slow]
+            abort(controller, aborted, reason, stuck_in={r: stuck_in[r] for r in aborted})
+        elif tried_abort and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = still_stuck()
             python = [r for r in hopeless if r in in_python]
             controller.kill(python, why=f"to free the mesh ({cause}): it did not stop on an interrupt within "
@@ -193,6 +195,18 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
     kept = [r for r in controller.ranks if r not in restarted]
     return Recovery(sorted(restarted), [r for r in stopped if r not in python], kept, generation,
                     time.monotonic() - started, python)
+
+
+def _outside_collectives(controller: "Controller", doing: dict[int, int | None], reason: str) -> set[int]:
+    """The ranks of ``doing`` (rank -> the request it runs) that wait in no collective now, as
+    they say within :data:`ASK_RUNNING_S`; those that do wait in one learn ``reason`` first,
+    so their error says why it ends even if a peer's closed connection ends it first."""
+    if not doing:
+        return set()
+    told = controller.call(prepare_abort, doing, dict.fromkeys(doing, reason), True, ranks=list(doing),
+                           what="why collectives end")
+    told.wait(ASK_RUNNING_S)
+    return {r for r, (_, waiting) in told.values().items() if not waiting}
 
 
 def resync(controller: "Controller", held: "Run", ahead: list[int],
