@@ -78,6 +78,24 @@ def test_a_cell_failing_on_some_ranks_after_a_collective_others_skipped(pair: me
     assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}
 
 
+def test_a_rank_that_failed_a_run_others_still_run_runs_nothing_later_first(pair: meshbook.Mesh) -> None:
+    """Rank 1 failed at once, rank 0 went on to an all_reduce: a run sent meanwhile (a cell
+    after one that timed out) started on rank 1 and its all_reduce paired with rank 0's,
+    giving both runs 102.0 as successes, then the mesh hung. Rank 1 is held for the check
+    instead; rank 0's collective, which nobody will join, is aborted."""
+    first = pair.run("import time\nif rank == 1:\n    raise ValueError('bad')\ntime.sleep(2)\n"
+                     "t = torch.tensor([100.0])\ndist.all_reduce(t)\nt.item()")
+    deadline = time.monotonic() + 30
+    while 1 not in first.failed_ranks():
+        assert time.monotonic() < deadline, "rank 1 never failed"
+        time.sleep(0.02)
+    later = pair.run(CHECK)  # sent while rank 0 still runs the first
+    error = failures_of(first)
+    assert {r: f.type_name for r, f in error.failures.items()} == {0: "CollectiveAborted", 1: "ValueError"}
+    assert dict(later.result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}, "paired with the first's collective"
+    assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+
+
 def test_a_failure_that_leaves_the_ranks_in_step_re_creates_nothing(pair: meshbook.Mesh) -> None:
     pair.run("kept = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))").result()
     generation = pair.status()[0].generation
@@ -135,7 +153,8 @@ def test_the_diagnosis_says_how_a_rank_that_stopped_left_the_cell() -> None:
             time.sleep(0.1)
         (verdict,) = mesh.diagnose().verdict
         assert verdict.endswith("rank 1 stopped with ValueError at cell line 3 (raise ValueError('bad batch')) "
-                                "before joining it (idle)"), verdict
+                                "before joining it (now at meshbook's step check (every rank's collective "
+                                "count))"), verdict
         recovery = mesh.recover()
         assert recovery.aborted == [0, 2] and "ranks 0,2 had their collective aborted" in recovery.render()
         assert run.wait(30)

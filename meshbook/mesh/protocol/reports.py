@@ -45,7 +45,8 @@ class RankSnapshot:
     pending: tuple[Collective, ...] = ()
     native: str = ""  # a py-spy dump, when the control thread could not answer
     dead: str = ""  # why, when the rank is not running at all
-    last: str = ""  # how its last request ended, when idle ("stopped with KeyboardInterrupt at ...")
+    last: str = ""  # how its last user code ended, unless it runs user code ("stopped with KeyboardInterrupt at ...")
+    last_request: int | None = None  # the request of that user code
     doing: str = ""  # what meshbook itself runs there, when busy with its own work ("the step check")
 
     @property

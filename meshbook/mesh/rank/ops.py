@@ -96,7 +96,8 @@ def snapshot(worker: "Worker") -> RankSnapshot:
     frames = stack_frames(worker.main_frame()) if busy else ()
     busy_s = time.monotonic() - worker.started_at if busy else 0.0
     return RankSnapshot(worker.rank, busy, worker.request, busy_s, frames, pending_collectives(),
-                        last="" if busy else worker.last_outcome)
+                        last="" if busy and worker.running_user_code else worker.last_outcome,
+                        last_request=worker.last_user_request)
 
 
 def pending_collectives() -> tuple[Collective, ...]:

@@ -131,8 +131,11 @@ class Worker:
         #: that request runs or waits: so it is either signalled or found cancelled, never neither.
         self._taking = threading.Lock()
         self._failed_ticks = _FailedTicks()
-        #: How the last request ended, in words (the hang diagnosis quotes it).
+        #: How the user's last code (a cell, an applied function, an endpoint) ended, in words
+        #: (the hang diagnosis quotes it), and whether the request running now is user code.
         self.last_outcome = ""
+        self.last_user_request: int | None = None
+        self.running_user_code = False
         #: Why meshbook aborted a request's collective (request -> reason), for its error.
         self.abort_reasons: dict[int, str] = {}
         #: Messages of a kind no handler takes, by kind (each is logged too).
@@ -309,6 +312,7 @@ class Worker:
         route = self._reply_routes.get(message.kind)
         reply = partial(route, message) if route is not None else None
         self.started_at = time.monotonic()
+        self.running_user_code = message.kind != msg.CALL  # a cell, an applied function, an endpoint
         try:
             if not self._take(request):
                 raise KeyboardInterrupt(NOTHING_RAN)
@@ -440,7 +444,8 @@ class Worker:
         self.last_request, self.request = request, None
         self.cancelled.discard(request)  # an interrupt kept for user code it never reached
         self.abort_reasons.pop(request, None)  # told by a recovery whose abort it never needed
-        self.last_outcome = describe_outcome(failure)
+        if self.running_user_code:  # how the user's last code ended: meshbook's own requests say nothing of it
+            self.last_outcome, self.last_user_request = describe_outcome(failure), request
         # The collectives it ran go first, so the controller has them when the run ends (and
         # before the answer is signed: a thread's messages must leave in the order it signs).
         self.send_collectives()

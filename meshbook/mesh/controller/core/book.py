@@ -48,8 +48,9 @@ class RankState:
 @dataclass(frozen=True)
 class Answer:
     """What follows a rank's answer: the run it was for (None: already retired, or never
-    known), whether a step check must start before the answer is seen (the run ends
-    irregularly with it), and whether the run is done."""
+    known), whether a step check must start (or have started) before the answer is seen (the
+    run ends irregularly with it, or these ranks ended it irregularly while others still run
+    it: nothing sent after it may run on them before the check), and whether the run is done."""
 
     run: Run | None
     check_step: bool = False
@@ -113,7 +114,7 @@ class RankBook:
         if lost_group or failed:
             run.irregular = True
         last = run.waits_only_for(ranks)
-        check = last and (run.irregular or run.interrupted) and run.kind in msg.USER_KINDS
+        check = run.kind in msg.USER_KINDS and (last and (run.irregular or run.interrupted) or failed or lost_group)
         return Answer(run, check, last)
 
     def settle(self, request: int, ranks: Sequence[int]) -> None:

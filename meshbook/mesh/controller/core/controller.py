@@ -131,8 +131,9 @@ class Controller:
         self.stop_listeners: list[Callable[[], None]] = []
         #: Called with the runs in flight at every receiver tick (the run watcher).
         self.tick_listeners: list[Callable[[list[Run]], None]] = [lambda runs: self.landing.expire()]
-        #: A user run ended irregularly (a rank failed or was interrupted): what checks the
-        #: ranks are still in step, before anyone sees the run done (the step check).
+        #: A user run ended irregularly (a rank failed or was interrupted), or some of its ranks
+        #: did while others still run it: what checks the ranks are still in step, before
+        #: anyone sees the run done (the step check; asked again for the same run, the same).
         self.on_irregular_end: RunHook | None = None
         #: Live ranks that ran beside ranks that died: (ranks, reason, lost hosts' addresses).
         self.on_stranded: StrandedHook | None = None

@@ -69,13 +69,15 @@ def _explain(ranks: list[int], waiting: dict[int, Collective],
     members = group_members(collective, ranks[0], topology)
     if members is None:
         return line + " (a group meshbook does not know the members of)", False
-    absent = {r: _absence(r, waiting, snapshots) for r in members if r not in ranks}
+    absent = {r: _absence(r, waiting, snapshots, snapshots[ranks[0]].request) for r in members if r not in ranks}
     if not absent:
         return line + "; every member of its group is there: it should complete", False
     return line + "; " + "; ".join(f"{ranks_text(r)} {why}" for r, why in group_by_text(absent)), True
 
 
-def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, RankSnapshot]) -> str:
+def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, RankSnapshot],
+             request: int | None) -> str:
+    """Why ``rank`` is not in the collective the ranks running ``request`` wait in."""
     snap = snapshots.get(rank)
     if snap is None:
         return "did not answer"
@@ -83,9 +85,12 @@ def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, Ran
         return f"is dead ({snap.dead})"
     if rank in waiting:
         return f"waits in {waiting[rank].describe()} instead"
+    stopped = snap.last.startswith("stopped") and snap.last_request == request  # that cell, on this rank
+    if snap.busy and snap.doing and stopped:  # held for the step check that follows it
+        return f"{snap.last} before joining it (now at meshbook's {snap.doing})"
     if snap.busy:
         return f"never reached it: at {snap.where()}"
-    if snap.last.startswith("stopped"):
+    if stopped:
         return f"{snap.last} before joining it (idle)"
     return "finished the cell without joining it (idle)"
 

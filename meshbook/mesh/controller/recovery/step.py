@@ -25,6 +25,7 @@ report names those variables (``bound_objects``, on the ranks) so the user knows
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
@@ -77,27 +78,52 @@ def compare(reports: Mapping[int, Positions]) -> tuple[list[Skew], list[int]]:
 
 
 
+#: The checks of runs, per controller and run, from when they started (a rank ended the run
+#: irregularly, maybe while others still ran it) until they are done.
+_started: "weakref.WeakKeyDictionary[Controller, dict[int, StepCheck]]" = weakref.WeakKeyDictionary()
+_started_lock = threading.Lock()
+
+
 def check_after(controller: "Controller", run: "Run") -> "StepCheck | None":
     """Check that every rank is at the same collective in each group after ``run`` stopped
-    irregularly (the controller's ``on_irregular_end``)."""
-    if controller.stopped or controller.dead():
-        return None  # a dead rank's restart re-creates every group anyway
-    check = StepCheck(controller, "the interrupt" if run.interrupted else "the failed cell", run.forced_resync)
-    try:
-        check.start()
-    except MeshError:
-        return None  # stopped, or a rank died, meanwhile: nothing to check (see above)
+    irregularly (the controller's ``on_irregular_end``): once its last rank ended it, or as soon
+    as one did irregularly while others still run it. The check's requests then wait in every
+    rank's queue before whatever is sent later: a rank that failed at once would otherwise run
+    the next cell, and pair its collective with one the others still issue in this run (a wrong
+    number, reported as a success). Asked again for the same run, the same check."""
+    with _started_lock:
+        checks = _started.setdefault(controller, {})
+        for request in [r for r, c in checks.items() if c.done.is_set()]:
+            del checks[request]
+        if run.id in checks:
+            return checks[run.id]
+        if controller.stopped or controller.dead():
+            return None  # a dead rank's restart re-creates every group anyway
+        check = StepCheck(controller, "the interrupt" if run.interrupted else "the failed cell", run)
+        try:
+            check.start()
+        except MeshError:
+            return None  # stopped, or a rank died, meanwhile: nothing to check (see above)
+        checks[run.id] = check
     track(controller, check)
     return check
+
+
+def held_for(controller: "Controller", run: "Run") -> list[int]:
+    """The ranks ``run``'s check holds, or will once they get there, while it runs (the run
+    watcher: a rank held runs nothing else before the check)."""
+    with _started_lock:
+        check = _started.get(controller, {}).get(run.id)
+    return [] if check is None or check.done.is_set() else check.ranks
 
 
 class StepCheck:
     """One check of every live rank's positions, coordinated on its own thread."""
 
-    def __init__(self, controller: "Controller", cause: str, force: bool = False) -> None:
+    def __init__(self, controller: "Controller", cause: str, run: "Run | None" = None) -> None:
         self.controller = controller
         self.cause = cause
-        self.force = force  # re-create the groups even if the counts agree (connections were cut)
+        self.run = run  # its forced_resync: re-create the groups even if the counts agree (connections were cut)
         self.report = ""
         self.done = threading.Event()
         self._lock = threading.Lock()
@@ -147,7 +173,8 @@ class StepCheck:
         skews, gone = compare(dict(self.asked.values().items()))
         if not self._own("check"):
             return ""
-        if self.asked.exception() is not None or (not skews and not gone and not self.force):
+        force = self.run is not None and self.run.forced_resync  # read now: an abort may have come since
+        if self.asked.exception() is not None or (not skews and not gone and not force):
             self._release(None)  # in step (or a rank died: its restart re-creates the groups)
             return ""
 

@@ -1,7 +1,8 @@
 """Runs that end unevenly: a rank left waiting in a collective that can never complete is freed.
 
 A collective pairs the n-th call of every member of its group. When a member has finished the
-run (done, failed, or stopped by an interrupt) and runs nothing else, a collective that another
+run (done, failed, or stopped by an interrupt) and runs nothing else (a member that failed it
+is held for the step check at once: :func:`~.step.check_after`), a collective that another
 rank of the run waits in, with that member in its group, can only complete by pairing with
 whatever the member runs next (a wrong result), or fail at the collective timeout minutes
 later: ``if rank != 1: raise ValueError()`` then ``dist.all_reduce(x)`` left rank 1 waiting 300 s
@@ -31,6 +32,7 @@ from ...protocol.text import ranks_text
 from ...rank.ops import collective_called, snapshot
 from ..insight.hangs import group_members
 from .ladder import abort
+from .step import held_for
 
 if TYPE_CHECKING:
     from ..core.controller import Controller
@@ -77,13 +79,15 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
         return
     asked = controller.call(snapshot, ranks=live, what="stacks")
     asked.wait(SNAPSHOT_WAIT_S)
+    held = held_for(controller, run)  # held for its check: they run nothing else before it
     blocked: dict[int, tuple[Collective, list[int]]] = {}
     for rank, snap in asked.values().items():
         if snap is None or snap.request != run.id or not snap.pending:  # None: nothing to say (a stand-in)
             continue
         collective = snap.pending[-1]
         members = group_members(collective, rank, controller.topology) or []
-        gone = [m for m in members if m in run.ranks and m not in run.pending and not controller.queued(m)]
+        gone = [m for m in members if m in run.ranks and m not in run.pending
+                and (not controller.queued(m) or m in held)]
         if gone:
             blocked[rank] = (collective, gone)
     if not blocked or run.done():
