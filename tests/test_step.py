@@ -96,6 +96,21 @@ def test_a_rank_that_failed_a_run_others_still_run_runs_nothing_later_first(pair
     assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
 
 
+def test_a_result_timeout_bounds_the_wait_for_the_step_check_too(pair: meshbook.Mesh) -> None:
+    """The run ended, its check waits for a rank busy with later work: result(timeout=2)
+    waited the check's own 30 s."""
+    failed = pair.run("import time\ntime.sleep(0.5)\nif rank == 1:\n    raise ValueError('bad')\ntime.sleep(1)")
+    busy = pair.run("import time\ntime.sleep(8)", ranks=[0])  # queued on rank 0 before the check
+    assert failed.wait(30)
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        failed.result(timeout=2)
+    assert time.monotonic() - started < 6, "waited for the check beyond the timeout"
+    assert "meshbook checks that every rank is at the same collective" in info.value.hint
+    busy.result(timeout=60, echo=False)
+    assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+
+
 def test_a_failure_that_leaves_the_ranks_in_step_re_creates_nothing(pair: meshbook.Mesh) -> None:
     pair.run("kept = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))").result()
     generation = pair.status()[0].generation

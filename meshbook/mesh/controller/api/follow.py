@@ -30,7 +30,7 @@ from ...protocol.errors import MeshTimeout, RemoteError
 from ...protocol.text import format_ranks
 from ...protocol.values import RankValues
 from ..core.render import EventRenderer, write_stream
-from ..core.run import Run
+from ..core.run import STEP_CHECK_WAIT_S, Run
 
 #: How long ranks get to stop after a forwarded interrupt before we show where they block
 #: (ranks blocked in a collective that a stopped rank will never join are freed before that).
@@ -121,7 +121,7 @@ class _Follow:
             self.renderer.close()
             if self.view:
                 self.view.close(self.run)
-        report = "\n".join(filter(None, [self.recovery_report, self.run.step_report()]))
+        report = "\n".join(filter(None, [self.recovery_report, self.run.step_report(self._check_wait())]))
         error = self.run.exception()
         if error is not None:
             hint = "\n".join(filter(None, [error.hint, report]))
@@ -213,6 +213,14 @@ class _Follow:
 
     def _hang_clock(self) -> float | None:
         return self.hang_since if self.hang_since is not None else self.first_done_at
+
+    def _check_wait(self) -> float:
+        """How long the step check after the run may keep the caller: what is left of its
+        timeout, at most :data:`STEP_CHECK_WAIT_S` (the check goes on; the report says it waits)."""
+        timeout = self.options.timeout
+        if timeout is None:
+            return STEP_CHECK_WAIT_S
+        return max(0.0, min(STEP_CHECK_WAIT_S, self._timed_from() + timeout - time.monotonic()))
 
     def _timed_from(self) -> float:
         """Where the timeout counts from: the start, later by the time the user took to answer
