@@ -111,6 +111,18 @@ def test_a_result_timeout_bounds_the_wait_for_the_step_check_too(pair: meshbook.
     assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
 
 
+def test_a_collective_that_timed_out_has_its_groups_re_created() -> None:
+    """Both ranks issued one collective, so the counts agreed, but the timeout closed gloo's
+    connections: every later collective failed with 'Connection closed by peer'."""
+    with meshbook.start(2, collective_timeout=2) as mesh:
+        run = mesh.run("import time\nt = torch.ones(1)\nif rank == 1:\n    time.sleep(4)\ndist.all_reduce(t)")
+        error = failures_of(run, timeout=60)
+        assert set(error.failures) == {0, 1}
+        assert ("in a way that breaks its process group (a timeout, or a closed connection: every later "
+                "collective on it would fail too), so meshbook re-created the process groups") in run.step_report()
+        assert dict(mesh.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+
+
 def test_a_failure_that_leaves_the_ranks_in_step_re_creates_nothing(pair: meshbook.Mesh) -> None:
     pair.run("kept = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))").result()
     generation = pair.status()[0].generation

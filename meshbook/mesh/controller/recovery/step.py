@@ -24,10 +24,11 @@ report names those variables (``bound_objects``, on the ranks) so the user knows
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ...protocol.errors import MeshError
 from ...protocol.reports import Positions
@@ -173,13 +174,15 @@ class StepCheck:
         skews, gone = compare(dict(self.asked.values().items()))
         if not self._own("check"):
             return ""
-        force = self.run is not None and self.run.forced_resync  # read now: an abort may have come since
+        broken = broken_groups(self.run) if self.run is not None else []
+        # Read now: an abort may have come since the check started.
+        force = self.run is not None and self.run.forced_resync or bool(broken)
         if self.asked.exception() is not None or (not skews and not gone and not force):
             self._release(None)  # in step (or a rank died: its restart re-creates the groups)
             return ""
 
         recovery = resync(ctl, self.held, [r for s in skews for r in s.ahead], self._release)
-        return render_resync(self.cause, skews, gone, recovery, dict(self.held.values().items()))
+        return render_resync(self.cause, skews, gone, recovery, dict(self.held.values().items()), broken)
 
     def _release(self, verdict: int | None) -> None:
         with self._lock:  # once: a second verdict would wait in a rank's queue for its next check
@@ -195,11 +198,29 @@ class StepCheck:
             pass  # stopped meanwhile: nobody is left to hold
 
 
+#: What a collective's error says when its process group is broken for good: a gloo timeout
+#: closes the connections (every later collective fails with "Connection closed by peer"), and
+#: NCCL aborts its communicator. The counts may still agree; the groups must be re-created.
+BROKEN_GROUP = re.compile(r"gloo.*(timed out|connection closed|connection reset|pair closure)|nccl.*(timeout|abort)",
+                          re.IGNORECASE | re.DOTALL)
+
+
+def broken_groups(run: "Run") -> list[int]:
+    """The ranks whose error in ``run`` says their process group broke (:data:`BROKEN_GROUP`)."""
+    error = run.exception()  # the failures so far: the ranks the check waited for ended the run
+    failures = error.failures if error is not None else {}
+    return sorted(r for r, f in failures.items() if not f.died and BROKEN_GROUP.search(f.message))
+
+
 def render_resync(cause: str, skews: list[Skew], gone: list[int], recovery: Recovery,
-                  bound: Mapping[int, list[str]]) -> str:
+                  bound: Mapping[int, list[str]], broken: Sequence[int] = ()) -> str:
     """What the cell says after the groups were re-created to put the ranks back in step."""
     lines = []
-    if not skews and not gone:
+    if broken:
+        lines.append(f"A collective failed on {ranks_text(broken)} in a way that breaks its process group (a "
+                     f"timeout, or a closed connection: every later collective on it would fail too), so "
+                     f"meshbook re-created the process groups.")
+    elif not skews and not gone:
         lines.append(f"meshbook aborted a collective after {cause}, so it re-created the process groups.")
     if skews:
         lines.append(f"The ranks were out of step after {cause}: " +
