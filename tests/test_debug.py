@@ -339,7 +339,9 @@ def test_a_second_interrupt_stops_the_cleanup_of_the_first_and_keeps_the_variabl
     run.interrupt()
     wait_until(cleaning.exists)  # in the cleanup, in Python
     recovery = mesh.recover()
-    assert (recovery.restarted, recovery.interrupted) == ([], [1]), recovery.render()
+    # Interrupted; or, on a machine too busy for it to leave the cleanup within 0.2 s, its
+    # sockets shut as well (harmless in Python): either way not re-forked.
+    assert recovery.restarted == [] and 1 in recovery.interrupted + recovery.aborted, recovery.render()
     with pytest.raises(RemoteError) as info:
         run.result(echo=False)
     assert info.value.failures[1].type_name == "KeyboardInterrupt"

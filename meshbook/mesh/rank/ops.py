@@ -145,10 +145,11 @@ def prepare_abort(worker: "Worker", stuck_in: dict[int, int], reasons: dict[int,
     """The first round of an abort (control thread): a rank about to have its collective
     aborted learns why, so its error says so even if a peer's shut-down connection fails the
     collective first; every rank answers the ports it listens on, and whether it waits in a
-    collective now. ``if_waiting``: only a rank waiting in one learns why (a recovery, before
-    the ranks it does not abort leave the old group and so close their connections)."""
+    collective now (a ``send``/``recv`` too: an abort frees it as well). ``if_waiting``: only a
+    rank waiting in one learns why (a recovery, before the ranks it does not abort leave the
+    old group and so close their connections)."""
     request = worker.request
-    waiting = bool(pending_collectives())
+    waiting = bool(flight_records())
     if worker.rank in reasons and request is not None and request == stuck_in.get(worker.rank) \
             and (waiting or not if_waiting):
         worker.abort_reasons[request] = reasons[worker.rank]

@@ -161,20 +161,17 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
         return [r for r in stuck() if running.get(r) != joined.id]
 
     aborted: list[int] = []
-    tried_abort = False
     while stuck():
         waited = time.monotonic() - started
-        if not tried_abort and waited >= ABORT_AFTER_S:
-            tried_abort = True
+        if not aborted and waited >= ABORT_AFTER_S:
+            aborted = still_stuck()
             # In what each said it is stuck; a rank that said nothing, or idle, in what the book
-            # says (a request on its way to it, or one whose answer is on its way here).
-            stuck_in = {r: running.get(r) or controller.current_request(r) for r in still_stuck()}
-            # A rank still in Python is on its way out of the interrupt (a busy machine): its
-            # sockets are no reason to end, and its report says it was interrupted.
-            slow = _outside_collectives(controller, {r: q for r, q in stuck_in.items() if r in in_python}, reason)
-            aborted = [r for r in stuck_in if r not in slow]
-            abort(controller, aborted, reason, stuck_in={r: stuck_in[r] for r in aborted})
-        elif tried_abort and waited >= ABORT_AFTER_S + KILL_AFTER_S:
+            # says (a request on its way to it, or one whose answer is on its way here). A rank
+            # that said it ran Python may be slow to leave the interrupt, or blocked in a gloo
+            # send or recv, which no flight recorder lists: the abort frees the latter.
+            abort(controller, aborted, reason, stuck_in={r: running.get(r) or controller.current_request(r)
+                                                          for r in aborted})
+        elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = still_stuck()
             python = [r for r in hopeless if r in in_python]
             controller.kill(python, why=f"to free the mesh ({cause}): it did not stop on an interrupt within "
