@@ -96,6 +96,26 @@ def test_a_rank_that_failed_a_run_others_still_run_runs_nothing_later_first(pair
     assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
 
 
+def test_a_send_a_failed_cell_left_is_never_received_by_a_later_cell(pair: meshbook.Mesh) -> None:
+    """Rank 1 failed before its recv; rank 0's send blocked. The next cell's recv on rank 1
+    got the stale 111.0, as a success. Rank 1 is held for the check, and the recovery drops the
+    cell queued behind it (a gloo send no peer receives is not freed by the abort: rank 0 is
+    re-forked)."""
+    first = pair.run("t = torch.tensor([111.0])\nif rank == 1:\n    raise ValueError('x')\ndist.send(t, 1)")
+    deadline = time.monotonic() + 30
+    while 1 not in first.failed_ranks():
+        assert time.monotonic() < deadline, "rank 1 never failed"
+        time.sleep(0.02)
+    later = pair.run("t = torch.tensor([222.0])\nif rank == 0:\n    dist.send(t, 1)\nelse:\n"
+                     "    t.zero_()\n    dist.recv(t, 0)\nt.item()")
+    with pytest.raises(meshbook.MeshTimeout):
+        later.result(timeout=3, echo=False)
+    pair.recover()
+    assert later.wait(30) and 111.0 not in later.values().values(), later.values()
+    assert {f.type_name for f in later.exception().failures.values()} == {"KeyboardInterrupt"}  # type: ignore[union-attr]
+    assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+
+
 def test_a_result_timeout_bounds_the_wait_for_the_step_check_too(pair: meshbook.Mesh) -> None:
     """The run ended, its check waits for a rank busy with later work: result(timeout=2)
     waited the check's own 30 s."""

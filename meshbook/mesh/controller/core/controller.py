@@ -466,6 +466,11 @@ class Controller:
         if ranks and not self.stopped:
             self.call(interrupt_request, run.id, ranks=ranks, what="interrupt")
 
+    def user_runs(self) -> list[Run]:
+        """The user runs (cells, applied functions) not done yet, in the order they were sent."""
+        with self._lock:
+            return [run for run in self.book.runs.values() if run.kind in msg.USER_KINDS and not run.done()]
+
     def queued_behind(self, run: Run) -> dict[int, str]:
         """The ranks of ``run`` where it still waits behind other work, and what that is."""
         with self._lock:

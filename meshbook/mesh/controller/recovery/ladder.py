@@ -112,9 +112,20 @@ def cancel_checks(controller: "Controller") -> None:
 def recover(controller: "Controller", restart: list[int], timeout: float, cause: str = "mesh.recover()") -> Recovery:
     """Free every rank and re-create the process group on all of them (see module doc).
     ``cause`` is what a rank whose collective is aborted says it was aborted for."""
+    drop_queued(controller)  # first: a check let go below must not let them start
     cancel_checks(controller)  # ranks held for a check would never reach the re-creation
     with controller.recovery_lock:
         return _recover(controller, restart, timeout, cause)
+
+
+def drop_queued(controller: "Controller") -> None:
+    """Drop the user runs that have started on none of their ranks (queued behind the stuck
+    work, or a step check). They were sent for the old group: run before the new one is joined,
+    a recv among them would take what a failed cell's send left on the old connections (a
+    wrong number, as a success). Each ends as interrupted before it started."""
+    for run in controller.user_runs():
+        if not run.interrupted and all(controller.current_request(r) != run.id for r in run.pending):
+            controller.interrupt_run(run)
 
 
 def _recover(controller: "Controller", restart: list[int], timeout: float, cause: str) -> Recovery:
