@@ -20,17 +20,16 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 
 from meshbook.mesh.protocol.proc import die_with_parent
 
-from .zmq_floor import MESSAGE
+from .zmq_floor import MESSAGE, Counted, fork_ranks
 
 DISPATCH = "same path, Unix datagrams"
 _BYE = b"bye"
 
 
-class UnixFloorHandle:
+class UnixFloorHandle(Counted):
     def __init__(self, n: int) -> None:
         self.n = n
         self.rundir = tempfile.mkdtemp(prefix="mb-ufloor-")
@@ -45,28 +44,14 @@ class UnixFloorHandle:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             sock.connect(f"{self.rundir}/r{rank}")
             self.down.append(sock)
-        self._answers = 0
-        self._cond = threading.Condition()
-        self._receiver = threading.Thread(target=self._receive, daemon=True)
-        self._receiver.start()
+        self._count()
 
-    def _receive(self) -> None:
-        while self.events.recv(65536) != _BYE:
-            with self._cond:
-                self._answers += 1
-                if self._answers % self.n == 0:
-                    self._cond.notify_all()
+    def _answer(self) -> bool:
+        return self.events.recv(65536) != _BYE
 
-    def noop(self) -> None:
-        with self._cond:
-            target = self._answers + self.n
+    def _send(self) -> None:
         for sock in self.down:
             sock.send(MESSAGE[0])
-        with self._cond:
-            self._cond.wait_for(lambda: self._answers >= target)
-
-    def pids(self) -> list[int]:
-        return list(self._pids)
 
     def close(self) -> None:
         os.killpg(self.agent.pid, signal.SIGKILL)  # the agent and the ranks it forked
@@ -96,12 +81,7 @@ def _rank(rundir: str, rank: int, agent: int) -> None:
 
 
 def _agent(rundir: str, n: int) -> None:
-    die_with_parent(os.getppid())
-    me = os.getpid()
-    for rank in range(n):
-        if os.fork() == 0:
-            _rank(rundir, rank, me)
-            os._exit(0)
+    fork_ranks(n, lambda rank, agent: _rank(rundir, rank, agent))
     signal.pause()  # supervises, as meshbook's agent does, off the request path
 
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 
 import zmq
 
@@ -31,7 +32,45 @@ DISPATCH = "bare pyzmq, same path"
 MESSAGE = [b"e" * 160]  # meshbook's one-frame envelope for a small request
 
 
-class FloorHandle:
+class Counted:
+    """What a floor's controller side does besides its sockets: a receiver thread counts the
+    answers, and a no-op waits for one from every rank. Subclasses take one answer
+    (:meth:`_answer`, False once told to stop) and send the request (:meth:`_send`)."""
+
+    n: int
+    _pids: list[int]
+
+    def _count(self) -> None:
+        self._answers = 0
+        self._cond = threading.Condition()
+        self._receiver = threading.Thread(target=self._receive, daemon=True)
+        self._receiver.start()
+
+    def _answer(self) -> bool:
+        raise NotImplementedError
+
+    def _send(self) -> None:
+        raise NotImplementedError
+
+    def _receive(self) -> None:
+        while self._answer():
+            with self._cond:
+                self._answers += 1
+                if self._answers % self.n == 0:
+                    self._cond.notify_all()
+
+    def noop(self) -> None:
+        with self._cond:
+            target = self._answers + self.n
+        self._send()
+        with self._cond:
+            self._cond.wait_for(lambda: self._answers >= target)
+
+    def pids(self) -> list[int]:
+        return list(self._pids)
+
+
+class FloorHandle(Counted):
     def __init__(self, n: int) -> None:
         self.n = n
         self.rundir = tempfile.mkdtemp(prefix="mb-floor-")
@@ -48,30 +87,13 @@ class FloorHandle:
                                       start_new_session=True)
         hellos = [wire.recv(self.events)[0].bytes for _ in range(n + 1)]  # the ranks' and the agent's
         self._pids = [int(h) for h in hellos if h.isdigit()]
-        self._answers = 0
-        self._cond = threading.Condition()
-        self._receiver = threading.Thread(target=self._receive, daemon=True)
-        self._receiver.start()
+        self._count()
 
-    def _receive(self) -> None:
-        while True:
-            frames = wire.recv(self.events)
-            if frames[0].bytes == b"bye":
-                return
-            with self._cond:
-                self._answers += 1
-                if self._answers % self.n == 0:
-                    self._cond.notify_all()
+    def _answer(self) -> bool:
+        return bool(wire.recv(self.events)[0].bytes != b"bye")
 
-    def noop(self) -> None:
-        with self._cond:
-            target = self._answers + self.n
+    def _send(self) -> None:
         wire.fan_out(self.down, MESSAGE)
-        with self._cond:
-            self._cond.wait_for(lambda: self._answers >= target)
-
-    def pids(self) -> list[int]:
-        return list(self._pids)
 
     def close(self) -> None:
         os.killpg(self.agent.pid, signal.SIGKILL)  # the agent and the ranks it forked
@@ -101,14 +123,19 @@ def _rank(rundir: str, rank: int, agent: int) -> None:
         wire.send(answers, MESSAGE)
 
 
-def _agent(rundir: str, n: int) -> None:
+def fork_ranks(n: int, rank_main: Callable[[int, int], None]) -> None:
+    """The agent: fork ``n`` ranks, each running ``rank_main(rank, agent pid)`` (before this
+    process has a zmq context, and its threads)."""
     die_with_parent(os.getppid())
-    # Fork the ranks before this process has a zmq context (and its threads).
     me = os.getpid()
     for rank in range(n):
         if os.fork() == 0:
-            _rank(rundir, rank, me)
+            rank_main(rank, me)
             os._exit(0)
+
+
+def _agent(rundir: str, n: int) -> None:
+    fork_ranks(n, lambda rank, agent: _rank(rundir, rank, agent))
     with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as up:
         up.connect(f"ipc://{rundir}/ev")
         up.send(b"agent up")  # supervises, as meshbook's agent does, off the request path
