@@ -200,8 +200,8 @@ def test_the_diagnosis_says_how_a_rank_that_stopped_left_the_cell() -> None:
             time.sleep(0.1)
         (verdict,) = mesh.diagnose().verdict
         assert verdict.endswith("rank 1 stopped with ValueError at cell line 3 (raise ValueError('bad batch')) "
-                                "before joining it (now at meshbook's step check (every rank's collective "
-                                "count))"), verdict
+                                "before joining it (now at meshbook's step check of every rank's collective "
+                                "count)"), verdict
         recovery = mesh.recover()
         assert recovery.aborted == [0, 2] and "ranks 0,2 had their collective aborted" in recovery.render()
         assert run.wait(30)
@@ -217,7 +217,7 @@ def test_a_rank_held_by_a_step_check_says_so_in_the_diagnosis(pair: meshbook.Mes
         assert time.monotonic() < deadline, "rank 0 never reached the step check"
         time.sleep(0.1)
     (verdict,) = pair.diagnose().verdict
-    assert "rank 0 at meshbook's step check (every rank's collective count)" in verdict, verdict
+    assert "rank 0 at meshbook's step check of every rank's collective count" in verdict, verdict
     assert "[0] in meshbook's step check" in pair.stacks().render()
     background.result(timeout=30)
     assert failed.step_report(timeout=30) == ""  # in step: nothing re-created

@@ -128,6 +128,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
 
     def _store_late(self, out: str, values: RankValues) -> str:
         """``--out`` of a cell that ended after its timeout (the receiver thread): stored then."""
+        if not values:
+            return f"; no rank finished: `{out}` is as it was"
         self.shell.user_ns[out] = values
         return f"; the values of the ranks that finished are in `{out}`"
 
@@ -196,10 +198,9 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
                    "backend": args.backend, "timeout": args.timeout,
                    "collective_timeout": args.collective_timeout, "name": args.name,
                    "launcher": launcher, "keep": args.keep, "env": args.env}
-        # Unnamed: one mesh at a time, as ever (the current one, or, where it stopped, one still
-        # running). Named: another mesh beside the running ones.
-        running = meshes().get(args.name) if args.name else \
-            running_mesh() or next(iter(meshes().values()), None)
+        # Unnamed: one mesh at a time, as ever (the current one, or, where it stopped, the
+        # unnamed one still running). Named: another mesh beside the running ones.
+        running = meshes().get(args.name) if args.name else running_mesh() or meshes().get("mesh")
         if running is not None:
             if not args.force:
                 raise UsageError(f"a mesh is already running ({running!r}); %mesh stop it first, "
@@ -245,7 +246,9 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
         chosen = list(meshes().values()) if args.every else \
             [require_mesh(args.name)] if args.name else [m for m in [running_mesh()] if m is not None]
         if not chosen:
-            print("no mesh is running")
+            left = meshes()
+            print(f"the current mesh is stopped; running: {', '.join(left)} (%mesh stop NAME, or --all)"
+                  if left else "no mesh is running")
             return
         for mesh in chosen:
             mesh.stop()

@@ -205,6 +205,7 @@ def failure_from(rank: int, exc: BaseException) -> RankFailure:
         message = exc.msg
     detail = ""
     if isinstance(exc, RemoteError):  # a call this rank made failed where it ran (an actor's endpoint)
+        message = message.split("\n", 1)[0]  # its hint is in the report below
         detail = "\n".join(["The call failed where it ran:", *("  " + line for line in exc.render().splitlines())])
     return RankFailure(rank, _public_name(type(exc)), message, frames, detail=detail)
 

@@ -81,7 +81,7 @@ class DebugOps:
         live = self.controller.live(chosen)
         if not live:
             text = format_ranks(chosen)
-            raise MeshError(f"rank(s) {text} are dead: nothing to {what}; mesh.restart([{text}]) "
+            raise MeshError(f"rank(s) {text} are dead: nothing to {what}; mesh.restart({chosen}) "
                             f"(%mesh restart {text}) brings them back")
         return live
 

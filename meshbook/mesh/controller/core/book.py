@@ -3,8 +3,9 @@
 Everything the controller knows about its ranks and the requests in flight, with no socket,
 thread or clock of its own (as dask's ``worker_state_machine``): the receiver thread and the
 callers feed it what happened (a request was sent, a rank answered, said hello, became ready,
-died) and it answers with what follows (the run is done; a step check must start before its
-last answer is seen; these runs waited on the dead rank, and these ranks ran beside it). The
+died) and it answers with what follows (the run is done; a step check must start before this
+answer is seen, its last or a failure while others still run it; these runs waited on the dead
+rank, and these ranks ran beside it). The
 :class:`~.controller.Controller` facade holds the lock around it and does what it decides.
 Tested on its own (tests/test_book.py).
 """

@@ -85,14 +85,14 @@ def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, Ran
         return f"is dead ({snap.dead})"
     if rank in waiting:
         return f"waits in {waiting[rank].describe()} instead"
-    stopped = snap.last.startswith("stopped") and snap.last_request == request  # that cell, on this rank
-    if snap.busy and snap.doing and stopped:  # held for the step check that follows it
-        return f"{snap.last} before joining it (now at meshbook's {snap.doing})"
+    here = snap.last_request == request  # its last user code was that cell
+    ended = (f"{snap.last} before joining it" if here and snap.last.startswith("stopped")
+             else "finished the cell without joining it")
+    if snap.busy and snap.doing and here:  # held for the step check after it
+        return f"{ended} (now at meshbook's {snap.doing})"
     if snap.busy:
         return f"never reached it: at {snap.where()}"
-    if stopped:
-        return f"{snap.last} before joining it (idle)"
-    return "finished the cell without joining it (idle)"
+    return f"{ended} (idle)"
 
 
 def group_members(collective: Collective, rank: int, topology: Topology) -> list[int] | None:

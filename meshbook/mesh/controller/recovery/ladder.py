@@ -112,15 +112,34 @@ def cancel_checks(controller: "Controller") -> None:
 def recover(controller: "Controller", restart: list[int], timeout: float, cause: str = "mesh.recover()") -> Recovery:
     """Free every rank and re-create the process group on all of them (see module doc).
     ``cause`` is what a rank whose collective is aborted says it was aborted for."""
-    drop_queued(controller)  # first: a check let go below must not let them start
-    cancel_checks(controller)  # ranks held for a check would never reach the re-creation
-    with controller.recovery_lock:
-        return _recover(controller, restart, timeout, cause)
+    with _recovering_lock:
+        _recovering[controller] = _recovering.get(controller, 0) + 1
+    try:
+        drop_queued(controller)  # first: a check let go below must not let them start
+        cancel_checks(controller)  # ranks held for a check would never reach the re-creation
+        with controller.recovery_lock:
+            return _recover(controller, restart, timeout, cause)
+    finally:
+        with _recovering_lock:
+            _recovering[controller] -= 1
+
+
+#: Recoveries under way, per controller: no step check starts meanwhile (the recovery
+#: re-creates every group, and a check's hold queued before its ``reinit`` would keep the
+#: ranks from joining it).
+_recovering: "weakref.WeakKeyDictionary[Controller, int]" = weakref.WeakKeyDictionary()
+_recovering_lock = threading.Lock()
+
+
+def recovering(controller: "Controller") -> bool:
+    """Is a recovery of ``controller``'s mesh under way?"""
+    with _recovering_lock:
+        return _recovering.get(controller, 0) > 0
 
 
 def drop_queued(controller: "Controller") -> None:
-    """Drop the user runs that have started on none of their ranks (queued behind the stuck
-    work, or a step check). They were sent for the old group: run before the new one is joined,
+    """Drop the user runs that have started on none of the ranks still to run them (queued
+    behind the stuck work, or a step check). They were sent for the old group: run before the new one is joined,
     a recv among them would take what a failed cell's send left on the old connections (a
     wrong number, as a success). Each ends as interrupted before it started."""
     for run in controller.user_runs():
@@ -185,9 +204,9 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = still_stuck()
             python = [r for r in hopeless if r in in_python]
-            controller.kill(python, why=f"to free the mesh ({cause}): it did not stop on an interrupt within "
-                                        f"{KILL_AFTER_S + ABORT_AFTER_S:g} s and waits in no collective (it "
-                                        f"catches KeyboardInterrupt, blocks SIGINT, or C code holds on)")
+            controller.kill(python, why=f"to free the mesh ({cause}): it did not stop on an interrupt, and waits "
+                                        f"in nothing torch's flight recorder lists (a gloo send or recv, code "
+                                        f"that catches KeyboardInterrupt or blocks SIGINT, or C code)")
             controller.kill([r for r in hopeless if r not in in_python],
                             why=f"to free the mesh ({cause}): it did not stop on an interrupt nor when its "
                                 f"collectives were aborted (SIGINT blocked, or C code)")
@@ -289,7 +308,6 @@ def free_stranded(controller: "Controller", ranks: list[int], reason: str, lost_
             print(f"meshbook: could not free rank(s) {format_ranks(ranks)}: {exc}", file=sys.__stderr__)
     finally:
         controller.recovery_lock.release()
-
 
 
 def _their(ranks: list[int]) -> str:

@@ -34,7 +34,7 @@ from ...protocol.errors import MeshError
 from ...protocol.reports import Positions
 from ...protocol.text import format_ranks, group_by_text, ranks_text
 from ...rank.ops import hold, positions, release
-from .ladder import Recovery, resync, track
+from .ladder import Recovery, recovering, resync, track
 
 if TYPE_CHECKING:
     from ..core.controller import Controller
@@ -78,9 +78,8 @@ def compare(reports: Mapping[int, Positions]) -> tuple[list[Skew], list[int]]:
     return skews, gone
 
 
-
 #: The checks of runs, per controller and run, from when they started (a rank ended the run
-#: irregularly, maybe while others still ran it) until they are done.
+#: irregularly, maybe while others still ran it) until both the check and the run are done.
 _started: "weakref.WeakKeyDictionary[Controller, dict[int, StepCheck]]" = weakref.WeakKeyDictionary()
 _started_lock = threading.Lock()
 
@@ -94,12 +93,12 @@ def check_after(controller: "Controller", run: "Run") -> "StepCheck | None":
     number, reported as a success). Asked again for the same run, the same check."""
     with _started_lock:
         checks = _started.setdefault(controller, {})
-        for request in [r for r, c in checks.items() if c.done.is_set()]:
+        for request in [r for r, c in checks.items() if c.done.is_set() and (c.run is None or c.run.done())]:
             del checks[request]
-        if run.id in checks:
+        if run.id in checks:  # a check cancelled by a recovery included: that re-created the groups
             return checks[run.id]
-        if controller.stopped or controller.dead():
-            return None  # a dead rank's restart re-creates every group anyway
+        if controller.stopped or controller.dead() or recovering(controller):
+            return None  # a dead rank's restart, or the recovery, re-creates every group anyway
         check = StepCheck(controller, "the interrupt" if run.interrupted else "the failed cell", run)
         try:
             check.start()
@@ -108,6 +107,18 @@ def check_after(controller: "Controller", run: "Run") -> "StepCheck | None":
         checks[run.id] = check
     track(controller, check)
     return check
+
+
+def _forget(check: "StepCheck") -> None:
+    """Let go of a check that is done, once its run is done too (its values, the controller);
+    one cancelled before its run ended stays, so that the run's later answers start no other."""
+    run = check.run
+    if run is None or not run.done():
+        return
+    with _started_lock:
+        checks = _started.get(check.controller, {})
+        if checks.get(run.id) is check:
+            del checks[run.id]
 
 
 def held_for(controller: "Controller", run: "Run") -> list[int]:
@@ -124,7 +135,9 @@ class StepCheck:
     def __init__(self, controller: "Controller", cause: str, run: "Run | None" = None) -> None:
         self.controller = controller
         self.cause = cause
-        self.run = run  # its forced_resync: re-create the groups even if the counts agree (connections were cut)
+        #: The run checked: its forced_resync (connections were cut) and its errors (a broken
+        #: group) re-create the groups even where the counts agree.
+        self.run = run
         self.report = ""
         self.done = threading.Event()
         self._lock = threading.Lock()
@@ -135,7 +148,7 @@ class StepCheck:
     def start(self) -> None:
         ctl = self.controller
         self.asked = ctl.call(positions, ranks=self.ranks, what="collective positions")
-        self.held = ctl.call(hold, ranks=self.ranks, what="step check (every rank's collective count)")
+        self.held = ctl.call(hold, ranks=self.ranks, what="step check of every rank's collective count")
         threading.Thread(target=self._run, name="meshbook-step-check", daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -154,6 +167,7 @@ class StepCheck:
             self._release(None)
         finally:
             self.done.set()
+            _forget(self)
 
     def cancel(self) -> None:
         """Let the held ranks go unchecked (recovery is about to re-create every group),
