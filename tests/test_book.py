@@ -65,14 +65,15 @@ def test_a_control_run_queues_nothing() -> None:
     assert b.queued(0) == 0 and b.runs[run.id] is run
 
 
-def test_a_failed_or_interrupted_user_run_asks_for_a_step_check_with_its_last_answer() -> None:
+def test_a_failed_or_interrupted_user_run_asks_for_a_step_check_with_its_first_failure_or_last_answer() -> None:
     b = book()
-    run = run_on(b, [0, 1])
-    assert answer(b, run, 0, ok=False).check_step is False, "not before the last answer"
-    assert answer(b, run, 1).check_step is True
+    run = run_on(b, [0, 1, 2])
+    assert answer(b, run, 0).check_step is False, "a rank that finished: nothing to check yet"
+    assert answer(b, run, 1, ok=False).check_step is True, "a failure while rank 2 still runs it: at once"
+    assert answer(b, run, 2).check_step is True, "the last answer of a run that went wrong"
     interrupted = run_on(b, [0, 1])
     interrupted.interrupted = True
-    answer(b, interrupted, 0)
+    assert answer(b, interrupted, 0).check_step is False
     assert answer(b, interrupted, 1).check_step is True
     lost = run_on(b, [2])
     assert answer(b, lost, 2, lost_group=True).check_step is True, "a rank that lost its group"
