@@ -89,24 +89,49 @@ class Cancellable(Protocol):
 
     def cancel(self) -> None: ...
 
+    def settled(self) -> bool:
+        """Done, and of a run that is done: nothing will ask for it again."""
+        ...
 
-#: The step checks in progress, per controller.
-_checks: "weakref.WeakKeyDictionary[Controller, list[Cancellable]]" = weakref.WeakKeyDictionary()
+
+#: The step checks, per controller and the request they check, until settled: one cancelled
+#: by a recovery stays, so that its run's later answers start no other.
+_checks: "weakref.WeakKeyDictionary[Controller, dict[int, Cancellable]]" = weakref.WeakKeyDictionary()
 _checks_lock = threading.Lock()
 
 
-def track(controller: "Controller", check: Cancellable) -> None:
-    """``check`` holds ranks of ``controller`` until it is done, or a recovery cancels it."""
+def track(controller: "Controller", request: int, check: Cancellable) -> None:
+    """``check`` of ``request`` holds ranks of ``controller`` until it is done, or a recovery
+    cancels it."""
     with _checks_lock:
-        _checks[controller] = [c for c in _checks.get(controller, []) if not c.done.is_set()] + [check]
+        checks = _checks.setdefault(controller, {})
+        for settled in [r for r, c in checks.items() if c.settled()]:
+            del checks[settled]
+        checks[request] = check
+
+
+def tracked(controller: "Controller", request: int) -> Cancellable | None:
+    """The check of ``request``, if one started and is not settled."""
+    with _checks_lock:
+        check = _checks.get(controller, {}).get(request)
+    return None if check is None or check.settled() else check
+
+
+def forget(controller: "Controller", request: int) -> None:
+    """Let go of the check of ``request`` once settled (its run's values, the controller)."""
+    with _checks_lock:
+        checks = _checks.get(controller, {})
+        if request in checks and checks[request].settled():
+            del checks[request]
 
 
 def cancel_checks(controller: "Controller") -> None:
     """Release ranks held by step checks (recovery re-creates every group anyway)."""
     with _checks_lock:
-        checks = _checks.pop(controller, [])
+        checks = list(_checks.get(controller, {}).values())
     for check in checks:
-        check.cancel()
+        if not check.done.is_set():
+            check.cancel()
 
 
 def recover(controller: "Controller", restart: list[int], timeout: float, cause: str = "mesh.recover()") -> Recovery:
@@ -139,9 +164,9 @@ def recovering(controller: "Controller") -> bool:
 
 def drop_queued(controller: "Controller") -> None:
     """Drop the user runs that have started on none of the ranks still to run them (queued
-    behind the stuck work, or a step check). They were sent for the old group: run before the new one is joined,
-    a recv among them would take what a failed cell's send left on the old connections (a
-    wrong number, as a success). Each ends as interrupted before it started."""
+    behind the stuck work, or a step check). They were sent for the old group: run before the
+    new one is joined, a recv among them would take what a failed cell's send left on the old
+    connections (a wrong number, as a success). Each ends as interrupted before it started."""
     for run in controller.user_runs():
         if not run.interrupted and all(controller.current_request(r) != run.id for r in run.pending):
             controller.interrupt_run(run)
@@ -203,13 +228,13 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
                                                           for r in aborted})
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = still_stuck()
-            python = [r for r in hopeless if r in in_python]
-            controller.kill(python, why=f"to free the mesh ({cause}): it did not stop on an interrupt, and waits "
-                                        f"in nothing torch's flight recorder lists (a gloo send or recv, code "
-                                        f"that catches KeyboardInterrupt or blocks SIGINT, or C code)")
-            controller.kill([r for r in hopeless if r not in in_python],
-                            why=f"to free the mesh ({cause}): it did not stop on an interrupt nor when its "
-                                f"collectives were aborted (SIGINT blocked, or C code)")
+            for in_none, why in ((True, "did not stop on an interrupt, and waits in nothing torch's flight "
+                                        "recorder lists (a gloo send or recv, code that catches KeyboardInterrupt "
+                                        "or blocks SIGINT, or C code)"),
+                                 (False, "did not stop on an interrupt nor when its collectives were aborted "
+                                         "(SIGINT blocked, or C code)")):
+                controller.kill([r for r in hopeless if (r in in_python) == in_none],
+                                why=f"to free the mesh ({cause}): it {why}")
             controller.respawn(hopeless, generation)
             restarted += hopeless
             break

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import re
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -34,7 +33,7 @@ from ...protocol.errors import MeshError
 from ...protocol.reports import Positions
 from ...protocol.text import format_ranks, group_by_text, ranks_text
 from ...rank.ops import hold, positions, release
-from .ladder import Recovery, recovering, resync, track
+from .ladder import Recovery, forget, recovering, resync, track, tracked
 
 if TYPE_CHECKING:
     from ..core.controller import Controller
@@ -78,55 +77,33 @@ def compare(reports: Mapping[int, Positions]) -> tuple[list[Skew], list[int]]:
     return skews, gone
 
 
-#: The checks of runs, per controller and run, from when they started (a rank ended the run
-#: irregularly, maybe while others still ran it) until both the check and the run are done.
-_started: "weakref.WeakKeyDictionary[Controller, dict[int, StepCheck]]" = weakref.WeakKeyDictionary()
-_started_lock = threading.Lock()
-
-
 def check_after(controller: "Controller", run: "Run") -> "StepCheck | None":
     """Check that every rank is at the same collective in each group after ``run`` stopped
-    irregularly (the controller's ``on_irregular_end``): once its last rank ended it, or as soon
-    as one did irregularly while others still run it. The check's requests then wait in every
-    rank's queue before whatever is sent later: a rank that failed at once would otherwise run
-    the next cell, and pair its collective with one the others still issue in this run (a wrong
-    number, reported as a success). Asked again for the same run, the same check."""
-    with _started_lock:
-        checks = _started.setdefault(controller, {})
-        for request in [r for r, c in checks.items() if c.done.is_set() and (c.run is None or c.run.done())]:
-            del checks[request]
-        if run.id in checks:  # a check cancelled by a recovery included: that re-created the groups
-            return checks[run.id]
-        if controller.stopped or controller.dead() or recovering(controller):
-            return None  # a dead rank's restart, or the recovery, re-creates every group anyway
-        check = StepCheck(controller, "the interrupt" if run.interrupted else "the failed cell", run)
-        try:
-            check.start()
-        except MeshError:
-            return None  # stopped, or a rank died, meanwhile: nothing to check (see above)
-        checks[run.id] = check
-    track(controller, check)
+    irregularly (the controller's ``on_irregular_end``, on the receiver thread): once its last
+    rank ended it, or as soon as one did irregularly while others still run it. The check's
+    requests then wait in every rank's queue before whatever is sent later: a rank that failed
+    at once would otherwise run the next cell, and pair its collective with one the others
+    still issue in this run (a wrong number, reported as a success). Asked again for the same
+    run, the same check (one a recovery cancelled included: that re-created the groups)."""
+    started = tracked(controller, run.id)
+    if isinstance(started, StepCheck):
+        return started
+    if controller.stopped or controller.dead() or recovering(controller):
+        return None  # a dead rank's restart, or the recovery, re-creates every group anyway
+    check = StepCheck(controller, "the interrupt" if run.interrupted else "the failed cell", run)
+    try:
+        check.start()
+    except MeshError:
+        return None  # stopped, or a rank died, meanwhile: nothing to check (see above)
+    track(controller, run.id, check)
     return check
-
-
-def _forget(check: "StepCheck") -> None:
-    """Let go of a check that is done, once its run is done too (its values, the controller);
-    one cancelled before its run ended stays, so that the run's later answers start no other."""
-    run = check.run
-    if run is None or not run.done():
-        return
-    with _started_lock:
-        checks = _started.get(check.controller, {})
-        if checks.get(run.id) is check:
-            del checks[run.id]
 
 
 def held_for(controller: "Controller", run: "Run") -> list[int]:
     """The ranks ``run``'s check holds, or will once they get there, while it runs (the run
     watcher: a rank held runs nothing else before the check)."""
-    with _started_lock:
-        check = _started.get(controller, {}).get(run.id)
-    return [] if check is None or check.done.is_set() else check.ranks
+    check = tracked(controller, run.id)
+    return check.ranks if isinstance(check, StepCheck) and not check.done.is_set() else []
 
 
 class StepCheck:
@@ -167,7 +144,11 @@ class StepCheck:
             self._release(None)
         finally:
             self.done.set()
-            _forget(self)
+            if self.run is not None:
+                forget(self.controller, self.run.id)
+
+    def settled(self) -> bool:
+        return self.done.is_set() and (self.run is None or self.run.done())
 
     def cancel(self) -> None:
         """Let the held ranks go unchecked (recovery is about to re-create every group),
