@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,19 @@ def test_versions_name_what_both_sides_run() -> None:
     assert f"meshbook {ours['meshbook']} here, 0.0.9 there" in text
     assert f"install the same on both (meshbook=={ours['meshbook']}, torch=={ours['torch']})" in text
     assert "(protocol 2 here, 1 (meshbook before versions were sent) there)" in mismatch(ours, None, "a", "b")
+
+
+def test_a_build_label_is_not_a_version() -> None:
+    """A notebook on torch ``2.13.0+cpu`` drives ranks on ``2.13.0+cu130``, and an install whose
+    metadata says ``2.13.0`` while ``torch.__version__`` says ``2.13.0+cu130`` matches itself
+    whether torch is imported yet or not (a GPU image refused its own agent before)."""
+    said = "from meshbook.mesh.protocol.versions import versions; print(versions()['torch'])"
+    imported, unimported = (subprocess.run([sys.executable, "-c", first + said], capture_output=True, text=True,
+                                           check=True, cwd=ROOT).stdout.strip()
+                            for first in ("import torch; ", ""))
+    import torch
+
+    assert imported == unimported == torch.__version__.partition("+")[0]
 
 
 @pytest.fixture

@@ -30,15 +30,18 @@ def versions() -> dict[str, str]:
 @functools.cache
 def _read() -> dict[str, str]:
     """This process's: the protocol, meshbook, torch (from its metadata when it is not
-    imported yet: the controller need not import it) and Python (major.minor)."""
+    imported yet: the controller need not import it) and Python (major.minor). A version's
+    local label is dropped (torch ``2.13.0+cu130`` is ``2.13.0``): a notebook on a CPU build
+    drives ranks on a CUDA build of the same release, and a package's metadata may say
+    ``2.13.0`` where its ``__version__`` says ``2.13.0+cu130``."""
     from importlib.metadata import PackageNotFoundError, version
 
     def installed(name: str) -> str:
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "__version__"):
-            return str(module.__version__)
+            return str(module.__version__).partition("+")[0]
         try:
-            return version(name)
+            return version(name).partition("+")[0]
         except PackageNotFoundError:
             return "not installed"
 
