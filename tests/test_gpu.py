@@ -30,9 +30,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 #: is enqueued behind it waits: a stand-in for a peer that never arrives.
 SPIN = """
 def spin(seconds):
+    torch.cuda._sleep(1000); torch.cuda.synchronize()  # a first launch is slow: it would skew the count
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(); torch.cuda._sleep(10 ** 7); end.record(); end.synchronize()
-    torch.cuda._sleep(int(10 ** 7 * seconds * 1000 / max(start.elapsed_time(end), 1e-3)))
+    start.record(); torch.cuda._sleep(10 ** 8); end.record(); end.synchronize()
+    torch.cuda._sleep(int(10 ** 8 * seconds * 1000 / max(start.elapsed_time(end), 1e-3)))
 """
 
 
@@ -91,6 +92,7 @@ def test_a_stop_press_during_a_cuda_loop_and_during_a_sync(nccl1: meshbook.Mesh)
     # Blocked in a sync: the stop takes effect when it returns (queued GPU work still runs).
     sync = nccl1.run("spin(4)\ntorch.cuda.synchronize()\n'not reached'")
     time.sleep(1.0)
+    assert not sync.done(), "spin(4) took under a second"
     started = time.monotonic()
     sync.interrupt()
     with pytest.raises(meshbook.RemoteError, match="KeyboardInterrupt"):
@@ -103,9 +105,9 @@ def test_an_oversize_cuda_result_stays_on_the_rank_uncopied(nccl1: meshbook.Mesh
     nccl1.run("import resource\nbefore = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss").result()
     kept = nccl1.run("torch.ones(2 ** 28, device=device)", max_bytes=64 * 2 ** 20).result()[0]
     assert isinstance(kept, KeptOnRank) and kept.nbytes >= 2 ** 30
+    assert nccl1.run("_.device.type").result()[0] == "cuda", "the kept result is the cell's `_`, on the GPU"
     grown = nccl1.run("(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024").result()[0]
     assert grown < 2 ** 29, f"the rank's peak RSS grew by {grown} bytes: the result was copied to host memory"
-    assert nccl1.run("_.device.type").result()[0] == "cuda"
 
 
 def test_nccl_flight_recorder_shows_in_diagnose_and_heartbeats(nccl1: meshbook.Mesh) -> None:
@@ -173,18 +175,21 @@ def test_four_gloo_ranks_share_one_gpu(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_the_notebook_and_the_agent_hold_no_cuda_context(nccl1: meshbook.Mesh) -> None:
+    """Only the rank has a CUDA context (``import torch`` maps the driver's libraries, and holds
+    none): a notebook or an agent with one would take GPU memory, and an agent's would be
+    inherited, broken, by every rank it forks."""
     import sys
 
-    assert "libcuda" not in open("/proc/self/maps").read(), "the notebook process loaded the CUDA driver"
     torch = sys.modules.get("torch")
     assert torch is None or not torch.cuda.is_initialized()
     rank_pid = nccl1.status()[0].pid
     agent = int(open(f"/proc/{rank_pid}/stat").read().split(")")[1].split()[1])
-    assert "libcuda" not in open(f"/proc/{agent}/maps").read(), "the agent that forks ranks loaded CUDA"
     apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
                           capture_output=True, text=True).stdout.split()
-    if str(rank_pid) in apps:  # nvidia-smi sees this pid namespace's processes
-        assert str(os.getpid()) not in apps and str(agent) not in apps
+    if str(rank_pid) not in apps:
+        pytest.skip(f"nvidia-smi lists no process of this pid namespace ({apps}): it cannot tell who holds a context")
+    assert str(os.getpid()) not in apps, "the notebook process holds a CUDA context"
+    assert str(agent) not in apps, "the agent that forks ranks holds a CUDA context"
 
 
 def test_a_plan_on_a_gpu_rank_predicts_cuda_memory(nccl1: meshbook.Mesh) -> None:
@@ -205,5 +210,9 @@ def test_a_plan_on_a_gpu_rank_predicts_cuda_memory(nccl1: meshbook.Mesh) -> None
     (losses,) = nccl1.pull("losses").values()
     assert losses[-1] < losses[0]
     (ratio,) = nccl1.pull("ratio").values()
-    assert 0.8 < ratio < 1.3, ratio
+    assert 0.8 < ratio < 1.2, ratio
+    nccl1.run("import time\ntorch.cuda.synchronize()\nstarted = time.perf_counter()\nfor _ in range(5): step(x, x)\n"
+              "torch.cuda.synchronize()\ntimes = (time.perf_counter() - started) / 5 / step.predicted_s").result()
+    (times,) = nccl1.pull("times").values()
+    assert 0.4 < times < 2.5, f"a step took {times:.2f}x the predicted time"
     nccl1.run("del model, optimizer, step; torch.cuda.empty_cache()").result()
