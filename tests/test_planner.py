@@ -58,6 +58,17 @@ def test_one_rank_holds_every_parameter_and_adam_state_twice_over(planner: Plann
     assert one.stages[0].flops > 0 and one.stages[0].comm == {}
 
 
+def test_ranks_on_cuda_are_traced_with_the_multi_tensor_step(planner: Planners) -> None:
+    """On CUDA, torch's AdamW steps all parameters at once, holding temporaries the size of the
+    parameters: where model state outweighs activations, that is the peak (the CPU's loop holds
+    one parameter's). The planner traces on the CPU, so it must ask for the CUDA step."""
+    build = partial(models.gpt, vocab=512, dim=256, layers=2, heads=4)
+    facts = planner.ask(0, "inspect", build)
+    on = {device: planner.ask(0, "trace", build, Layout(), facts, (1, 8), "adamw", device).stages[0].peak
+          for device in ("cpu", "cuda")}
+    assert on["cuda"]["optimizer"] - on["cpu"]["optimizer"] >= facts.param_bytes // 2, on
+
+
 def test_fsdp_shards_state_and_gathers_it(planner: Planners, facts: ModelFacts) -> None:
     fsdp = trace(planner, facts, Layout(dp_shard=4))
     assert kind(fsdp, "optimizer") <= facts.param_bytes * 2 / 4 * 1.05

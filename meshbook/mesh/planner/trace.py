@@ -42,15 +42,16 @@ def inspect(factory: Callable[[], nn.Module]) -> ModelFacts:
 
 
 def trace(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFacts, batch: tuple[int, ...],
-          optimizer: Any) -> Trace:
-    """Trace every pipeline stage of ``layout`` (one without pipelining)."""
+          optimizer: Any, device_type: str = "cpu") -> Trace:
+    """Trace every pipeline stage of ``layout`` (one without pipelining) for ranks on
+    ``device_type`` (traced on the CPU all the same: it picks the optimizer's implementation)."""
     started = time.perf_counter()
     stages = []
     try:
         inputs = None
         for stage in range(layout.pp):
             rank = stage * (layout.world // layout.pp)
-            traced, inputs = trace_stage(factory, layout, facts, batch, optimizer, rank, inputs)
+            traced, inputs = trace_stage(factory, layout, facts, batch, optimizer, rank, inputs, device_type)
             stages.append(traced)
     except torch_compat.untraceable_errors() as exc:
         return Trace(layout, (analytic(facts, layout, optimizer),), time.perf_counter() - started,
@@ -73,7 +74,7 @@ def analytic(facts: ModelFacts, layout: Layout, optimizer: Any) -> StageTrace:
 
 
 def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFacts, batch: tuple[int, ...],
-                optimizer: Any, rank: int, inputs: Any) -> tuple[StageTrace, Any]:
+                optimizer: Any, rank: int, inputs: Any, device_type: str = "cpu") -> tuple[StageTrace, Any]:
     """Trace the stage ``rank`` plays. ``inputs``: the shape and dtype of the previous stage's
     output (None for the first); returns this stage's, for the next."""
     torch_compat.init_fake_group(rank, layout.world)
@@ -84,7 +85,8 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
         with mode:
             parallel.allocate(model, "cpu")
 
-    built = parallel.build(factory, layout, mesh, rank, optimizer=optimizer, materialize=materialize)
+    built = parallel.build(factory, layout, mesh, rank, optimizer=optimizer, materialize=materialize,
+                           step_device=device_type)
     with mode:
         x, y = parallel.example_batch(facts, batch, layout)
         if layout.pp > 1:

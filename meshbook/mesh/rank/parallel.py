@@ -330,10 +330,12 @@ def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, ra
           device: Any = "cpu", optimizer: Any = "adamw", lr: float = 1e-3, seed: int = 0,
           init: Callable[[nn.Module], None] | None = None,
           loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-          materialize: Callable[[nn.Module], None] | None = None, host: Host | None = None) -> Built:
+          materialize: Callable[[nn.Module], None] | None = None, host: Host | None = None,
+          step_device: str | None = None) -> Built:
     """Build this rank's part of ``factory()`` laid out as ``layout`` on ``device_mesh``.
 
-    ``materialize`` replaces allocation and filling (the planner allocates under fake tensors);
+    ``materialize`` replaces allocation and filling (the planner allocates under fake tensors,
+    on the CPU, for ranks whose optimizer steps on ``step_device``: see :func:`make_optimizer`);
     else every parameter and buffer is filled from the plain model of ``seed`` (:func:`fill`),
     built once per host when ``host`` says where this rank runs (every rank builds at once).
     """
@@ -358,7 +360,7 @@ def build(factory: Callable[[], nn.Module], layout: Layout, device_mesh: Any, ra
     else:
         allocate(model, device)
         fill(model, plain, factory, seed, init, device, host)
-    opt = make_optimizer(optimizer, model, lr)
+    opt = make_optimizer(optimizer, model, lr, step_device or torch.device(device).type)
     built = Built(model, opt, layout, stage=stage, loss_fn=loss_fn)
     if layout.pp > 1:
         built.schedule = make_schedule(model, layout, stage, device_mesh["pp"].get_group(), device, built.loss)
@@ -557,13 +559,17 @@ def initialise(model: nn.Module) -> None:
                         "reset_parameters(): give parallelize(..., init=fn), fn(model) setting every parameter")
 
 
-def make_optimizer(optimizer: Any, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(optimizer: Any, model: nn.Module, lr: float, device_type: str) -> torch.optim.Optimizer:
+    """A named optimizer with torch's default implementation for ``device_type`` (on CUDA, the
+    multi-tensor one, whose step holds temporaries the size of the parameters; elsewhere a loop
+    over them) chosen explicitly, so that the planner, tracing on the CPU, steps as the ranks
+    will. A callable builds the user's own, as it is."""
     if callable(optimizer) and not isinstance(optimizer, str):
         return optimizer(model.parameters())
     cls = OPTIMIZER_CLASSES.get(str(optimizer).lower())
     if cls is None:
         raise MeshError(why_not_optimizer(optimizer))
-    return cls(model.parameters(), lr=lr)
+    return cls(model.parameters(), lr=lr, foreach=device_type == "cuda")
 
 
 def make_schedule(stage_mod: nn.Module, layout: Layout, stage: int, group: Any, device: Any,

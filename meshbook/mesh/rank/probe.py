@@ -135,7 +135,7 @@ def probe(device: Any, factory: Callable[[], nn.Module], layouts: tuple[Layout, 
     parallel.make(factory)  # dropped at once: what stays is what its imports hold
     gc.collect()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # planning draws nothing
-        flops = training_rate(device)
+        flops = training_rate(device, *((1024, 2048) if device.type == "cuda" else (256, 512)))
         if device.type == "cpu":  # code pages count in RSS only; on CUDA, NCCL would keep a communicator each
             warm_up(device, layouts, meshes)
     world = dist.get_world_size()
@@ -158,7 +158,9 @@ def probe(device: Any, factory: Callable[[], nn.Module], layouts: tuple[Layout, 
 
 def training_rate(device: Any, dim: int = 256, tokens: int = 512) -> float:
     """FLOP/s of training steps of a pre-norm MLP block with AdamW, FLOPs as the planner
-    counts them (torch's FLOP counter), time the median of a few steps after a warm-up."""
+    counts them (torch's FLOP counter), time the median of a few steps after a warm-up. A GPU
+    is measured on a block wide enough to keep it busy: at CPU sizes its steps wait on kernel
+    launches, and an H100 read 17x slower than it trains a 50M-parameter model."""
     from torch.utils.flop_counter import FlopCounterMode
 
     block = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(device)

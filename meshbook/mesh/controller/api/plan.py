@@ -362,7 +362,7 @@ class PlanOps:
                                 f"{reasons or 'only= left none'}")
             # The planners import torch meanwhile.
             measured = probe(self, build, ranks_on_host, warm_up_layouts(layouts))
-            jobs = [(build, lay, facts, shape, optimizer) for lay in layouts]
+            jobs = [(build, lay, facts, shape, optimizer, measured.device) for lay in layouts]
             traces: list[Trace] = pool.map("trace", jobs, deadline)
         limit = measured.budget if limit is None else limit
         rows = sorted((predict(t, measured, limit) for t in traces), key=_order)
