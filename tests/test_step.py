@@ -8,6 +8,7 @@ and that the cell says what meshbook did.
 from __future__ import annotations
 
 import random
+import re
 import time
 from typing import Iterator
 
@@ -93,6 +94,26 @@ def test_a_rank_that_failed_a_run_others_still_run_runs_nothing_later_first(pair
     error = failures_of(first)
     assert {r: f.type_name for r, f in error.failures.items()} == {0: "CollectiveAborted", 1: "ValueError"}
     assert dict(later.result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}, "paired with the first's collective"
+    assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+
+
+def test_a_run_sent_before_a_rank_failed_the_last_never_pairs_with_it(pair: meshbook.Mesh) -> None:
+    """The next run was queued on both ranks before rank 1 failed the first (a cell after one
+    that timed out). Rank 1 started it at once, and its all_reduce paired with the one rank 0
+    still issued in the first: 120.0 on rank 0 as the first's success. Now a rank that failed
+    a cell runs nothing sent before the step check of that failure (as a notebook skips the
+    cells queued after an error): rank 0's collective, which nobody joins, is aborted, and
+    neither runs the queued one; the groups are re-created and the next run is right."""
+    first = pair.run("import time\nif rank == 1:\n    time.sleep(1)\n    raise ValueError('bad')\ntime.sleep(3)\n"
+                     "t = torch.tensor([100.0])\ndist.all_reduce(t)\nt.item()")
+    queued = pair.run(CHECK, name=7)  # behind the first on both ranks, before rank 1 fails
+    error = failures_of(first, timeout=60)
+    assert {r: f.type_name for r, f in error.failures.items()} == {0: "CollectiveAborted", 1: "ValueError"}
+    error = failures_of(queued, timeout=60)
+    assert {r: f.type_name for r, f in error.failures.items()} == {0: "NotRun", 1: "NotRun"}, error
+    assert error.failures[1].message.startswith("not run on rank 1: it failed an earlier run before this reached it")
+    counts = re.search(r"rank 0 has issued (\d+), rank 1 has issued (\d+)", first.step_report(timeout=60))
+    assert counts and int(counts[1]) == int(counts[2]) + 1, "rank 0's aborted all_reduce is the one between them"
     assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
 
 

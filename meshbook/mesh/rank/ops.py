@@ -244,10 +244,19 @@ def hold(worker: "Worker") -> list[str]:
             check, generation = worker.verdicts.get()
             if check == worker.request:
                 break
+        # Every rank's position was read after what was queued before this check, the failed
+        # cell included: what comes next may run.
+        worker.failed_before = None
         if generation is None:
             return []
         worker.reinit(generation)
     return bound_objects(worker.namespace)
+
+
+def resume(worker: "Worker") -> None:
+    """No step check comes for the cell this rank failed (a rank died, and its restart re-creates
+    the groups; or a recovery does): what was sent after this runs (main thread, in order)."""
+    worker.failed_before = None
 
 
 @rank_op(channel=msg.CONTROL)

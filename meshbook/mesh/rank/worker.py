@@ -81,6 +81,11 @@ LOST_MARGIN_S = 1.0
 #: Why a request interrupted before its user code started failed.
 NOTHING_RAN = "interrupted before it started: nothing ran"
 
+
+class NotRun(Exception):
+    """A cell or function a rank did not run: it failed an earlier one, and the step check of
+    that failure has not told it yet that the ranks are in step (see :meth:`Worker.handle`)."""
+
 #: How a rank runs NCCL unless the user says otherwise (see DESIGN.md, "GPU paths"): a
 #: collective that times out aborts its communicator and raises, keeping the process and its
 #: variables (torch's default, 3, tears the process down: a rank paused in ``breakpoint()``
@@ -138,6 +143,10 @@ class Worker:
         self.running_user_code = False
         #: Why meshbook aborted a request's collective (request -> reason), for its error.
         self.abort_reasons: dict[int, str] = {}
+        #: The cell or function this rank failed (in words), from its failure until a step check
+        #: lets it go (``hold``), its groups are re-created (``reinit``) or the controller says
+        #: no check will come (``resume``): cells and functions sent before that are not run.
+        self.failed_before: str | None = None
         #: Messages of a kind no handler takes, by kind (each is logged too).
         self.unknown_kinds: Counter[str] = Counter()
         #: This rank's actors (spawned, called from the notebook and from other ranks).
@@ -253,6 +262,7 @@ class Worker:
         from torch.distributed.device_mesh import init_device_mesh
 
         cfg = self.cfg
+        self.failed_before = None  # new groups: every rank at their first collective
         if dist.is_initialized():
             self.destroy_group()
         self.group_since_ns = time.time_ns()  # the flight recorder's calls of these groups come after
@@ -313,26 +323,40 @@ class Worker:
         reply = partial(route, message) if route is not None else None
         self.started_at = time.monotonic()
         self.running_user_code = message.kind != msg.CALL  # a cell, an applied function, an endpoint
+        user = message.kind in msg.USER_KINDS
         try:
             if not self._take(request):
                 raise KeyboardInterrupt(NOTHING_RAN)
             if handler is None:
                 raise ValueError(f"this rank has no handler for requests of kind {message.kind!r}")
+            if user and self.failed_before is not None:
+                raise NotRun(self.not_run_because())
             body = message.body()
             self.stdin_available = bool(body.get("stdin"))
             self.result_limit = body.get("max_bytes")
             value = handler(body, request)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
             failure = failure_from(self.rank, exc)
+            if user and self.failed_before is None:
+                # It was sent before anyone knew: the others may run it, and its collectives
+                # would pair with the ones they still issue in this (a wrong number, as a success).
+                self.failed_before = _described(message)
             if _out_of_memory(exc):  # its frames hold the tensors that filled the memory: let go
                 traceback.clear_frames(exc.__traceback__)
             self.last_exception = exc
             reason = self.abort_reasons.pop(request, "")
             if reason:
                 failure = replace(failure, type_name="CollectiveAborted", message=reason)
+            elif isinstance(exc, NotRun):  # meshbook's frames only: the words say it all
+                failure = replace(failure, type_name=NotRun.__name__, frames=())
             self._finish(request, failure=failure, reply=reply)
         else:
             self._finish(request, value=value, reply=reply)
+
+    def not_run_because(self) -> str:
+        return (f"not run on rank {self.rank}: it failed {self.failed_before} before this reached it, and "
+                f"runs nothing sent before meshbook has checked that the ranks are still in step after that "
+                f"(what you run next runs as usual)")
 
     def _take(self, request: int) -> bool:
         """Make ``request`` the running one; False if it was interrupted while it waited.
@@ -640,6 +664,17 @@ class Worker:
             out[name] = extra()
         out.update(self.cuda.latest())  # the GPU's pool replaces the host's on an NCCL rank
         return out
+
+
+def _described(message: wire.Message) -> str:
+    """``cell [7]``, ``its run`` or ``an applied function``: what the user sent, in words."""
+    if message.kind != msg.EXEC:
+        return "an applied function"
+    try:
+        name = message.body().get("name")
+    except Exception:  # noqa: BLE001 - a body that would not unpickle: that was the failure
+        name = None
+    return f"cell [{name}]" if isinstance(name, int) else "an earlier run"
 
 
 def describe_outcome(failure: RankFailure | None) -> str:

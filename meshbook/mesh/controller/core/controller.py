@@ -46,7 +46,7 @@ from ...protocol.remote import encode_route
 from ...protocol.text import format_ranks
 from ...protocol.topology import Topology
 from ...protocol.versions import mismatch, versions
-from ...rank.ops import interrupt_request, ready_report
+from ...rank.ops import interrupt_request, ready_report, resume
 from ..insight.clock import CollectiveTimes
 from ..insight.metrics import MetricsHistory
 from ..launch.base import Launcher
@@ -254,6 +254,7 @@ class Controller:
                                         f"{timeout:g} s; %mesh list shows the meshes that are still there")
                     self._changed.wait(0.25)
             self._describe_adopted(max(1.0, deadline - time.monotonic()))
+            self._resume(self.live())  # a check the last controller started will not end: we never saw it
         except BaseException:
             self.stop("could not attach", detach=True)  # the mesh is not ours to stop
             raise
@@ -677,15 +678,29 @@ class Controller:
     def _finish(self, request: int, ranks: tuple[int, ...], event: Event, lost_group: bool = False) -> None:
         with self._lock:
             answer = self.book.answered(request, ranks, isinstance(event, Error), lost_group)
-        run = answer.run
+        run, failed = answer.run, isinstance(event, Error)
         if run is None:
+            if failed:
+                self._resume(ranks)  # a failed cell we never sent (see below)
             return
         if answer.check_step and self.on_irregular_end is not None and not self.stopped:
             # Before the run is seen done: whoever renders it waits for this check too.
             run.step_check = self.on_irregular_end(run)
+            if failed and run.step_check is None:
+                self._resume(ranks)  # they hold back what comes next for a check that will not come
         run.add_event(event)
         with self._lock:
             self.book.settle(request, ranks)
+
+    def _resume(self, ranks: Sequence[int]) -> None:
+        """Tell ``ranks``, which failed a cell, that no step check follows (stopped, a rank died,
+        a recovery runs: each re-creates the groups), so they run what comes next."""
+        live = self.live(list(ranks))
+        if live and not self.stopped:
+            try:
+                self.call(resume, ranks=live, what="no step check follows")
+            except MeshError:
+                pass  # stopped meanwhile: nothing comes next
 
     def _on_exit(self, message: wire.Message) -> None:
         body = message.body()
