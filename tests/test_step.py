@@ -274,3 +274,15 @@ def test_each_backend_of_a_group_is_counted_on_its_own(pair: meshbook.Mesh) -> N
     counted = pair.call(positions).result()[0].groups
     assert {key.split("/")[1] for key in counted} == {"gloo"}, counted
     assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}
+
+
+def test_a_rank_that_fails_beside_a_dead_one_runs_the_next_cell() -> None:
+    """No step check follows a failure while a rank is dead (its restart re-creates the groups),
+    so the controller tells the rank that failed not to hold back what comes next."""
+    with meshbook.start(2) as mesh:
+        with pytest.raises(RemoteError):
+            mesh.run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", ranks=[1]).result(timeout=30,
+                                                                                                 echo=False)
+        with pytest.raises(RemoteError, match="ZeroDivisionError"):
+            mesh.run("1 / 0", ranks=[0]).result(timeout=30, echo=False)
+        assert mesh.run("rank + 10", ranks=[0]).result(timeout=30, echo=False)[0] == 10

@@ -254,7 +254,9 @@ class Controller:
                                         f"{timeout:g} s; %mesh list shows the meshes that are still there")
                     self._changed.wait(0.25)
             self._describe_adopted(max(1.0, deadline - time.monotonic()))
-            self._resume(self.live())  # a check the last controller started will not end: we never saw it
+            resumed = self._resume(self.live())  # a check the last controller started will not end here
+            if resumed is not None:
+                resumed.wait(max(1.0, deadline - time.monotonic()))  # the ranks are idle when attach returns
         except BaseException:
             self.stop("could not attach", detach=True)  # the mesh is not ours to stop
             raise
@@ -692,15 +694,16 @@ class Controller:
         with self._lock:
             self.book.settle(request, ranks)
 
-    def _resume(self, ranks: Sequence[int]) -> None:
-        """Tell ``ranks``, which failed a cell, that no step check follows (stopped, a rank died,
-        a recovery runs: each re-creates the groups), so they run what comes next."""
+    def _resume(self, ranks: Sequence[int]) -> Run | None:
+        """Tell ``ranks``, which failed a cell, that no step check follows (a rank died, a
+        recovery runs: each re-creates the groups), so they run what comes next."""
         live = self.live(list(ranks))
         if live and not self.stopped:
             try:
-                self.call(resume, ranks=live, what="no step check follows")
+                return self.call(resume, ranks=live, what="no step check follows")
             except MeshError:
                 pass  # stopped meanwhile: nothing comes next
+        return None
 
     def _on_exit(self, message: wire.Message) -> None:
         body = message.body()
