@@ -24,6 +24,7 @@ def test_help_is_real(kernel: Kernel) -> None:
     for expected in ("--ranks", "--where", "--ordered", "Commands", "start", "status"):
         assert expected in page
     assert "--collective-timeout" in kernel.ok("%mesh help start").stream()
+    assert kernel.ok("%mesh help").stream().startswith("  %%mesh [--mesh MESH_NAME]"), "no reST marker first"
 
 
 def test_output_streams_live_into_its_own_cell_merged(kernel: Kernel) -> None:
@@ -86,6 +87,8 @@ def test_selection_options(kernel: Kernel) -> None:
     assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[1] 1"
     reply = kernel.ok("%%mesh --ranks 0 --ranks 3\nrank")
     assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[0] 0\n[3] 3"
+    reply = kernel.ok("%%mesh --ranks '0,2' --where \"dp=1\"\nrank")  # quoted as in a shell (the quotes were kept)
+    assert reply.of_type("execute_result")[0]["content"]["data"]["text/plain"] == "[2] 2"
 
 
 def test_errors_are_grouped_with_cell_line_numbers_and_the_cell_fails(kernel: Kernel) -> None:
@@ -113,6 +116,7 @@ def test_syntax_error_is_shown_before_anything_is_sent(kernel: Kernel) -> None:
     ("%mesh start --dims dp=2,tp", "cannot read --dims"),
     ("%mesh start -n 2", "a mesh is already running"),
     ("%mesh frobnicate", "unknown command %mesh frobnicate"),
+    ("%%mesh --ranks '0,2\n1", "No closing quotation (close the quote, or escape it with a backslash)"),
     ("%%mesh --where tp=0 --where tp=1\n1", "names 'tp' twice"),
     ("%%mesh --timeout -1\nkept = -1", "argument --timeout/-t: give a number of seconds above 0, e.g. 30 (got '-1')"),
     ("%%mesh --timeout 0\nkept = -1", "give a number of seconds above 0"),

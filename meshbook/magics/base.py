@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import keyword
+import shlex
 from typing import Any, Callable
 
 from IPython.core.error import UsageError
@@ -48,6 +49,17 @@ def selection(what: str, where: bool = True) -> Callable[[Command], Command]:
         return argument("--ranks", "-r", action="append", help=f"ranks {what}: 0,2 or 0-3 (default: all)")(fn)
 
     return declare
+
+
+def parse_argstring(magic: Any, line: str) -> argparse.Namespace:
+    """``line`` read by ``magic``'s options as a shell splits it: quotes group words and go
+    (``--ranks '0,2'``, ``--name "my run"``). IPython's own parse keeps them on POSIX, and
+    ``'0,2'`` with its quotes was refused as a selection."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"{line.strip()!r}: {exc} (close the quote, or escape it with a backslash)") from None
+    return magic.parser.parse_args(argv)
 
 
 def selected(args: argparse.Namespace) -> tuple[str | None, dict[str, list[int]] | None]:

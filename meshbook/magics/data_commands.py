@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..mesh import DEFAULT_MAX_BYTES, RankValues, format_bytes, format_ranks
 from ..mesh import parse_size as size_in_bytes
-from .base import command, notebook_values, out_name, require_mesh, selected, selection
+from .base import command, notebook_values, out_name, parse_argstring, require_mesh, selected, selection
 
 
 class DataCommands:

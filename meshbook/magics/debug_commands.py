@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..mesh import Mesh, format_ranks
-from .base import command, require_mesh, selected, selection
+from .base import command, parse_argstring, require_mesh, selected, selection
 from .render import RenderOptions, show_run
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..mesh import (
     CellSyntaxError,
@@ -33,7 +33,17 @@ from ..mesh import (
     status_table,
     use,
 )
-from .base import command, describe, out_name, require_mesh, running_mesh, seconds_arg, selected, selection
+from .base import (
+    command,
+    describe,
+    out_name,
+    parse_argstring,
+    require_mesh,
+    running_mesh,
+    seconds_arg,
+    selected,
+    selection,
+)
 from .data_commands import DataCommands, parse_size
 from .debug_commands import DebugCommands
 from .plan_commands import PlanCommands
@@ -159,9 +169,9 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
             handler = self._commands().get(args.command)
             if handler is None:
                 raise UsageError(f"unknown command {args.command!r}")
-            print(handler.__doc__)
+            print(_readable(handler.__doc__))
         else:
-            print(type(self).mesh.__doc__)
+            print(_readable(type(self).mesh.__doc__))
 
     @magic_arguments(name="mesh start")
     @argument("-n", type=int, help="number of ranks (or give --dims)")
@@ -375,3 +385,9 @@ MeshMagics.mesh.__doc__ = (MeshMagics.mesh.__doc__ or "") + _command_help(MeshMa
 # %mesh start's launcher options come from the launchers (a plug-in's too), declared once each.
 add_start_arguments(MeshMagics.start.parser)
 MeshMagics.start.__doc__ = MeshMagics.start.parser.format_help()
+
+
+def _readable(doc: str | None) -> str:
+    """A magic's help as a reader wants it: IPython's ``magic_arguments`` opens it with reST's
+    literal-block marker ``::``, which its own ``%mesh?`` page shows and a printed help need not."""
+    return (doc or "").removeprefix("::\n\n")

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..mesh import CHECKPOINTING, MeshError, PlanReport, parse_batch
-from .base import command, notebook_values, out_name, require_mesh
+from .base import command, notebook_values, out_name, parse_argstring, require_mesh
 
 
 class PlanCommands:

@@ -16,14 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from ..kernel import cell_allows_stdin
 from ..mesh import DURATION_FACTOR, Mesh, Run, View, meshes
 from ..widgets import CellStatusView, Dashboard
 from ..widgets.dashboard import REFRESH_S
-from .base import command, require_mesh
+from .base import command, parse_argstring, require_mesh
 
 
 class WidgetCommands:
