@@ -193,6 +193,32 @@ def test_a_run_the_old_kernel_left_busy_keeps_its_number_to_itself(tmp_path) -> 
         (second or first).stop()
 
 
+def test_a_cell_the_old_kernel_sent_that_fails_is_step_checked(tmp_path) -> None:
+    """A run of the kernel before fails on rank 1 after the new kernel attached, while rank 0
+    waits in its all_reduce until the collective times out. The new kernel never sent it, yet
+    its failure is checked like one of its own: the groups are re-created (the counts differ,
+    and gloo's timeout broke them) and the new kernel's next collective is right."""
+    gate = tmp_path / "gate"
+    first = meshbook.start(2, keep="10m", name="first", collective_timeout=3)
+    second = None
+    try:
+        first.run(f"import os, time\nif rank == 1:\n    while not os.path.exists({str(gate)!r}): time.sleep(0.05)\n"
+                  f"    raise ValueError('the old kernel sent this')\nt = torch.ones(1)\ndist.all_reduce(t)")
+        first.controller.stop("this process lets go of it", detach=True)  # as when the kernel exits
+        second = meshbook.attach(first.controller.lease.id, name="second")
+        gate.touch()
+        deadline = time.monotonic() + 30
+        # Rank 1's answer comes before its snapshot does: once this says it failed, the check it
+        # started is ahead of anything sent now (without it, rank 1 held back the next cell).
+        while "ValueError" not in second.diagnose().snapshots[1].last:
+            assert time.monotonic() < deadline, "rank 1 never failed the old kernel's cell"
+            time.sleep(0.1)
+        check = "x = torch.tensor([10.0 * (rank + 1)]); dist.all_reduce(x); x.item()"
+        assert dict(second.run(check).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+    finally:
+        (second or first).stop()
+
+
 def test_keep_takes_durations_and_says_what_it_wants() -> None:
     assert parse_duration("8h") == 8 * 3600 and parse_duration("1h30m") == 5400 and parse_duration(90) == 90
     for bad in ("soon", "8x", "0", "-1"):

@@ -74,7 +74,7 @@ def analytic(facts: ModelFacts, layout: Layout, optimizer: Any) -> StageTrace:
 
 
 def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFacts, batch: tuple[int, ...],
-                optimizer: Any, rank: int, inputs: Any, device_type: str = "cpu") -> tuple[StageTrace, Any]:
+                optimizer: Any, rank: int, inputs: Any, device_type: str) -> tuple[StageTrace, Any]:
     """Trace the stage ``rank`` plays. ``inputs``: the shape and dtype of the previous stage's
     output (None for the first); returns this stage's, for the next."""
     torch_compat.init_fake_group(rank, layout.world)

@@ -253,10 +253,12 @@ def hold(worker: "Worker") -> list[str]:
     return bound_objects(worker.namespace)
 
 
-def resume(worker: "Worker") -> None:
-    """No step check comes for the cell this rank failed (a rank died, and its restart re-creates
-    the groups; or a recovery does): what was sent after this runs (main thread, in order)."""
-    worker.failed_before = None
+def resume(worker: "Worker", failed: int) -> None:
+    """No step check comes for request ``failed``, which this rank failed (a rank died, and its
+    restart re-creates the groups; or a recovery does): what was sent after this runs (main
+    thread, in order). A later failure of its own still waits for its check."""
+    if worker.failed_before is not None and worker.failed_before[0] <= failed:
+        worker.failed_before = None
 
 
 @rank_op(channel=msg.CONTROL)

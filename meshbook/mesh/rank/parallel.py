@@ -563,13 +563,19 @@ def make_optimizer(optimizer: Any, model: nn.Module, lr: float, device_type: str
     """A named optimizer with torch's default implementation for ``device_type`` (on CUDA, the
     multi-tensor one, whose step holds temporaries the size of the parameters; elsewhere a loop
     over them) chosen explicitly, so that the planner, tracing on the CPU, steps as the ranks
-    will. A callable builds the user's own, as it is."""
+    will. The multi-tensor step cannot take plain tensors beside DTensors (tensor parallelism
+    without FSDP leaves embeddings and norms plain: torch's own default failed at the first
+    step on CUDA), so such a model steps in a loop. A callable builds the user's own, as it is."""
     if callable(optimizer) and not isinstance(optimizer, str):
         return optimizer(model.parameters())
     cls = OPTIMIZER_CLASSES.get(str(optimizer).lower())
     if cls is None:
         raise MeshError(why_not_optimizer(optimizer))
-    return cls(model.parameters(), lr=lr, foreach=device_type == "cuda")
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    one_kind = len({isinstance(p, DTensor) for p in params}) < 2
+    return cls(params, lr=lr, foreach=device_type == "cuda" and one_kind)
 
 
 def make_schedule(stage_mod: nn.Module, layout: Layout, stage: int, group: Any, device: Any,

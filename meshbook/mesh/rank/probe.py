@@ -135,7 +135,7 @@ def probe(device: Any, factory: Callable[[], nn.Module], layouts: tuple[Layout, 
     parallel.make(factory)  # dropped at once: what stays is what its imports hold
     gc.collect()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # planning draws nothing
-        flops = training_rate(device, *((1024, 2048) if device.type == "cuda" else (256, 512)))
+        flops = training_rate(device)
         if device.type == "cpu":  # code pages count in RSS only; on CUDA, NCCL would keep a communicator each
             warm_up(device, layouts, meshes)
     world = dist.get_world_size()
@@ -156,13 +156,14 @@ def probe(device: Any, factory: Callable[[], nn.Module], layouts: tuple[Layout, 
     return {**found, "overhead": psutil.Process().memory_info().rss, "per_group": per_group}
 
 
-def training_rate(device: Any, dim: int = 256, tokens: int = 512) -> float:
+def training_rate(device: Any) -> float:
     """FLOP/s of training steps of a pre-norm MLP block with AdamW, FLOPs as the planner
     counts them (torch's FLOP counter), time the median of a few steps after a warm-up. A GPU
     is measured on a block wide enough to keep it busy: at CPU sizes its steps wait on kernel
     launches, and an H100 read 17x slower than it trains a 50M-parameter model."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    dim, tokens = (1024, 2048) if device.type == "cuda" else (256, 512)
     block = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(device)
     opt = torch.optim.AdamW(block.parameters())
     x = torch.randn(tokens, dim, device=device)

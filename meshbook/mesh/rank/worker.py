@@ -143,10 +143,11 @@ class Worker:
         self.running_user_code = False
         #: Why meshbook aborted a request's collective (request -> reason), for its error.
         self.abort_reasons: dict[int, str] = {}
-        #: The cell or function this rank failed (in words), from its failure until a step check
-        #: lets it go (``hold``), its groups are re-created (``reinit``) or the controller says
-        #: no check will come (``resume``): cells and functions sent before that are not run.
-        self.failed_before: str | None = None
+        #: The cell or function this rank failed (its request, and it in words), from its failure
+        #: until a step check lets it go (``hold``), its groups are re-created (``reinit``) or the
+        #: controller says no check will come for it (``resume``): cells and functions sent
+        #: before that are not run.
+        self.failed_before: tuple[int, str] | None = None
         #: Messages of a kind no handler takes, by kind (each is logged too).
         self.unknown_kinds: Counter[str] = Counter()
         #: This rank's actors (spawned, called from the notebook and from other ranks).
@@ -335,26 +336,29 @@ class Worker:
             self.stdin_available = bool(body.get("stdin"))
             self.result_limit = body.get("max_bytes")
             value = handler(body, request)
+        except NotRun as exc:  # nothing ran: the failure it follows stays the rank's last (debug, diagnosis)
+            self.running_user_code = False
+            self._finish(request, failure=RankFailure(self.rank, NotRun.__name__, str(exc)), reply=reply)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
             failure = failure_from(self.rank, exc)
             if user and self.failed_before is None:
-                # It was sent before anyone knew: the others may run it, and its collectives
-                # would pair with the ones they still issue in this (a wrong number, as a success).
-                self.failed_before = _described(message)
+                # Sent before anyone knew: the others may run it, and its collectives would
+                # pair with the ones they still issue in this (a wrong number, as a success).
+                self.failed_before = (request, _described(message))
             if _out_of_memory(exc):  # its frames hold the tensors that filled the memory: let go
                 traceback.clear_frames(exc.__traceback__)
             self.last_exception = exc
             reason = self.abort_reasons.pop(request, "")
             if reason:
                 failure = replace(failure, type_name="CollectiveAborted", message=reason)
-            elif isinstance(exc, NotRun):  # meshbook's frames only: the words say it all
-                failure = replace(failure, type_name=NotRun.__name__, frames=())
             self._finish(request, failure=failure, reply=reply)
         else:
             self._finish(request, value=value, reply=reply)
 
     def not_run_because(self) -> str:
-        return (f"not run on rank {self.rank}: it failed {self.failed_before} before this reached it, and "
+        """Why a cell or function sent before the step check of this rank's failure did not run."""
+        assert self.failed_before is not None
+        return (f"not run on rank {self.rank}: it failed {self.failed_before[1]} before this reached it, and "
                 f"runs nothing sent before meshbook has checked that the ranks are still in step after that "
                 f"(what you run next runs as usual)")
 
@@ -667,7 +671,7 @@ class Worker:
 
 
 def _described(message: wire.Message) -> str:
-    """``cell [7]``, ``its run`` or ``an applied function``: what the user sent, in words."""
+    """``cell [7]``, ``an earlier run`` or ``an applied function``: what the user sent, in words."""
     if message.kind != msg.EXEC:
         return "an applied function"
     try:

@@ -63,7 +63,9 @@ USER_STOP = "stopped by the user"
 #: How many rank lists' routes are kept (see ``Controller._routes``); more are grouped anew.
 ROUTES_KEPT = 64
 
-RunHook = Callable[[Run], "StepReport | None"]
+#: A user run that ended irregularly: its request, and its Run (None: one this controller did not
+#: send, a kept mesh's from the kernel before).
+RunHook = Callable[[int, "Run | None"], "StepReport | None"]
 StrandedHook = Callable[[list[int], str, list[str]], None]
 
 
@@ -254,9 +256,6 @@ class Controller:
                                         f"{timeout:g} s; %mesh list shows the meshes that are still there")
                     self._changed.wait(0.25)
             self._describe_adopted(max(1.0, deadline - time.monotonic()))
-            resumed = self._resume(self.live())  # a check the last controller started will not end here
-            if resumed is not None:
-                resumed.wait(max(1.0, deadline - time.monotonic()))  # the ranks are idle when attach returns
         except BaseException:
             self.stop("could not attach", detach=True)  # the mesh is not ours to stop
             raise
@@ -681,29 +680,31 @@ class Controller:
         with self._lock:
             answer = self.book.answered(request, ranks, isinstance(event, Error), lost_group)
         run, failed = answer.run, isinstance(event, Error)
+        checks = self.on_irregular_end is not None and not self.stopped
         if run is None:
-            if failed:
-                self._resume(ranks)  # a failed cell we never sent (see below)
+            if failed and checks:  # a kept mesh's run, the kernel before's: its ranks hold back for a check too
+                assert self.on_irregular_end is not None
+                self.on_irregular_end(request, None)
             return
-        if answer.check_step and self.on_irregular_end is not None and not self.stopped:
+        if answer.check_step and checks:
+            assert self.on_irregular_end is not None
             # Before the run is seen done: whoever renders it waits for this check too.
-            run.step_check = self.on_irregular_end(run)
+            run.step_check = self.on_irregular_end(request, run)
             if failed and run.step_check is None:
-                self._resume(ranks)  # they hold back what comes next for a check that will not come
+                self._resume(ranks, request)  # they hold back what comes next for a check that will not come
         run.add_event(event)
         with self._lock:
             self.book.settle(request, ranks)
 
-    def _resume(self, ranks: Sequence[int]) -> Run | None:
-        """Tell ``ranks``, which failed a cell, that no step check follows (a rank died, a
+    def _resume(self, ranks: Sequence[int], request: int) -> None:
+        """Tell ``ranks``, which failed ``request``, that no step check follows (a rank died, a
         recovery runs: each re-creates the groups), so they run what comes next."""
         live = self.live(list(ranks))
         if live and not self.stopped:
             try:
-                return self.call(resume, ranks=live, what="no step check follows")
+                self.call(resume, request, ranks=live, what="no step check follows")
             except MeshError:
                 pass  # stopped meanwhile: nothing comes next
-        return None
 
     def _on_exit(self, message: wire.Message) -> None:
         body = message.body()

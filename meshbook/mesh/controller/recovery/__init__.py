@@ -28,6 +28,6 @@ if TYPE_CHECKING:
 
 def install(controller: "Controller") -> None:
     """Subscribe the step check, the freeing of stranded ranks and the run watcher."""
-    controller.on_irregular_end = lambda run: check_after(controller, run)
+    controller.on_irregular_end = lambda request, run: check_after(controller, request, run)
     controller.on_stranded = lambda ranks, reason, lost: free_stranded(controller, ranks, reason, lost)
     controller.tick_listeners.append(lambda runs: watch(controller, runs))

@@ -77,25 +77,28 @@ def compare(reports: Mapping[int, Positions]) -> tuple[list[Skew], list[int]]:
     return skews, gone
 
 
-def check_after(controller: "Controller", run: "Run") -> "StepCheck | None":
-    """Check that every rank is at the same collective in each group after ``run`` stopped
-    irregularly (the controller's ``on_irregular_end``, on the receiver thread): once its last
-    rank ended it, or as soon as one did irregularly while others still run it. The check's
-    requests then wait in every rank's queue before whatever is sent later: a rank that failed
-    at once would otherwise run the next cell, and pair its collective with one the others
-    still issue in this run (a wrong number, reported as a success). Asked again for the same
-    run, the same check (one a recovery cancelled included: that re-created the groups)."""
-    started = tracked(controller, run.id)
+def check_after(controller: "Controller", request: int, run: "Run | None") -> "StepCheck | None":
+    """Check that every rank is at the same collective in each group after ``run`` (request
+    ``request``) stopped irregularly (the controller's ``on_irregular_end``, on the receiver
+    thread): once its last rank ended it, or as soon as one did irregularly while others still
+    run it. The check's requests then wait in every rank's queue before whatever is sent later:
+    a rank that failed at once would otherwise run the next cell, and pair its collective with
+    one the others still issue in this run (a wrong number, reported as a success). ``run`` is
+    None for a run of a kept mesh that the kernel before this one sent. Asked again for the
+    same request, the same check (one a recovery cancelled included: that re-created the groups)."""
+    started = tracked(controller, request)
     if isinstance(started, StepCheck):
         return started
     if controller.stopped or controller.dead() or recovering(controller):
         return None  # a dead rank's restart, or the recovery, re-creates every group anyway
-    check = StepCheck(controller, "the interrupt" if run.interrupted else "the failed cell", run)
+    cause = "a cell the kernel before this one sent" if run is None else \
+        "the interrupt" if run.interrupted else "the failed cell"
+    check = StepCheck(controller, cause, run, request)
     try:
         check.start()
     except MeshError:
         return None  # stopped, or a rank died, meanwhile: nothing to check (see above)
-    track(controller, run.id, check)
+    track(controller, request, check)
     return check
 
 
@@ -109,9 +112,11 @@ def held_for(controller: "Controller", run: "Run") -> list[int]:
 class StepCheck:
     """One check of every live rank's positions, coordinated on its own thread."""
 
-    def __init__(self, controller: "Controller", cause: str, run: "Run | None" = None) -> None:
+    def __init__(self, controller: "Controller", cause: str, run: "Run | None" = None,
+                 request: int | None = None) -> None:
         self.controller = controller
         self.cause = cause
+        self.request = request  # the request checked, as the ladder's registry knows it
         #: The run checked: its forced_resync (connections were cut) and its errors (a broken
         #: group) re-create the groups even where the counts agree.
         self.run = run
@@ -144,8 +149,8 @@ class StepCheck:
             self._release(None)
         finally:
             self.done.set()
-            if self.run is not None:
-                forget(self.controller, self.run.id)
+            if self.request is not None:
+                forget(self.controller, self.request)
 
     def settled(self) -> bool:
         return self.done.is_set() and (self.run is None or self.run.done())
