@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 import time
 from typing import Iterator
 
@@ -114,6 +115,34 @@ def test_a_run_sent_before_a_rank_failed_the_last_never_pairs_with_it(pair: mesh
     assert error.failures[1].message.startswith("not run on rank 1: it failed an earlier run before this reached it")
     counts = re.search(r"rank 0 has issued (\d+), rank 1 has issued (\d+)", first.step_report(timeout=60))
     assert counts and int(counts[1]) == int(counts[2]) + 1, "rank 0's aborted all_reduce is the one between them"
+    assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+
+
+def test_parallelize_queued_before_a_rank_failed_is_held_back_as_a_cell_is(pair: meshbook.Mesh) -> None:
+    """meshbook's parallelize issues collectives as a cell does (each host's plain model is
+    offered with all_gather_object). Queued before rank 1 failed the cell ahead of it, it ran
+    at once there, and its collective met the all_reduce rank 0 still issued in that cell."""
+    from functools import partial
+
+    from bench import models
+
+    first = pair.run("import time\nif rank == 1:\n    time.sleep(1)\n    raise ValueError('bad')\ntime.sleep(3)\n"
+                     "t = torch.tensor([100.0])\ndist.all_reduce(t)\nt.item()")
+    raised: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            pair.parallelize(partial(models.gpt, vocab=64, dim=16, layers=2, heads=2), meshbook.Layout(dp_shard=2))
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            raised.append(exc)
+
+    thread = threading.Thread(target=build)
+    thread.start()  # sent at once: behind the first on both ranks, before rank 1 fails it
+    failures_of(first, timeout=60)
+    thread.join(60)
+    assert raised and isinstance(raised[0], RemoteError), raised
+    assert {f.type_name for f in raised[0].failures.values()} == {"NotRun"}, raised[0]
+    assert "it failed an earlier run" in raised[0].failures[1].message
     assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
 
 

@@ -33,6 +33,8 @@ Who sends what:
 
 from __future__ import annotations
 
+from typing import Any
+
 # -- kinds -----------------------------------------------------------------------------------
 
 EXEC = "exec"
@@ -65,6 +67,16 @@ BUNDLE = "bundle"  # agent -> controller: its ranks' messages, checked there, si
 
 #: Requests that run user code: an irregular end of one triggers a step check.
 USER_KINDS = (EXEC, APPLY)
+
+
+def pairs_collectives(kind: str, body: Any) -> bool:
+    """Whether a request issues collectives that pair across ranks: a cell, an applied
+    function, or a rank operation declared ``@rank_op(collective=True)`` (plan's probe,
+    parallelize). A failure of one is step-checked, and a rank that failed one holds back what
+    was sent before the check (DESIGN.md, "Ranks in step")."""
+    if kind in USER_KINDS:
+        return True
+    return kind == CALL and isinstance(body, dict) and bool(getattr(body.get("fn"), "collective", False))
 
 
 class AgentOp:

@@ -35,11 +35,14 @@ if TYPE_CHECKING:
 Op = TypeVar("Op", bound=Callable[..., Any])
 
 
-def rank_op(channel: str = msg.MAIN) -> Callable[[Op], Op]:
+def rank_op(channel: str = msg.MAIN, collective: bool = False) -> Callable[[Op], Op]:
     """Declare an operation's channel once: ``CONTROL`` operations run on the rank's control
-    thread and answer while its main thread is busy; ``MAIN`` ones run in request order."""
+    thread and answer while its main thread is busy; ``MAIN`` ones run in request order.
+    ``collective``: it issues collectives every rank must pair, as a cell's do, so it is kept
+    in step as a cell is (``messages.pairs_collectives``)."""
     def declare(fn: Op) -> Op:
         fn.channel = channel  # type: ignore[attr-defined]
+        fn.collective = collective  # type: ignore[attr-defined]
         return fn
 
     return declare
@@ -393,6 +396,7 @@ def actor_handle(address: ActorAddress) -> Any:
 # -- planning and applying parallel layouts (mesh/controller/api/plan.py) --------------------
 
 
+@rank_op(collective=True)
 def plan_probe(worker: "Worker", factory: Callable[[], Any], layouts: tuple[Any, ...]) -> dict[str, Any]:
     """Measure this rank for ``mesh.plan`` of ``factory()``, after a step of each of ``layouts``
     on a stand-in (every rank at once: it all-reduces and makes process groups)."""
@@ -401,6 +405,7 @@ def plan_probe(worker: "Worker", factory: Callable[[], Any], layouts: tuple[Any,
     return probe.probe(worker.device, factory, layouts, _meshes(worker))
 
 
+@rank_op(collective=True)
 def parallelize(worker: "Worker", factory: Callable[[], Any], layout: Any, predicted: dict[int, int],
                 predicted_s: float, names: tuple[str, str, str], options: dict[str, Any]) -> str:
     """Build a layout on this rank (every rank at once: it creates process groups)."""

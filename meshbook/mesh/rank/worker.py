@@ -324,15 +324,16 @@ class Worker:
         reply = partial(route, message) if route is not None else None
         self.started_at = time.monotonic()
         self.running_user_code = message.kind != msg.CALL  # a cell, an applied function, an endpoint
-        user = message.kind in msg.USER_KINDS
+        in_step = message.kind in msg.USER_KINDS  # read again with the body (a rank operation's says)
         try:
             if not self._take(request):
                 raise KeyboardInterrupt(NOTHING_RAN)
             if handler is None:
                 raise ValueError(f"this rank has no handler for requests of kind {message.kind!r}")
-            if user and self.failed_before is not None:
-                raise NotRun(self.not_run_because())
             body = message.body()
+            in_step = msg.pairs_collectives(message.kind, body)
+            if in_step and self.failed_before is not None:
+                raise NotRun(self.not_run_because())
             self.stdin_available = bool(body.get("stdin"))
             self.result_limit = body.get("max_bytes")
             value = handler(body, request)
@@ -341,7 +342,7 @@ class Worker:
             self._finish(request, failure=RankFailure(self.rank, NotRun.__name__, str(exc)), reply=reply)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
             failure = failure_from(self.rank, exc)
-            if user and self.failed_before is None:
+            if in_step and self.failed_before is None:
                 # Sent before anyone knew: the others may run it, and its collectives would
                 # pair with the ones they still issue in this (a wrong number, as a success).
                 self.failed_before = (request, _described(message))
@@ -671,13 +672,17 @@ class Worker:
 
 
 def _described(message: wire.Message) -> str:
-    """``cell [7]``, ``an earlier run`` or ``an applied function``: what the user sent, in words."""
-    if message.kind != msg.EXEC:
+    """``cell [7]``, ``an earlier run``, ``an applied function`` or ``meshbook's parallelize``:
+    what the user sent, in words."""
+    if message.kind == msg.APPLY:
         return "an applied function"
     try:
-        name = message.body().get("name")
+        body = message.body()
     except Exception:  # noqa: BLE001 - a body that would not unpickle: that was the failure
-        name = None
+        body = {}
+    if message.kind == msg.CALL:
+        return f"meshbook's {getattr(body.get('fn'), '__name__', 'operation')}"
+    name = body.get("name")
     return f"cell [{name}]" if isinstance(name, int) else "an earlier run"
 
 

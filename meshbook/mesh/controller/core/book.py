@@ -115,7 +115,7 @@ class RankBook:
         if lost_group or failed:
             run.irregular = True
         last = run.waits_only_for(ranks)
-        check = run.kind in msg.USER_KINDS and (last and (run.irregular or run.interrupted) or failed or lost_group)
+        check = run.in_step and (last and (run.irregular or run.interrupted) or failed or lost_group)
         return Answer(run, check, last)
 
     def settle(self, request: int, ranks: Sequence[int]) -> None:

@@ -307,7 +307,7 @@ class Controller:
             # a while, and a run opened after a rank's death or the stop was booked would never
             # be failed by either (nor answered by the dead rank).
             self.check_usable(ranks)
-            run = self._new_run(ranks, what, kind)
+            run = self._new_run(ranks, what, kind, msg.pairs_collectives(kind, body))
             self.book.open(run, queued=channel == msg.MAIN)
             for listener in self.run_listeners:
                 listener(run)
@@ -319,9 +319,9 @@ class Controller:
         self.transport.wait_sent(sent, self._alive)
         return run
 
-    def _new_run(self, ranks: list[int], what: str, kind: str) -> Run:
+    def _new_run(self, ranks: list[int], what: str, kind: str, in_step: bool = False) -> Run:
         return Run(next(self.book.request_ids), ranks, self.topology, what, self.interrupt_run, self.send_input,
-                   kind, follow=self.follow)
+                   kind, follow=self.follow, in_step=in_step)
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: list[int], what: str = "",
              channel: str | None = None, stdin: bool = False, **kwargs: Any) -> Run:
@@ -469,9 +469,10 @@ class Controller:
             self.call(interrupt_request, run.id, ranks=ranks, what="interrupt")
 
     def user_runs(self) -> list[Run]:
-        """The user runs (cells, applied functions) not done yet, in the order they were sent."""
+        """The runs whose collectives pair across ranks (cells, applied functions, parallelize)
+        not done yet, in the order they were sent."""
         with self._lock:
-            return [run for run in self.book.runs.values() if run.kind in msg.USER_KINDS and not run.done()]
+            return [run for run in self.book.runs.values() if run.in_step and not run.done()]
 
     def queued_behind(self, run: Run) -> dict[int, str]:
         """The ranks of ``run`` where it still waits behind other work, and what that is."""

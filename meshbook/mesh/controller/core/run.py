@@ -56,11 +56,15 @@ class Run:
 
     def __init__(self, request_id: int, ranks: list[int], topology: Topology, what: str,
                  interrupt: Callable[["Run"], None], send_input: Callable[[int, str | None, int], None],
-                 kind: str = msg.EXEC, follow: Follow | None = None) -> None:
+                 kind: str = msg.EXEC, follow: Follow | None = None, in_step: bool | None = None) -> None:
         self.id = request_id
         self.ranks = list(ranks)
         self.what = what
         self.kind = kind  # EXEC, APPLY, CALL (a rank operation) or OP (the agents'), see messages.py
+        #: Its collectives pair across ranks (``messages.pairs_collectives``): an irregular end
+        #: is step-checked, the run watcher frees what it leaves waiting, a recovery drops it
+        #: if it has not started.
+        self.in_step = kind in msg.USER_KINDS if in_step is None else in_step
         #: Set once an interrupt was sent for this run; with ``irregular`` (some rank failed or
         #: lost its process group), the ranks' collective positions are checked when it ends.
         self.interrupted = False

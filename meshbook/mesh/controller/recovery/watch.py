@@ -25,7 +25,6 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ...protocol import messages as msg
 from ...protocol.errors import MeshError
 from ...protocol.reports import Collective
 from ...protocol.text import ranks_text
@@ -52,7 +51,7 @@ def watch(controller: "Controller", runs: list["Run"]) -> None:
     """Start a check of each user run that is ending unevenly and is due one (receiver thread)."""
     now = time.monotonic()
     for run in runs:
-        if run.kind not in msg.USER_KINDS or run.checking or run.done() or run.first_done_at is None:
+        if not run.in_step or run.checking or run.done() or run.first_done_at is None:
             continue
         due = run.first_done_at + CHECK_AFTER_S
         if run.interrupted_at is not None:
