@@ -112,7 +112,8 @@ def test_a_run_sent_before_a_rank_failed_the_last_never_pairs_with_it(pair: mesh
     assert {r: f.type_name for r, f in error.failures.items()} == {0: "CollectiveAborted", 1: "ValueError"}
     error = failures_of(queued, timeout=60)
     assert {r: f.type_name for r, f in error.failures.items()} == {0: "NotRun", 1: "NotRun"}, error
-    assert error.failures[1].message.startswith("not run on rank 1: it failed an earlier run before this reached it")
+    assert error.failures[1].message.startswith("not run: this rank failed an earlier run before this reached it")
+    assert error.failures[0].message == error.failures[1].message, "the ranks group as one line"
     counts = re.search(r"rank 0 has issued (\d+), rank 1 has issued (\d+)", first.step_report(timeout=60))
     assert counts and int(counts[1]) == int(counts[2]) + 1, "rank 0's aborted all_reduce is the one between them"
     assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
@@ -142,7 +143,7 @@ def test_parallelize_queued_before_a_rank_failed_is_held_back_as_a_cell_is(pair:
     thread.join(60)
     assert raised and isinstance(raised[0], RemoteError), raised
     assert {f.type_name for f in raised[0].failures.values()} == {"NotRun"}, raised[0]
-    assert "it failed an earlier run" in raised[0].failures[1].message
+    assert "this rank failed an earlier run" in raised[0].failures[1].message
     assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
 
 

@@ -359,7 +359,8 @@ class Worker:
     def not_run_because(self) -> str:
         """Why a cell or function sent before the step check of this rank's failure did not run."""
         assert self.failed_before is not None
-        return (f"not run on rank {self.rank}: it failed {self.failed_before[1]} before this reached it, and "
+        # No rank number: the ranks that failed alike group as one line ("[0-3] NotRun: ...").
+        return (f"not run: this rank failed {self.failed_before[1]} before this reached it, and "
                 f"runs nothing sent before meshbook has checked that the ranks are still in step after that "
                 f"(what you run next runs as usual)")
 
