@@ -219,6 +219,30 @@ def test_a_cell_the_old_kernel_sent_that_fails_is_step_checked(tmp_path) -> None
         (second or first).stop()
 
 
+def test_ranks_held_by_the_old_kernels_step_check_are_let_go(tmp_path) -> None:
+    """The kernel exited while its step check held the ranks (rank 1 failed at once; rank 0
+    reaches the check 3 s later): the verdict only it could give never came, and every cell of
+    the kernel that attached waited behind the hold for ever. The attach lets the old check's
+    holds go; the ranks hold back until a check of the new kernel's, which the first cell that
+    does not run there starts."""
+    first = meshbook.start(2, keep="10m", name="first")
+    second = None
+    try:
+        failed = first.run("import time\nif rank == 1:\n    raise ValueError('x')\ntime.sleep(3)")
+        deadline = time.monotonic() + 30
+        while 1 not in failed.failed_ranks():
+            assert time.monotonic() < deadline, "rank 1 never failed"
+            time.sleep(0.02)
+        first.controller.stop("this process lets go of it", detach=True)  # as when the kernel exits
+        second = meshbook.attach(first.controller.lease.id, name="second")
+        check = "x = torch.tensor([10.0 * (rank + 1)]); dist.all_reduce(x); x.item()"
+        with pytest.raises(meshbook.RemoteError, match="was in a step check of the kernel before this one"):
+            second.run(check).result(timeout=60, echo=False)
+        assert dict(second.run(check).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+    finally:
+        (second or first).stop()
+
+
 def test_keep_takes_durations_and_says_what_it_wants() -> None:
     assert parse_duration("8h") == 8 * 3600 and parse_duration("1h30m") == 5400 and parse_duration(90) == 90
     for bad in ("soon", "8x", "0", "-1"):

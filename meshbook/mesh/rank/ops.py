@@ -240,10 +240,15 @@ def hold(worker: "Worker") -> list[str]:
 
     Returns the variables bound to the old groups when the groups were re-created. Shielded
     from interrupts, and a verdict names the check it is for: a verdict never lands on a
-    later check.
+    later check. A check of a kernel that let the mesh go (a kept mesh attached by another:
+    :func:`supersede`) gives no verdict: the rank then holds back what comes next, and the
+    first cell that does not run there starts the new kernel's own check.
     """
     with worker.shielded():
         while True:
+            if worker.request is not None and worker.request < worker.superseded_below:
+                worker.failed_before = (worker.request, "was in a step check of the kernel before this one")
+                return []
             check, generation = worker.verdicts.get()
             if check == worker.request:
                 break
@@ -254,6 +259,15 @@ def hold(worker: "Worker") -> list[str]:
             return []
         worker.reinit(generation)
     return bound_objects(worker.namespace)
+
+
+@rank_op(channel=msg.CONTROL)
+def supersede(worker: "Worker", below: int) -> None:
+    """A new kernel attached this kept mesh and numbers its requests from ``below`` (control
+    thread): a step check of the kernel before, whose verdict will never come, lets go of this
+    rank now or when it gets there."""
+    worker.superseded_below = below
+    worker.verdicts.put((-1, None))  # wakes a hold waiting now: it finds its check superseded
 
 
 def resume(worker: "Worker", failed: int) -> None:

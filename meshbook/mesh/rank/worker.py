@@ -143,11 +143,14 @@ class Worker:
         self.running_user_code = False
         #: Why meshbook aborted a request's collective (request -> reason), for its error.
         self.abort_reasons: dict[int, str] = {}
-        #: The cell or function this rank failed (its request, and it in words), from its failure
+        #: The cell or function this rank failed (its request, and "failed cell [3]"), from its failure
         #: until a step check lets it go (``hold``), its groups are re-created (``reinit``) or the
         #: controller says no check will come for it (``resume``): cells and functions sent
         #: before that are not run.
         self.failed_before: tuple[int, str] | None = None
+        #: Requests below this number came from a kernel that let this kept mesh go: a step
+        #: check of theirs gets no verdict (``ops.supersede``).
+        self.superseded_below = 0
         #: Messages of a kind no handler takes, by kind (each is logged too).
         self.unknown_kinds: Counter[str] = Counter()
         #: This rank's actors (spawned, called from the notebook and from other ranks).
@@ -345,7 +348,7 @@ class Worker:
             if in_step and self.failed_before is None:
                 # Sent before anyone knew: the others may run it, and its collectives would
                 # pair with the ones they still issue in this (a wrong number, as a success).
-                self.failed_before = (request, _described(message))
+                self.failed_before = (request, f"failed {_described(message)}")
             if _out_of_memory(exc):  # its frames hold the tensors that filled the memory: let go
                 traceback.clear_frames(exc.__traceback__)
             self.last_exception = exc
@@ -360,7 +363,7 @@ class Worker:
         """Why a cell or function sent before the step check of this rank's failure did not run."""
         assert self.failed_before is not None
         # No rank number: the ranks that failed alike group as one line ("[0-3] NotRun: ...").
-        return (f"not run: this rank failed {self.failed_before[1]} before this reached it, and "
+        return (f"not run: this rank {self.failed_before[1]} before this reached it, and "
                 f"runs nothing sent before meshbook has checked that the ranks are still in step after that "
                 f"(what you run next runs as usual)")
 

@@ -80,8 +80,10 @@ class RankBook:
         #: at every rank of a thousand to learn that none is.
         self._dead: set[int] = set()
         self.generation = 0
+        #: The number this controller's requests start from (a kept mesh's: see number_from).
+        self.first_request = 1
         #: Where request ids come from (one per request, ranks and agents alike).
-        self.request_ids = itertools.count(1)
+        self.request_ids = itertools.count(self.first_request)
         self._late: OrderedDict[int, Callable[[Event], None]] = OrderedDict()
 
     #: Request numbers one controller uses at most: an attaching controller of a later epoch
@@ -93,7 +95,8 @@ class RankBook:
         and agents tell requests apart by number: an interrupt names one, and a run the old
         kernel left busy on a rank sends its output and result under its own. Counting from 1
         again, a new kernel's run would take those, and interrupting it would stop the old run."""
-        self.request_ids = itertools.count(epoch * self.IDS_PER_EPOCH + 1)
+        self.first_request = epoch * self.IDS_PER_EPOCH + 1
+        self.request_ids = itertools.count(self.first_request)
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from ...protocol.remote import encode_route
 from ...protocol.text import format_ranks
 from ...protocol.topology import Topology
 from ...protocol.versions import mismatch, versions
-from ...rank.ops import interrupt_request, ready_report, resume
+from ...rank.ops import interrupt_request, ready_report, resume, supersede
 from ..insight.clock import CollectiveTimes
 from ..insight.metrics import MetricsHistory
 from ..launch.base import Launcher
@@ -256,6 +256,9 @@ class Controller:
                                         f"{timeout:g} s; %mesh list shows the meshes that are still there")
                     self._changed.wait(0.25)
             self._describe_adopted(max(1.0, deadline - time.monotonic()))
+            # A step check the kernel before left unfinished holds its ranks for a verdict only
+            # that kernel could give: let them go (they hold back until a check of ours).
+            self.call(supersede, self.book.first_request, ranks=self.live()).wait(max(1.0, deadline - time.monotonic()))
         except BaseException:
             self.stop("could not attach", detach=True)  # the mesh is not ours to stop
             raise
