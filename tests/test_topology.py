@@ -103,6 +103,9 @@ def test_rank_values_render_html_values_grouped_and_the_rest_as_escaped_text() -
                                   "<div><b>[3]</b><pre>&#x27;x&lt;y&#x27;</pre></div>")
     assert RankValues({0: 1.5, 1: "x"})._repr_html_() is None, "no value has HTML: text alone"
     assert RankValues({0: Html})._repr_html_() is None, "a class is not rendered through its method"
+    huge = RankValues({0: Html("z" * 10 ** 6), 1: Html("a")})._repr_html_()  # markup cannot be cut
+    assert huge is not None and len(huge) < 1000, "a megabyte of HTML gives way to the value's (cut) text"
+    assert "<b>[0]</b><pre>&lt;test_topology.Html object" in huge and "<b>[1]</b><i>a</i>" in huge
 
 
 def test_selecting_a_dimension_named_rank_points_at_selecting_by_number() -> None:

@@ -6,7 +6,8 @@ cost the kernel gigabytes and send its whole repr to the browser, so:
 * a result whose message is over its limit (by default :data:`DEFAULT_MAX_BYTES`, the same
   as ``pull``'s ``max_bytes``) stays on the rank as ``_``, and the notebook gets a
   :class:`KeptOnRank` saying so and how to fetch it;
-* a repr shown in the notebook is cut at :data:`REPR_CHARS` characters, with a note.
+* a repr shown in the notebook is cut at :data:`REPR_CHARS` characters, with a note; an
+  HTML form over :data:`HTML_CHARS` (markup cannot be cut) gives way to the text, cut so.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from .text import format_bytes
 DEFAULT_MAX_BYTES = 2 ** 31
 #: The most of one value's repr the notebook shows.
 REPR_CHARS = 20_000
+#: The most of one value's HTML form the notebook shows (a DataFrame's own, cut by pandas at
+#: 60 rows, stays well under it).
+HTML_CHARS = 5 * REPR_CHARS
 
 
 @dataclass(frozen=True)

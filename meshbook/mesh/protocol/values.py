@@ -16,7 +16,7 @@ from __future__ import annotations
 import html
 from typing import Any, Iterator, Mapping
 
-from .limits import capped
+from .limits import HTML_CHARS, capped
 from .text import format_ranks, group_by_text
 from .topology import DimSelector, Topology
 
@@ -104,7 +104,8 @@ class RankValues(Mapping[int, Any]):
 
 
 def _html_of(value: Any) -> str | None:
-    """``value._repr_html_()`` where its type has one and it gives text (IPython's rule too)."""
+    """``value._repr_html_()`` where its type has one and it gives text (IPython's rule too),
+    and no more than :data:`HTML_CHARS` of it (else the text, which can be cut)."""
     method = getattr(type(value), "_repr_html_", None)
     if not callable(method) or isinstance(value, type):
         return None
@@ -112,7 +113,7 @@ def _html_of(value: Any) -> str | None:
         text = method(value)
     except Exception:  # noqa: BLE001 - a broken one falls back to the text, as in IPython
         return None
-    return text if isinstance(text, str) and text else None
+    return text if isinstance(text, str) and 0 < len(text) <= HTML_CHARS else None
 
 
 def _safe_repr(value: Any) -> str:
