@@ -684,16 +684,14 @@ class Controller:
         with self._lock:
             answer = self.book.answered(request, ranks, isinstance(event, Error), lost_group)
         run, failed = answer.run, isinstance(event, Error)
-        checks = self.on_irregular_end is not None and not self.stopped
+        check = None if self.stopped else self.on_irregular_end
         if run is None:
-            if failed and checks:  # a kept mesh's run, the kernel before's: its ranks hold back for a check too
-                assert self.on_irregular_end is not None
-                self.on_irregular_end(request, None)
+            if failed and check is not None:  # a kept mesh's run, the kernel before's: its ranks hold back too
+                check(request, None)
             return
-        if answer.check_step and checks:
-            assert self.on_irregular_end is not None
+        if answer.check_step and check is not None:
             # Before the run is seen done: whoever renders it waits for this check too.
-            run.step_check = self.on_irregular_end(request, run)
+            run.step_check = check(request, run)
             if failed and run.step_check is None:
                 self._resume(ranks, request)  # they hold back what comes next for a check that will not come
         run.add_event(event)
