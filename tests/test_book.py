@@ -34,7 +34,7 @@ def answer(b: RankBook, run: Run, rank: int, ok: bool = True, lost_group: bool =
     event = Result(rank, rank, 0.0) if ok else Error(rank, RankFailure(rank, "ValueError", "bad"), 0.0)
     decided = b.answered(run.id, (rank,), not ok, lost_group)
     run.add_event(event)
-    b.settle(run.id, (rank,))
+    b.settle(run.id)
     return decided
 
 
@@ -43,7 +43,7 @@ def answer_group(b: RankBook, run: Run, ranks: tuple[int, ...], lost_group: bool
     event = Results(ranks, (None,) * len(ranks), (0.5,) * len(ranks))
     decided = b.answered(run.id, ranks, False, lost_group)
     run.add_event(event)
-    b.settle(run.id, ranks)
+    b.settle(run.id)
     return decided
 
 

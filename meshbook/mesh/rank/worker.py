@@ -58,6 +58,7 @@ from ..protocol.cell import (
 )
 from ..protocol.config import HEARTBEAT_S
 from ..protocol.errors import RankFailure, SendError
+from ..protocol.lane import Inbox
 from ..protocol.limits import KeptOnRank
 from ..protocol.payload import Lent
 from ..protocol.versions import versions
@@ -234,7 +235,7 @@ class Worker:
         builtins.input = input_hook(self)
         route_display(self.display)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-        self._requests = self._listen(cfg.request_addr)
+        self._requests = Inbox(cfg.request_addr, self._listen(cfg.request_addr))
         self._control_requests = self._listen(cfg.control_addr)  # handed to the control thread
         threading.Thread(target=self._control_loop, name="meshbook-control", daemon=True).start()
         threading.Thread(target=self._watch, name="meshbook-watchdog", daemon=True).start()
@@ -308,9 +309,9 @@ class Worker:
         return sock
 
     def serve(self) -> None:
-        sock = self._requests
+        requests = self._requests
         while True:
-            frames = wire.recv(sock)
+            frames = requests.next()
             try:
                 message = self.wire.unpack(frames)
             except wire.BadMessage:

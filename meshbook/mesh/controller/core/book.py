@@ -108,10 +108,25 @@ class RankBook:
                 self.queues[r].append(run.id)
                 self.ranks[r].state = "busy"
 
+    def idle(self, ranks: Iterable[int]) -> set[int]:
+        """The ranks that are ready and have no request queued: one sent to them now is the
+        only one on its way (what may take the lane, see :mod:`~...protocol.lane`)."""
+        queues, states = self.queues, self.ranks
+        return {r for r in ranks if not queues[r] and states[r].state == "idle"}
+
     def answered(self, request: int, ranks: Sequence[int], failed: bool, lost_group: bool) -> Answer:
         """``ranks`` answered ``request`` (one rank, or a group whose results an agent bundled;
-        ``failed``: with an error; ``lost_group``: they no longer have a process group). Call
-        :meth:`settle` once the event was given to the run."""
+        ``failed``: with an error; ``lost_group``: they no longer have a process group): their
+        queues move on at once (a request the caller sends as soon as it sees the answer finds
+        them idle). Call :meth:`settle` once the event was given to the run."""
+        queues, states = self.queues, self.ranks
+        for rank in ranks:
+            queue = queues[rank]
+            if queue and queue[0] == request:
+                queue.popleft()
+                state = states[rank]
+                if state.state == "busy" and not queue:
+                    state.state = "idle"
         run = self.runs.get(request)
         if run is None:
             return Answer(None)
@@ -121,16 +136,8 @@ class RankBook:
         check = run.in_step and (last and (run.irregular or run.interrupted) or failed or lost_group)
         return Answer(run, check, last)
 
-    def settle(self, request: int, ranks: Sequence[int]) -> None:
-        """``ranks`` are done with ``request``: their queues move on, and a run done is retired."""
-        queues, states = self.queues, self.ranks
-        for rank in ranks:
-            queue = queues[rank]
-            if queue and queue[0] == request:
-                queue.popleft()
-                state = states[rank]
-                if state.state == "busy" and not queue:
-                    state.state = "idle"
+    def settle(self, request: int) -> None:
+        """The answers to ``request`` were given to its run: a run done is retired."""
         run = self.runs.get(request)
         if run is not None and run.done():
             del self.runs[request]

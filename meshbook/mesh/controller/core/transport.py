@@ -20,13 +20,15 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import zmq
 
+from ...protocol import messages as msg
 from ...protocol import wire
 from ...protocol.errors import MeshError
+from ...protocol.lane import Lane
 from ...protocol.proc import owned_prefix, remove_stale, runtime_base
 from ..launch.network import HostLink, Network
 
@@ -64,6 +66,8 @@ class Transport:
         self.send_lock = threading.Lock()
         self.network: Network | None = None
         self._down: dict[int, dict[str, zmq.Socket]] = {}
+        #: Requests to idle ranks, past ZeroMQ (see :mod:`~...protocol.lane`).
+        self._lane = Lane()
         self._receiver: threading.Thread | None = None
         self._running = True
         self._closed = False  # close() ran: nothing is sent any more
@@ -195,6 +199,7 @@ class Transport:
                 return  # a restart racing a stop: its sockets would keep the context from ending
             self._disconnect(rank)
             self._down[rank] = wire.connect_rank(self.ctx, self.rundir, rank, generation, LOCAL_IO)
+            self._lane.point(rank, wire.rank_address(self.rundir, rank, generation, msg.MAIN))
 
     def disconnect_rank(self, rank: int) -> None:
         """Drop a rank's sockets with whatever they still held for it (the runs that waited on
@@ -203,6 +208,7 @@ class Transport:
             self._disconnect(rank)
 
     def _disconnect(self, rank: int) -> None:
+        self._lane.point(rank, None)
         for sock in self._down.pop(rank, {}).values():
             sock.close(linger=0)
 
@@ -221,14 +227,18 @@ class Transport:
                 return []  # the mesh stopped meanwhile, and failed the runs that waited
             return [(ranks, network.send(routes, frames))]
 
-    def send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str) -> Sent:
+    def send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str,
+                      idle: Collection[int] = ()) -> Sent:
         """One message per rank straight to its socket (on this host: relaying through the agent
-        would cost a process hop and a copy per request, and buy nothing). Queued when it
-        returns, in the order of the calls; with big buffers, :meth:`wait_sent` waits until
-        they left."""
+        would cost a process hop and a copy per request, and buy nothing); by the lane to the
+        ``idle`` ranks (nothing queued: nothing sent before can still be on its way). Queued
+        when it returns, in the order of the calls; with big buffers, :meth:`wait_sent` waits
+        until they left."""
         with self.send_lock:
             # A rank that died since the caller checked has no sockets: its death failed the run.
             live = [r for r in ranks if r in self._down]
+            if idle and channel == msg.MAIN:
+                live = [r for r in live if not (r in idle and self._lane.send(r, frames))]
             trackers = wire.fan_out([self._down[r][channel] for r in live], frames)
         return [([rank], tracker) for rank, tracker in zip(live, trackers)]
 
@@ -286,6 +296,7 @@ class Transport:
             self._down.clear()
             for sock in (self.cmd, self.events, self._wake_send, self._wake_recv, *rank_socks):
                 sock.close(linger=0)
+            self._lane.close()
         self.ctx.term()
         shutil.rmtree(self.rundir, ignore_errors=True)
 
