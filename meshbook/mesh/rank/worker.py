@@ -58,7 +58,7 @@ from ..protocol.cell import (
 )
 from ..protocol.config import HEARTBEAT_S
 from ..protocol.errors import RankFailure, SendError
-from ..protocol.lane import Inbox
+from ..protocol.lane import Inbox, Uplink
 from ..protocol.limits import KeptOnRank
 from ..protocol.payload import Lent
 from ..protocol.versions import versions
@@ -177,6 +177,7 @@ class Worker:
         self._out = self._ctx.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 2000)
         self._out.connect(cfg.events_addr)
+        self._uplink = Uplink(cfg.events_addr)  # the same way up, past ZeroMQ where it can
         cfg.last_words.claim()
         self._out_lock = threading.Lock()
         self._next_beat = 0.0  # when the control thread sends the next heartbeat
@@ -207,11 +208,18 @@ class Worker:
         """Up to the controller (under the send lock), kept first for the agent, which sends it
         on should this rank die before ZeroMQ did (:mod:`~..protocol.lastwords`)."""
         self.cfg.last_words.keep(frames)
-        wire.send(self._out, frames, wait=wait)
+        if not self._uplink.send(frames):
+            wire.send(self._out, frames, wait=wait)
+            self._uplink.sent_by_zmq()
 
     def _output(self, request: int | None, stream: str, text: str) -> None:
         self.emit(msg.OUTPUT, request if request is not None else self.last_request,
                   {"stream": stream, "text": text})
+
+    def lane_use(self) -> tuple[int, int]:
+        """Requests that came by the lane, and messages that went up by it (see
+        :mod:`~..protocol.lane`)."""
+        return self._requests.by_lane, self._uplink.by_lane
 
     def current_request(self) -> int | None:
         return self.request if self.request is not None else self.last_request

@@ -28,7 +28,7 @@ import zmq
 from ...protocol import messages as msg
 from ...protocol import wire
 from ...protocol.errors import MeshError
-from ...protocol.lane import Lane
+from ...protocol.lane import Intake, Lane
 from ...protocol.proc import owned_prefix, remove_stale, runtime_base
 from ..launch.network import HostLink, Network
 
@@ -66,8 +66,9 @@ class Transport:
         self.send_lock = threading.Lock()
         self.network: Network | None = None
         self._down: dict[int, dict[str, zmq.Socket]] = {}
-        #: Requests to idle ranks, past ZeroMQ (see :mod:`~...protocol.lane`).
+        #: Requests to idle ranks, and what ranks send up, past ZeroMQ (see :mod:`~...protocol.lane`).
         self._lane = Lane()
+        self._intake = Intake(self.events_address)
         self._receiver: threading.Thread | None = None
         self._running = True
         self._closed = False  # close() ran: nothing is sent any more
@@ -122,7 +123,7 @@ class Transport:
 
     def _receive(self, on_message: Handler, on_host: HostHandler, on_drained: Callable[[], None],
                  on_tick: Callable[[], None]) -> None:
-        watch, version = Watch(self._sockets()), -1
+        watch, version = Watch(self._sockets(), [self._intake.fileno()]), -1
         next_tick = 0.0
         while self._running:
             ready: set[zmq.Socket] = set()
@@ -135,9 +136,10 @@ class Transport:
                     if self._wake_recv.recv() == b"stop":
                         break
                     watch.recheck([self._wake_recv])  # one taken: another may wait, its signal taken
+                self._intake.drain(on_message)  # the ranks' messages by the lane, each in its place
                 if self.events in ready:
                     for frames in wire.ready(self.events):
-                        on_message(frames)
+                        self._intake.after_lane(frames, on_message)
                 if network is not None:
                     for sock in network.sockets():
                         if sock in ready:
@@ -167,7 +169,7 @@ class Transport:
         """
         seen = network.version
         try:
-            fresh = Watch(self._sockets())
+            fresh = Watch(self._sockets(), [self._intake.fileno()])
         except Exception as exc:  # noqa: BLE001 - whatever epoll or ZeroMQ raise
             if not self._rewatch_failed:  # said once, not at every turn while it lasts
                 log(f"receiver: cannot watch the hosts' new sockets yet ({type(exc).__name__}: {exc}); "
@@ -297,6 +299,7 @@ class Transport:
             for sock in (self.cmd, self.events, self._wake_send, self._wake_recv, *rank_socks):
                 sock.close(linger=0)
             self._lane.close()
+            self._intake.close()
         self.ctx.term()
         shutil.rmtree(self.rundir, ignore_errors=True)
 
@@ -314,11 +317,14 @@ class Watch:
     is asked directly (:meth:`recheck`) before it sleeps again.
     """
 
-    def __init__(self, sockets: list[zmq.Socket]) -> None:
+    def __init__(self, sockets: list[zmq.Socket], descriptors: Iterable[int] = ()) -> None:
+        """``descriptors``: plain ones to wake up for too (whoever wakes drains them itself)."""
         self._epoll = select.epoll()
         self._by_fd: dict[int, zmq.Socket] = {}
         sockets = [sock for sock in sockets if not sock.closed]
         try:
+            for fd in descriptors:
+                self._epoll.register(fd, select.EPOLLIN)
             for sock in sockets:
                 fd = int(sock.getsockopt(zmq.FD))
                 self._by_fd[fd] = sock
@@ -339,7 +345,8 @@ class Watch:
         if ready:
             return ready
         # Asking a socket that fired but holds nothing re-arms its signal, as a drain does.
-        return {sock for fd, _ in self._epoll.poll(timeout) if _readable(sock := self._by_fd[fd])}
+        return {sock for fd, _ in self._epoll.poll(timeout)
+                if fd in self._by_fd and _readable(sock := self._by_fd[fd])}
 
     def close(self) -> None:
         self._epoll.close()
