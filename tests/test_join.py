@@ -330,11 +330,11 @@ def test_a_watch_that_cannot_be_built_leaves_the_receiver_working(tmp_path: obje
     mesh, outside = start_joined(tmp_path, hosts=1, per_host=1, timeout=60)
     real, failed = transport.Watch, threading.Event()
 
-    def watch(sockets: list[object]) -> object:
+    def watch(sockets: list[object], *descriptors: object) -> object:
         if not failed.is_set():
             failed.set()
             raise OSError(24, "Too many open files")
-        return real(sockets)
+        return real(sockets, *descriptors)
 
     try:
         monkeypatch.setattr(transport, "Watch", watch)

@@ -107,8 +107,15 @@ class Inbox:
         self.by_lane = 0
 
     def next(self) -> list[Any]:
-        """The next request's frames, waiting for one."""
+        """The next request's frames, waiting for one.
+
+        ZeroMQ is asked first, the lane second: a datagram is sent only to a rank that has
+        nothing else on its way, so one that waits beside a ZeroMQ request is the older, and is
+        in the lane's queue before that request can be seen. Asked the other way round, a
+        request that arrives through ZeroMQ while this thread is between the two questions
+        (descheduled) would be taken before the datagram sent ahead of it."""
         while True:
+            through_zmq = int(self._zmq.getsockopt(_EVENTS)) & _POLLIN
             try:
                 data = self._lane.recv(LANE_MAX)
             except BlockingIOError:
@@ -116,7 +123,7 @@ class Inbox:
             else:
                 self.by_lane += 1
                 return [data]
-            if int(self._zmq.getsockopt(_EVENTS)) & _POLLIN:
+            if through_zmq:
                 return wire.recv(self._zmq, _NOBLOCK)
             self._poller.poll()
 
@@ -217,8 +224,8 @@ class Intake:
         held = self._held.get(sender)
         while held and held[0][0] <= taken:
             handle([memoryview(held.popleft()[1])[_BEFORE.size:]])
-        if held is not None and not held:
-            del self._held[sender]
+        if held is not None and not held and self._held.get(sender) is held:
+            del self._held[sender]  # (a handler may have come back here: a rank's EXIT takes what waits)
 
     def close(self) -> None:
         self._sock.close()

@@ -3,8 +3,10 @@
 One per mesh, in a private (0700) runtime directory: a PUSH per rank and channel that sends
 requests straight to the rank (see :func:`~meshbook.mesh.protocol.wire.rank_address`), a ROUTER
 for what it asks of the agent on this host (signals, re-forks), and a PULL on which the ranks
-and that agent send everything back. Agents on other hosts are reached over the links of a
-:class:`~..launch.network.Network`, once per host. The receiver thread reads the PULL socket
+and that agent send everything back; beside them the lane (:mod:`~meshbook.mesh.protocol.lane`),
+Unix datagrams past ZeroMQ's I/O threads for requests to idle ranks and what ranks send back.
+Agents on other hosts are reached over the links of a :class:`~..launch.network.Network`, once
+per host. The receiver thread reads the PULL socket
 and the links and hands each message on (``on_message``, ``on_host``), calls ``on_drained``
 once it took what every ready socket held (before it sleeps), and every ``TICK_S`` calls
 ``on_tick`` (agents' liveness, pings, the run watcher).
@@ -184,8 +186,9 @@ class Transport:
     def take_waiting(self, on_message: Handler) -> None:
         """Hand on what the ranks' and agent's socket holds now (the receiver thread only, from
         inside a handler: a rank's ``EXIT`` lets through first what that rank sent before it)."""
+        self._intake.drain(on_message)
         for frames in wire.ready(self.events):
-            on_message(frames)
+            self._intake.after_lane(frames, on_message)
 
     def _sockets(self) -> list[zmq.Socket]:
         return [self.events, self._wake_recv, *(self.network.sockets() if self.network else ())]
