@@ -32,11 +32,9 @@ the kernel refuses (no one listening, or gone).
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import struct
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +42,7 @@ from typing import Any
 import zmq
 
 from . import wire
+from .proc import let_go_in_children
 
 #: The biggest request the lane carries, in bytes (under any system's datagram limit).
 LANE_MAX = 64 * 1024
@@ -51,6 +50,11 @@ LANE_MAX = 64 * 1024
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 #: What leads a datagram up: how many messages its process had sent through ZeroMQ before it.
 _BEFORE = struct.Struct("<Q")
+
+
+def _fits(frames: list[Any]) -> bool:
+    """One envelope, no separate buffers, within :data:`LANE_MAX`."""
+    return len(frames) == 1 and len(frames[0]) <= LANE_MAX
 
 
 def lane_path(address: str) -> str:
@@ -78,7 +82,7 @@ class Lane:
         """Send ``frames`` to ``rank`` by the lane if they fit and it takes them now; False:
         nothing was sent (send them through ZeroMQ)."""
         where = self._paths.get(rank)
-        if where is None or len(frames) != 1 or len(frames[0]) > LANE_MAX:
+        if where is None or not _fits(frames):
             return False
         try:
             self._sock.sendto(frames[0], where)
@@ -139,12 +143,12 @@ class Uplink:
         self._by_zmq = 0
         #: Messages that went up by the lane (the tests check that it is used).
         self.by_lane = 0
-        _uplinks.add(self)
+        let_go_in_children(self, "leave")
 
     def send(self, frames: list[Any]) -> bool:
         """Send ``frames`` by the lane if it carries them now; False: nothing was sent (send
         them through ZeroMQ, then say so with :meth:`sent_by_zmq`)."""
-        if self._path is None or len(frames) != 1 or len(frames[0]) > LANE_MAX:
+        if self._path is None or not _fits(frames):
             return False
         try:
             self._sock.sendto(_BEFORE.pack(self._by_zmq) + frames[0], self._path)
@@ -164,16 +168,6 @@ class Uplink:
         the rank's anyway, and its count would not be the rank's)."""
         self._path = None
 
-
-_uplinks: "weakref.WeakSet[Uplink]" = weakref.WeakSet()
-
-
-def _leave_all() -> None:
-    for uplink in list(_uplinks):
-        uplink.leave()
-
-
-os.register_at_fork(after_in_child=_leave_all)
 
 Handler = Callable[[list[Any]], None]
 

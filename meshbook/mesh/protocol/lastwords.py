@@ -28,9 +28,9 @@ behind the newest end) from one still whole.
 from __future__ import annotations
 
 import mmap
-import os
-import weakref
 from typing import Any
+
+from .proc import let_go_in_children
 
 #: The last messages kept: how many at most, in how many bytes, and the biggest one kept.
 INDEX = 4096
@@ -58,7 +58,11 @@ class LastWords:
     def claim(self) -> None:
         """The rank, once forked: its messages are the ones kept (not a child's it forks)."""
         self._writing = True
-        _claimed.add(self)
+        let_go_in_children(self, "disown")
+
+    def disown(self) -> None:
+        """A child the rank forked: what it sends is not the rank's to keep."""
+        self._writing = False
 
     def keep(self, frames: list[Any]) -> None:
         """The rank, under its send lock, just before it sends ``frames``."""
@@ -99,15 +103,3 @@ class LastWords:
         self._lengths.release()
         self._page.close()
 
-
-#: Claimed rings of this process: a child it forks writes into none of them (a flag cleared at
-#: the fork, not a ``getpid()`` system call on every message a rank sends).
-_claimed: "weakref.WeakSet[LastWords]" = weakref.WeakSet()
-
-
-def _disown_all() -> None:
-    for kept in list(_claimed):
-        kept._writing = False
-
-
-os.register_at_fork(after_in_child=_disown_all)

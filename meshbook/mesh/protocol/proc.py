@@ -12,7 +12,8 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Iterator
+import weakref
+from typing import Any, Iterator
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -218,3 +219,22 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+#: What stands for this process only, and the method that lets it go in a child this process
+#: forks (weakly held: a flag cleared at the fork, not a ``getpid()`` on every message).
+_LET_GO_IN_CHILDREN: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def let_go_in_children(obj: Any, method: str) -> None:
+    """Call ``obj.<method>()`` in every child this process forks from now on: a rank's ring of
+    last words and its lane up are the rank's, never a child's (:mod:`.lastwords`, :mod:`.lane`)."""
+    _LET_GO_IN_CHILDREN[obj] = method
+
+
+def _let_go_all() -> None:
+    for obj, method in list(_LET_GO_IN_CHILDREN.items()):
+        getattr(obj, method)()
+
+
+os.register_at_fork(after_in_child=_let_go_all)

@@ -108,12 +108,6 @@ class RankBook:
                 self.queues[r].append(run.id)
                 self.ranks[r].state = "busy"
 
-    def idle(self, ranks: Iterable[int]) -> set[int]:
-        """The ranks that are ready and have no request queued: one sent to them now is the
-        only one on its way (what may take the lane, see :mod:`~...protocol.lane`)."""
-        queues, states = self.queues, self.ranks
-        return {r for r in ranks if not queues[r] and states[r].state == "idle"}
-
     def answered(self, request: int, ranks: Sequence[int], failed: bool, lost_group: bool) -> Answer:
         """``ranks`` answered ``request`` (one rank, or a group whose results an agent bundled;
         ``failed``: with an error; ``lost_group``: they no longer have a process group): their

@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Sequence
 
 from ...protocol import bundle, wire
 from ...protocol import messages as msg
@@ -311,7 +311,6 @@ class Controller:
             # be failed by either (nor answered by the dead rank).
             self.check_usable(ranks)
             run = self._new_run(ranks, what, kind, msg.pairs_collectives(kind, body))
-            idle = self.book.idle(ranks) if channel == msg.MAIN else set()  # before this run is theirs
             self.book.open(run, queued=channel == msg.MAIN)
             for listener in self.run_listeners:
                 listener(run)
@@ -319,7 +318,7 @@ class Controller:
             # whichever threads submit them. A rank runs them in the order they come, and
             # decides by their numbers whether an interrupt found one not started yet.
             frames = self.wire.pack({msg.KIND: kind, msg.ID: run.id}, raw_body=raw, buffers=buffers)
-            sent = self._send_to_ranks(frames, ranks, channel, idle)
+            sent = self._send_to_ranks(frames, ranks, channel, run.id)
         self.transport.wait_sent(sent, self._alive)
         return run
 
@@ -355,12 +354,14 @@ class Controller:
         return run
 
     def _send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str,
-                       idle: Collection[int] = ()) -> Sent:
-        """On this host, one message per rank (by the lane to the ``idle`` ones); to other
-        hosts, one per host (its agent fans it out). Queued; the big buffers of what it
-        returns may still be on their way."""
+                       request: int | None = None) -> Sent:
+        """On this host, one message per rank: by the lane to those with nothing queued before
+        ``request`` (nothing sent to them earlier can still be on its way); to other hosts,
+        one per host (its agent fans it out). Queued; the big buffers of what it returns may
+        still be on their way."""
         if self.transport.network is None:
-            return self.transport.send_to_ranks(frames, ranks, channel, idle)
+            first = {r for r in ranks if self.book.current_request(r) == request} if request is not None else set()
+            return self.transport.send_to_ranks(frames, ranks, channel, first)
         live = self.book.live(ranks)
         return self.transport.send_to_hosts(frames, self._routes(channel, live), live)
 

@@ -138,10 +138,7 @@ class Transport:
                     if self._wake_recv.recv() == b"stop":
                         break
                     watch.recheck([self._wake_recv])  # one taken: another may wait, its signal taken
-                self._intake.drain(on_message)  # the ranks' messages by the lane, each in its place
-                if self.events in ready:
-                    for frames in wire.ready(self.events):
-                        self._intake.after_lane(frames, on_message)
+                self.take_waiting(on_message)  # the lane's every turn; ZeroMQ's asked, not waited for
                 if network is not None:
                     for sock in network.sockets():
                         if sock in ready:
@@ -184,8 +181,9 @@ class Transport:
         return fresh, seen
 
     def take_waiting(self, on_message: Handler) -> None:
-        """Hand on what the ranks' and agent's socket holds now (the receiver thread only, from
-        inside a handler: a rank's ``EXIT`` lets through first what that rank sent before it)."""
+        """Hand on what the ranks and the agent sent that is here now, by the lane and through
+        ZeroMQ, each in its place (the receiver thread only: at every turn, and from inside a
+        handler, where a rank's ``EXIT`` lets through first what that rank sent before it)."""
         self._intake.drain(on_message)
         for frames in wire.ready(self.events):
             self._intake.after_lane(frames, on_message)
