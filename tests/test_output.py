@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from meshbook.mesh.controller.core.output import LineMerger, OrderedCollector
 from meshbook.mesh.protocol.events import Output, Result
 from meshbook.mesh.rank.streams import RankStream
@@ -161,3 +164,48 @@ def test_the_ordered_collector_keeps_what_a_progress_line_shows_in_the_end() -> 
     collector.feed_event(Output(0, "stdout", "\r1/2\r2/2\nafter\n"))
     collector.close()
     assert written == [("stdout", "[0] 2/2\n[0] after\n")]
+
+
+def _lines_of(rank: int, written: list[tuple[str, str]]) -> list[str]:
+    """The lines ``rank`` shows in what a merger wrote (stdout), in the order they show."""
+    out = []
+    for _, text in written:
+        for line in text.splitlines():
+            label, _, body = line.partition("] ")
+            ranks: set[int] = set()
+            for part in label.lstrip("[").split(","):
+                first, _, last = part.partition("-")
+                ranks.update(range(int(first), int(last or first) + 1))
+            if rank in ranks:
+                out.append(body)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from("ABC"), max_size=5), min_size=2, max_size=4), st.data())
+def test_every_rank_shows_its_lines_in_the_order_it_printed_them(printed: list[list[str]],
+                                                                 data: st.DataObject) -> None:
+    """Whatever the ranks print and however their lines interleave on the way (each rank's in
+    its own order), each rank's lines show in that order: merging never moves one of them
+    before a line the rank printed earlier (ranks 0,1 print A B, rank 2 prints B A)."""
+    written, write = collect()
+    clock = Clock()
+    merger = LineMerger(range(len(printed)), write, clock=clock)
+    left = {rank: list(lines) for rank, lines in enumerate(printed)}
+    while any(left.values()):
+        rank = data.draw(st.sampled_from(sorted(r for r, lines in left.items() if lines)))
+        merger.feed_event(Output(rank, "stdout", left[rank].pop(0) + "\n"))
+        clock.now += data.draw(st.sampled_from([0.0, 0.5, 2.0]))
+        merger.poll()
+    merger.close()
+    for rank, lines in enumerate(printed):
+        assert _lines_of(rank, written) == lines, written
+
+
+def test_ranks_that_print_the_same_lines_in_another_order_merge_only_where_the_order_allows() -> None:
+    written, write = collect()
+    merger = LineMerger([0, 1, 2], write, clock=Clock())
+    for rank, line in ((0, "A"), (1, "A"), (2, "B"), (0, "B"), (1, "B"), (2, "A")):
+        merger.feed_event(Output(rank, "stdout", line + "\n"))  # all waiting, then written
+    merger.close()
+    assert "".join(text for _, text in written) == "[0,1] A\n[0-2] B\n[2] A\n"

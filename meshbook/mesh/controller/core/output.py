@@ -5,8 +5,10 @@ as soon as every rank still running has printed it, or has printed another line 
 (ranks print in step: rank 2's third line was not this one, so it will not join it), or after
 a window (``MERGE_WINDOW_S``) long enough for ranks a busy machine schedules a moment apart.
 Only a line that some ranks never print waits that long (``if rank == 0: print(...)``).
-Each rank's lines keep their order; a rank that prints the same text twice contributes to two
-separate lines. A progress line (``\r``, as tqdm writes) shows at once, labelled, and each
+Each rank's lines keep their order: a line joins a waiting line of the same text only if that
+one shows after every line the rank printed before (ranks 0,1 printing ``A B`` and rank 2
+``B A`` show ``[0,1] A``, ``[0-2] B``, ``[2] A``), so a rank that prints the same text twice
+contributes to two separate lines. A progress line (``\r``, as tqdm writes) shows at once, labelled, and each
 update overwrites it (``\r[0] 50%|...``), as in a terminal; a line is what it shows in the end
 (its text after its last ``\r``). Per-rank lines written together are sorted by rank between the merged lines around
 them (``[0] loss 1.2``, ``[1] loss 1.3``, ... whatever order they arrived in).
@@ -20,6 +22,7 @@ Both take events from :class:`~meshbook.mesh.controller.core.run.Run` and write 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,7 +32,6 @@ from ...protocol.events import Error, Event, Output, Result, Results
 from ...protocol.text import format_ranks, group_by_text
 
 Write = Callable[[str, str], None]
-Key = tuple[str, str, int]  # (stream, line, how many times its ranks printed it before)
 
 #: How long a line waits for the other ranks to print it too.
 MERGE_WINDOW_S = 1.0
@@ -37,8 +39,11 @@ MERGE_WINDOW_S = 1.0
 
 @dataclass
 class _Line:
+    stream: str
+    text: str
     first_seen: float
     position: int  # how many lines of its stream its first rank had printed before it
+    serial: int  # where it shows: lines show in the order of their serials
     ranks: set[int] = field(default_factory=set)
 
 
@@ -75,9 +80,12 @@ class LineMerger:
         self._window = window
         self._clock = clock
         self._splitter = _Splitter()
-        self._occurrences: dict[tuple[int, str, str], int] = defaultdict(int)
         self._printed: dict[tuple[int, str], int] = defaultdict(int)  # lines per (rank, stream)
-        self._lines: dict[Key, _Line] = {}  # insertion order = display order
+        self._lines: dict[int, _Line] = {}  # waiting, by serial (insertion order = display order)
+        self._alike: dict[tuple[str, str], list[_Line]] = defaultdict(list)  # waiting, by text
+        self._serials = itertools.count()
+        #: The serial of the newest line each rank showed or joined, per stream.
+        self._newest: dict[tuple[int, str], int] = {}
         #: Streams whose last write is a progress line, not ended, and its length: the next
         #: write overwrites it (blanking what a shorter one would leave of it).
         self._progress: dict[str, int] = {}
@@ -95,30 +103,35 @@ class LineMerger:
             self._running.difference_update(event.ranks)
 
     def _add(self, rank: int, stream: str, line: str) -> None:
-        nth = self._occurrences[(rank, stream, line)]
-        self._occurrences[(rank, stream, line)] += 1
-        position = self._printed[(rank, stream)]
-        self._printed[(rank, stream)] += 1
-        entry = self._lines.setdefault((stream, line, nth), _Line(self._clock(), position))
+        """Join the first waiting line of this text that shows after the rank's newest one (a
+        rank that printed it already is in none of those), or wait as a new one."""
+        newest = self._newest.get((rank, stream), -1)
+        alike = self._alike[(stream, line)]
+        entry = next((e for e in alike if e.serial > newest), None)
+        if entry is None:
+            entry = _Line(stream, line, self._clock(), self._printed[(rank, stream)], next(self._serials))
+            self._lines[entry.serial] = entry
+            alike.append(entry)
         entry.ranks.add(rank)
+        self._printed[(rank, stream)] += 1
+        self._newest[(rank, stream)] = entry.serial
 
     def poll(self) -> None:
         """Write every line that is complete or has waited long enough, each after the lines
         its ranks printed before it."""
         now = self._clock()
-        ready: list[Key] = []
+        ready: list[_Line] = []
         held: set[int] = set()  # ranks with an earlier line still waiting
-        for key, entry in self._lines.items():
-            if entry.ranks & held or not (self._complete(key[0], entry)
-                                          or now - entry.first_seen >= self._window):
+        for entry in self._lines.values():
+            if entry.ranks & held or not (self._complete(entry) or now - entry.first_seen >= self._window):
                 held |= entry.ranks
             else:
-                ready.append(key)
+                ready.append(entry)
         self._emit(ready)
 
-    def _complete(self, stream: str, entry: _Line) -> bool:
+    def _complete(self, entry: _Line) -> bool:
         """Every running rank printed this line, or already printed another in its place."""
-        return all(rank in entry.ranks or self._printed[(rank, stream)] > entry.position
+        return all(rank in entry.ranks or self._printed[(rank, entry.stream)] > entry.position
                    for rank in self._running)
 
     def next_deadline(self) -> float | None:
@@ -129,7 +142,7 @@ class LineMerger:
 
     def flush(self) -> None:
         """Write everything waiting now (before a display, say), keeping unfinished lines."""
-        self._emit(list(self._lines))
+        self._emit(list(self._lines.values()))
 
     def close(self) -> None:
         """The run is over: write everything, unfinished lines included."""
@@ -137,15 +150,20 @@ class LineMerger:
             self._add(rank, stream, text)
         self.flush()
 
-    def _emit(self, keys: list[Key]) -> None:
+    def _emit(self, lines: list[_Line]) -> None:
         chunks: list[tuple[str, str]] = []
-        for key, ranks in _by_rank([(key, self._lines.pop(key).ranks) for key in keys]):
-            stream, line, _ = key
-            text = f"[{format_ranks(ranks)}] {line}\n"
-            if chunks and chunks[-1][0] == stream:
-                chunks[-1] = (stream, chunks[-1][1] + text)
+        for entry in lines:
+            del self._lines[entry.serial]
+            alike = self._alike[(entry.stream, entry.text)]
+            alike.remove(entry)
+            if not alike:
+                del self._alike[(entry.stream, entry.text)]
+        for entry in _by_rank(lines):
+            text = f"[{format_ranks(entry.ranks)}] {entry.text}\n"
+            if chunks and chunks[-1][0] == entry.stream:
+                chunks[-1] = (entry.stream, chunks[-1][1] + text)
             else:
-                chunks.append((stream, text))
+                chunks.append((entry.stream, text))
         for stream, text in chunks:
             self._show(stream, text, ended=True)
 
@@ -166,19 +184,19 @@ def shown(line: str) -> str:
     return line.rstrip("\r").rsplit("\r", 1)[-1]
 
 
-def _by_rank(lines: list[tuple[Key, set[int]]]) -> list[tuple[Key, set[int]]]:
+def _by_rank(lines: list[_Line]) -> list[_Line]:
     """Lines of a single rank sorted by rank (each rank's own lines keep their order) between
     the lines several ranks printed, which stay where they are."""
-    out: list[tuple[Key, set[int]]] = []
-    single: list[tuple[Key, set[int]]] = []
-    for item in lines:
-        if len(item[1]) == 1:
-            single.append(item)
+    out: list[_Line] = []
+    single: list[_Line] = []
+    for entry in lines:
+        if len(entry.ranks) == 1:
+            single.append(entry)
             continue
-        out += sorted(single, key=lambda i: min(i[1]))
-        out.append(item)
+        out += sorted(single, key=lambda e: min(e.ranks))
+        out.append(entry)
         single = []
-    return out + sorted(single, key=lambda i: min(i[1]))
+    return out + sorted(single, key=lambda e: min(e.ranks))
 
 
 class OrderedCollector:
