@@ -99,6 +99,15 @@ def test_the_collective_counter_counts_eager_and_functional_gathers_alike(pair: 
     assert pair.apply(gathered).result().unique() == [[("all_gather", 2048)] * 2, {"all_gather": 4096}, 2]
 
 
+def test_the_default_group_timeout_can_be_set_and_read() -> None:
+    from datetime import timedelta
+
+    with meshbook.start(1) as mesh:
+        before = mesh.apply(torch_compat.default_group_timeouts).result()[0]
+        mesh.apply(torch_compat.set_default_group_timeout, timedelta(seconds=7)).result()
+        assert (before, mesh.apply(torch_compat.default_group_timeouts).result()[0]) == ([300.0], [7.0])
+
+
 def test_abort_process_groups_exists() -> None:
     with meshbook.start(1) as mesh:  # on gloo it aborts nothing; the call itself must exist
         assert mesh.apply(torch_compat.abort_process_groups).result()[0] is True

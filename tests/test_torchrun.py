@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -62,6 +63,25 @@ def test_init_process_group_with_a_backend_the_mesh_does_not_run(mesh: meshbook.
         mesh.run("dist.init_process_group(world_size=8, rank=rank)").result(echo=False)
     assert "read RANK and WORLD_SIZE from os.environ" in info.value.failures[1].message
     assert mesh.run("x = torch.ones(1); dist.all_reduce(x); x.item()").result().unique() == 2.0
+
+
+def test_init_process_group_timeout_bounds_the_groups_collectives_as_under_torchrun() -> None:
+    """A script that asks for 3 s expects a hang to fail in 3 s, not in the mesh's 300 s."""
+    with meshbook.start(2) as small:
+        with pytest.raises(RemoteError, match="give a datetime.timedelta above zero"):
+            small.run("dist.init_process_group('gloo', timeout=3)").result(echo=False)
+        small.run("from datetime import timedelta\n"
+                  "dist.init_process_group('gloo', timeout=timedelta(seconds=3))").result(echo=False)
+        started = time.monotonic()
+        run = small.run("import time\nt = torch.ones(1)\nif rank == 0:\n    dist.all_reduce(t)\n"
+                        "else:\n    time.sleep(60)")
+        while 0 in run.pending:
+            assert time.monotonic() - started < 40, "the hung collective did not time out"
+            time.sleep(0.1)
+        failure = run.exception().failures[0]  # type: ignore[union-attr]
+        assert "timed out" in failure.message.lower() or "timeout" in failure.message.lower(), failure.message
+        small.interrupt([1])
+        run.wait(30)
 
 
 def test_destroy_process_group_keeps_the_mesh_and_what_was_built_on_it(

@@ -9,7 +9,10 @@ FSDP modules, DTensors) are what the next cells work with. So, on each rank:
 * :func:`environment` gives the variables torchrun sets (kept right after a rank restarts or
   the group is re-created, where ``MASTER_PORT`` changes);
 * :func:`install` makes ``init_process_group`` a no-op that says once that the mesh owns the
-  group (and fails clearly if the script asks for a backend the mesh does not run), and makes
+  group (and fails clearly if the script asks for a backend the mesh does not run); its
+  ``timeout=`` still bounds the group's collectives, as under torchrun (a script that asks for
+  30 s expects a hang to fail in 30 s, not in the mesh's 5 minutes), until the group is
+  re-created. It makes
   ``destroy_process_group`` of the default group keep it, saying so: destroying it would leave
   every model in the namespace bound to a dead group. Subgroups are destroyed as asked;
 * :func:`reseed` gives a forked rank fresh random state, as a new process would have.
@@ -20,6 +23,8 @@ from __future__ import annotations
 import random
 import sys
 from typing import TYPE_CHECKING, Any, Callable
+
+from . import torch_compat
 
 if TYPE_CHECKING:
     from .context import RankContext
@@ -59,6 +64,8 @@ def install(worker: "RankContext") -> tuple[GroupOp, GroupOp]:
         worker.note_once("init", f"meshbook: the mesh already initialised the process group "
                                  f"({dist.get_backend()}, world size {dist.get_world_size()}); "
                                  f"init_process_group() does nothing here")
+        if timeout is not None:
+            _set_timeout(worker, timeout)
 
     def destroy_process_group(group: Any = None) -> None:
         if group is not None and group is not c10d.GroupMember.WORLD:
@@ -85,6 +92,19 @@ def _check_backend(asked: Any, running: str) -> None:
             f"init_process_group(backend={str(asked)!r}): this mesh's process group runs {running}. "
             f"Start the mesh with that backend (%mesh start --backend {asked}; nccl needs GPUs), "
             f"or leave the backend out")
+
+
+def _set_timeout(worker: "RankContext", timeout: Any) -> None:
+    """Bound the mesh's group's collectives by ``timeout``, as the script asked."""
+    from datetime import timedelta
+
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        raise TypeError(f"init_process_group(timeout={timeout!r}): give a datetime.timedelta above zero, "
+                        f"e.g. timedelta(seconds=30)")
+    torch_compat.set_default_group_timeout(timeout)
+    worker.note_once("timeout", f"meshbook: collectives of the mesh's process group now time out after "
+                                f"{timeout.total_seconds():g} s, until the group is re-created "
+                                f"(%mesh start --collective-timeout sets it for the whole mesh)")
 
 
 def _check_place(world_size: int, rank: int, mesh_world: int, mesh_rank: int) -> None:
