@@ -159,9 +159,25 @@ class Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
+#: Values that pickle the same whoever pickles them (no tensors, no code): see :func:`dumps`.
+_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
+def _plain(obj: Any) -> bool:
+    """``obj`` is a plain value, or a dict of them by name (a request's body, a no-op's result)."""
+    kind = type(obj)
+    if kind in _PLAIN:
+        return True
+    return kind is dict and all(type(k) is str and type(v) in _PLAIN for k, v in obj.items())
+
+
 def dumps(obj: Any, limit: int | None = None) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``obj``; large contiguous buffers are returned separately, uncopied. With a
-    ``limit``, raises :class:`TooBig` as soon as its tensors weigh more."""
+    ``limit``, raises :class:`TooBig` as soon as its tensors weigh more. A plain value (a
+    cell's request, a no-op's ``None``) is pickled by :mod:`pickle` itself: the same bytes,
+    without setting up cloudpickle's pickler (most of a small message's cost)."""
+    if _plain(obj):
+        return pickle.dumps(obj, protocol=PROTOCOL), []
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
     Pickler(out, protocol=PROTOCOL, buffer_callback=buffers.append, limit=limit).dump(obj)

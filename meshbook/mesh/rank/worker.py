@@ -547,8 +547,10 @@ class Worker:
         except wire.TooBig as exc:
             nbytes = exc.nbytes
         else:
+            if limit is None:
+                return frames
             nbytes = wire.size(frames)
-            if limit is None or nbytes <= limit:
+            if nbytes <= limit:
                 return frames
         assert limit is not None
         self.namespace["_"] = value

@@ -140,11 +140,12 @@ class Run:
             if first and isinstance(event, (Result, Results, Error)):
                 self.first_done_at = time.monotonic()
             self._events.append(event)
-            # Waking the waiting thread costs a GIL hand-off per event, and the results of a
-            # many-rank run arrive back to back: wake for what a waiter acts on (output,
-            # errors, the first result, which starts straggler clocks, and the last one);
-            # the results in between are picked up with the next event.
-            if not isinstance(event, (Result, Results)) or not self._pending or first:
+            # Waking the waiting thread costs a thread switch and a GIL hand-off per event, and
+            # the results of a many-rank run arrive back to back: wake for what a waiter acts
+            # on (output, errors, and the last result); the results before it are picked up
+            # with the next event. The clocks the first result starts (hang hints, stragglers)
+            # are read from ``first_done_at`` at the waiter's next scheduled look.
+            if not isinstance(event, (Result, Results)) or not self._pending:
                 self._cond.notify_all()
             ended = self._how_it_ended() if running and not self._pending and not self.followed else ""
         if late or ended or unanswered is not None:
@@ -244,7 +245,7 @@ class Run:
     def events_since(self, index: int, timeout: float | None) -> tuple[list[Event], int]:
         """Events from position ``index`` on (waiting up to ``timeout`` for one), and the next
         position. For renderers that must wake up on their own schedule too. A result other
-        than the first and the last does not end the wait on its own (see ``_add``)."""
+        than the last does not end the wait on its own (see :meth:`add_event`)."""
         with self._cond:
             if len(self._events) <= index and self._pending:
                 self._cond.wait(timeout)
