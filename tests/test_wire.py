@@ -289,3 +289,19 @@ def test_a_send_to_hosts_is_done_only_once_its_big_buffers_left(tmp_path) -> Non
         return tracker
 
     _queued_big_then_small(tmp_path, send)
+
+
+_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=20) | st.tuples(inner, inner)
+                    | st.dictionaries(st.text(max_size=4), inner, max_size=20), max_leaves=30))
+def test_plain_values_pickle_to_the_same_bytes_by_either_way(value: object) -> None:
+    """A small plain value skips cloudpickle's pickler (the hot path's requests and no-op
+    results): what it sends must be exactly what the pickler would have sent."""
+    out = io.BytesIO()
+    Pickler(out, protocol=5).dump(value)
+    raw, buffers = dumps(value)
+    assert raw == out.getvalue() and buffers == []
+    assert roundtrip(value) == value

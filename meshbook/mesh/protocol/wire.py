@@ -163,12 +163,17 @@ class Pickler(cloudpickle.Pickler):
 _PLAIN = frozenset({type(None), bool, int, float, str})
 
 
-def _plain(obj: Any) -> bool:
-    """``obj`` is a plain value, or a dict of them by name (a request's body, a no-op's result)."""
+def _plain(obj: Any, depth: int = 2) -> bool:
+    """``obj`` is a plain value, or a small tuple, list or dict (by name) of them, nested
+    ``depth`` deep at most: a request's body (an endpoint's arguments in it), a no-op's result."""
     kind = type(obj)
     if kind in _PLAIN:
         return True
-    return kind is dict and all(type(k) is str and type(v) in _PLAIN for k, v in obj.items())
+    if depth == 0 or kind not in (tuple, list, dict) or len(obj) > 16:
+        return False
+    if kind is dict:
+        return all(type(k) is str and _plain(v, depth - 1) for k, v in obj.items())
+    return all(_plain(v, depth - 1) for v in obj)
 
 
 def dumps(obj: Any, limit: int | None = None) -> tuple[bytes, list[pickle.PickleBuffer]]:
