@@ -232,6 +232,9 @@ def test_a_dead_rank_frees_the_others_at_once_with_their_variables() -> None:
             assert ("rank 1 died (exit code 0)" in failure.message if failure.type_name == "CollectiveAborted"
                     else "Connection closed by peer" in failure.message), failure.headline
         assert error.hint.startswith("rank 1 died (exit code 0). %mesh restart 1"), error.hint
+        # The cause heads the error, not gloo's "Connection closed by peer" on the survivors.
+        assert str(error).startswith("3 ranks failed; first: [1] RankDied: rank 1 died"), str(error)
+        assert error.render().startswith("[1] RankDied"), error.render()
         assert "%mesh restart 1" in error.hint
         print(f"the cell failed {took:.1f} s after it started (rank 1 died at 0.5 s)")
         verdict = " ".join(mesh.diagnose().verdict)

@@ -187,7 +187,10 @@ class RemoteError(MeshError):
 
     def __post_init__(self) -> None:
         super().__init__()
-        self.groups = group_by_text({r: f.body() for r, f in self.failures.items()})
+        # Deaths first: a rank that died is what its peers' failures follow from (their
+        # collective's connection closed), so the headline names the cause, not gloo's echo of it.
+        self.groups = sorted(group_by_text({r: f.body() for r, f in self.failures.items()}),
+                             key=lambda group: self.failures[group[0][0]].died is None)
 
     @property
     def ranks(self) -> list[int]:
