@@ -194,6 +194,29 @@ def test_a_collective_that_timed_out_has_its_groups_re_created() -> None:
         assert dict(mesh.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
 
 
+def test_a_module_left_on_the_old_groups_says_so_when_it_fails_and_works_once_rebuilt() -> None:
+    """After the groups were re-created, a DDP module built before calls its closed group:
+    gloo says "Connection closed by peer ... typically caused by a remote worker crashing";
+    the error names what to re-create instead. A DTensor finds its mesh's groups by name, so
+    it works on the new ones and is not named."""
+    with meshbook.start(2) as mesh:
+        mesh.run("from torch.distributed.tensor import distribute_tensor, Shard\n"
+                 "net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+                 "d = distribute_tensor(torch.arange(4.0), device_mesh, [Shard(0)])").result()
+        first = mesh.run("x = torch.ones(1)\nif rank == 1:\n    raise ValueError('bad batch')\ndist.all_reduce(x)")
+        failures_of(first)
+        assert "re-created the process groups" in first.step_report()
+        error = failures_of(mesh.run("net(torch.ones(3, 2)).sum().backward()"))
+        for failure in error.failures.values():
+            assert failure.message.startswith("net (DDP module) still uses process groups meshbook re-created "
+                                              "since it was built"), failure.message
+            assert "Connection closed by peer" in failure.message  # what the collective said, kept
+        assert mesh.run("d.full_tensor().tolist()").result().unique() == [0.0, 1.0, 2.0, 3.0]
+        mesh.run("net = torch.nn.parallel.DistributedDataParallel(net.module)").result()
+        mesh.run("net(torch.ones(3, 2)).sum().backward()").result(timeout=30)
+        assert dict(mesh.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}
+
+
 def test_a_failure_that_leaves_the_ranks_in_step_re_creates_nothing(pair: meshbook.Mesh) -> None:
     pair.run("kept = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))").result()
     generation = pair.status()[0].generation

@@ -9,6 +9,7 @@ list, so eight ranks failing the same way read like one failure.
 from __future__ import annotations
 
 import operator
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +142,13 @@ def short_path(filename: str) -> str:
         if marker in filename:
             return filename.split(marker, 1)[1]
     return filename
+
+
+#: What a collective's error says when its process group is broken for good: a gloo timeout
+#: closes the connections (every later collective fails with "Connection closed by peer"), and
+#: NCCL aborts its communicator. The counts may still agree; the groups must be re-created.
+BROKEN_GROUP = re.compile(r"gloo.*(timed out|connection closed|connection reset|pair closure)|nccl.*(timeout|abort)",
+                          re.IGNORECASE | re.DOTALL)
 
 
 @dataclass(frozen=True)

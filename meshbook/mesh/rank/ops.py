@@ -27,6 +27,7 @@ from ..protocol.payload import Overweight, Payload, Slot, pickled_for_pull
 from ..protocol.reports import Collective, GroupPosition, Positions, RankSnapshot
 from ..protocol.wire import TooBig
 from .devices import on_device, walk
+from .groups import bound_objects
 from .torch_compat import abort_process_groups, backends, flight_records, is_default_group, issued, process_groups
 
 if TYPE_CHECKING:
@@ -283,47 +284,6 @@ def release(worker: "Worker", check: int, verdict: int | None) -> None:
     """The controller's verdict for the step check ``check`` (control thread): a rank may get
     it before it reaches :func:`hold`."""
     worker.verdicts.put((check, verdict))
-
-
-def bound_objects(namespace: Mapping[str, Any]) -> list[str]:
-    """Variables that hold on to process groups: they must be re-created after new groups.
-
-    ``device_mesh`` is meshbook's own and is rebuilt with the groups, so it is not listed.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return []
-    found = []
-    for name, value in namespace.items():
-        if name.startswith("_") or name == "device_mesh":
-            continue
-        kind = _bound_kind(torch, value)
-        if kind:
-            found.append(f"{name} ({kind})")
-    return sorted(found)
-
-
-def _bound_kind(torch: Any, value: Any) -> str:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DeviceMesh):
-        return "DeviceMesh"
-    if isinstance(value, torch.distributed.ProcessGroup):
-        return "process group"
-    if isinstance(value, DTensor):
-        return "DTensor"
-    if isinstance(value, torch.nn.parallel.DistributedDataParallel):
-        return "DDP module"
-    if isinstance(value, torch.nn.Module):
-        if type(value).__name__.startswith("FSDP"):
-            return "FSDP module"
-        if any(isinstance(p, DTensor) for p in value.parameters()):
-            return "module with DTensor parameters (FSDP2 / tensor parallel)"
-    if isinstance(value, torch.optim.Optimizer):
-        if any(isinstance(p, DTensor) for g in value.param_groups for p in g["params"]):
-            return "optimizer over DTensor parameters"
-    return ""
 
 
 # -- data (mesh/controller/data.py) ---------------------------------------------------------------

@@ -57,7 +57,7 @@ from ..protocol.cell import (
     register_source,
 )
 from ..protocol.config import HEARTBEAT_S
-from ..protocol.errors import RankFailure, SendError
+from ..protocol.errors import BROKEN_GROUP, RankFailure, SendError
 from ..protocol.lane import Inbox, Uplink
 from ..protocol.limits import KeptOnRank
 from ..protocol.payload import Lent
@@ -66,6 +66,7 @@ from . import torchrun
 from .actors import ActorHost
 from .collectives import CollectiveClock
 from .context import RankConfig
+from .groups import stale_objects
 from .ipython import route_display
 from .memory import CudaStats, host_memory_probe
 from .sampling import MainThreadSampler, see_through
@@ -353,7 +354,7 @@ class Worker:
             self.running_user_code = False
             self._finish(request, failure=RankFailure(self.rank, NotRun.__name__, str(exc)), reply=reply)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
-            failure = failure_from(self.rank, exc)
+            failure = _explain_stale(failure_from(self.rank, exc), self.namespace)
             if in_step and self.failed_before is None:
                 # Sent before anyone knew: the others may run it, and its collectives would
                 # pair with the ones they still issue in this (a wrong number, as a success).
@@ -715,6 +716,22 @@ def _main_module() -> types.ModuleType:
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
     return main
+
+
+def _explain_stale(failure: RankFailure, namespace: dict[str, Any]) -> RankFailure:
+    """A collective that failed on a closed group, where the namespace holds objects built on
+    groups meshbook has re-created since: the headline says which to re-create (gloo's own
+    "Connection closed by peer" says a peer crashed, which it did not)."""
+    if not BROKEN_GROUP.search(failure.message):
+        return failure
+    stale = stale_objects(namespace)
+    if not stale:
+        return failure
+    return replace(failure, message=(
+        f"{', '.join(stale)} still use{'s' if len(stale) == 1 else ''} process groups meshbook re-created "
+        f"since {'it was' if len(stale) == 1 else 'they were'} built (the old ones are closed): re-create "
+        f"{'it' if len(stale) == 1 else 'them'} on the new groups (DDP(net.module), fully_shard or "
+        f"parallelize_module again on `device_mesh`). The collective said: {failure.message}"))
 
 
 def _out_of_memory(exc: BaseException) -> bool:

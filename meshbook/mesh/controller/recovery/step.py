@@ -24,12 +24,11 @@ report names those variables (``bound_objects``, on the ranks) so the user knows
 
 from __future__ import annotations
 
-import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from ...protocol.errors import MeshError
+from ...protocol.errors import BROKEN_GROUP, MeshError
 from ...protocol.reports import Positions
 from ...protocol.text import format_ranks, group_by_text, ranks_text
 from ...rank.ops import hold, positions, release
@@ -196,13 +195,6 @@ class StepCheck:
                 ctl.call(release, self.held.id, verdict, ranks=ranks, what="step verdict")
         except MeshError:
             pass  # stopped meanwhile: nobody is left to hold
-
-
-#: What a collective's error says when its process group is broken for good: a gloo timeout
-#: closes the connections (every later collective fails with "Connection closed by peer"), and
-#: NCCL aborts its communicator. The counts may still agree; the groups must be re-created.
-BROKEN_GROUP = re.compile(r"gloo.*(timed out|connection closed|connection reset|pair closure)|nccl.*(timeout|abort)",
-                          re.IGNORECASE | re.DOTALL)
 
 
 def broken_groups(run: "Run") -> list[int]:
