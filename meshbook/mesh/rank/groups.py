@@ -33,9 +33,20 @@ def bound_objects(namespace: Mapping[str, Any]) -> list[str]:
     return sorted(found)
 
 
+class _Absent:
+    """What no value is an instance of: the class of a module nobody imported."""
+
+
+def _loaded(module: str, name: str) -> Any:
+    """``module.name`` if some code imported ``module`` (no value can be one otherwise). Asked
+    as a failing cell is reported: importing ``torch.distributed.tensor`` there would take
+    the rank most of a second, while its peers' recovery waits on it."""
+    return getattr(sys.modules.get(module), name, _Absent)
+
+
 def _bound_kind(torch: Any, value: Any) -> str:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
+    DeviceMesh = _loaded("torch.distributed.device_mesh", "DeviceMesh")  # noqa: N806 - a class
+    DTensor = _loaded("torch.distributed.tensor", "DTensor")  # noqa: N806
 
     if isinstance(value, DeviceMesh):
         return "DeviceMesh"
@@ -75,8 +86,8 @@ def stale_objects(namespace: Mapping[str, Any]) -> list[str]:
 
 def _groups_of(torch: Any, value: Any) -> list[Any]:
     """The process groups ``value`` calls (None for one whose group is gone by name)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
+    DeviceMesh = _loaded("torch.distributed.device_mesh", "DeviceMesh")  # noqa: N806 - a class
+    DTensor = _loaded("torch.distributed.tensor", "DTensor")  # noqa: N806
 
     if isinstance(value, torch.distributed.ProcessGroup):
         return [value]
