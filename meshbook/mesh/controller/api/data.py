@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 #: What a rank may send of a limited pull beyond its share of the limit: the pickle's own bytes
 #: around the data (types, shapes, names: about a hundred bytes a tensor).
 _FRAMING = 64 << 10
-#: How often a pull looks for answers that arrived (the first and last wake it at once).
+#: How often a pull looks for answers that arrived (the last one wakes it at once).
 _LAND_EVERY_S = 1.0
 #: How long an interrupted push waits for its ranks to say whether they stored it.
 INTERRUPTED_WAIT_S = 5.0
