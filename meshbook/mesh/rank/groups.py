@@ -9,7 +9,7 @@ a later failure that comes from one of them says so in its own headline (:func:`
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .torch_compat import process_groups
@@ -20,17 +20,18 @@ def bound_objects(namespace: Mapping[str, Any]) -> list[str]:
 
     ``device_mesh`` is meshbook's own and is rebuilt with the groups, so it is not listed.
     """
+    return sorted(f"{name} ({kind})" for name, kind, _ in _bound(namespace))
+
+
+def stale_objects(namespace: Mapping[str, Any]) -> list[str]:
+    """Variables bound to process groups that no longer exist (destroyed when meshbook
+    re-created the groups): what must be re-created before they work again."""
     torch = sys.modules.get("torch")
-    if torch is None:
+    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return []
-    found = []
-    for name, value in namespace.items():
-        if name.startswith("_") or name == "device_mesh":
-            continue
-        kind = _bound_kind(torch, value)
-        if kind:
-            found.append(f"{name} ({kind})")
-    return sorted(found)
+    current = {id(pg) for _, pg in process_groups()}
+    return sorted(f"{name} ({kind})" for name, kind, holds in _bound(namespace)
+                  if any(id(pg) not in current for pg in _groups(holds)))
 
 
 class _Absent:
@@ -44,70 +45,67 @@ def _loaded(module: str, name: str) -> Any:
     return getattr(sys.modules.get(module), name, _Absent)
 
 
-def _bound_kind(torch: Any, value: Any) -> str:
-    DeviceMesh = _loaded("torch.distributed.device_mesh", "DeviceMesh")  # noqa: N806 - a class
-    DTensor = _loaded("torch.distributed.tensor", "DTensor")  # noqa: N806
-
-    if isinstance(value, DeviceMesh):
-        return "DeviceMesh"
-    if isinstance(value, torch.distributed.ProcessGroup):
-        return "process group"
-    if isinstance(value, DTensor):
-        return "DTensor"
-    if isinstance(value, torch.nn.parallel.DistributedDataParallel):
-        return "DDP module"
-    if isinstance(value, torch.nn.Module):
-        if type(value).__name__.startswith("FSDP"):
-            return "FSDP module"
-        if any(isinstance(p, DTensor) for p in value.parameters()):
-            return "module with DTensor parameters (FSDP2 / tensor parallel)"
-    if isinstance(value, torch.optim.Optimizer):
-        if any(isinstance(p, DTensor) for g in value.param_groups for p in g["params"]):
-            return "optimizer over DTensor parameters"
-    return ""
-
-
-def stale_objects(namespace: Mapping[str, Any]) -> list[str]:
-    """Variables bound to process groups that no longer exist (destroyed when meshbook
-    re-created the groups): what must be re-created before they work again."""
+def _bound(namespace: Mapping[str, Any]) -> Iterator[tuple[str, str, list[Any]]]:
+    """``(name, kind, what it holds)`` of each variable bound to process groups (what it holds:
+    the groups and device meshes it calls). A value that cannot be asked is left out: this
+    runs as a failure is reported and after new groups were joined, where raising would cost
+    the rank its answer."""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return []
-    current = {id(pg) for _, pg in process_groups()}
-    found = []
-    for name, value in namespace.items():
+    if torch is None:
+        return
+    for name, value in list(namespace.items()):
         if name.startswith("_") or name == "device_mesh":
             continue
-        kind = _bound_kind(torch, value)
-        if kind and any(pg is None or id(pg) not in current for pg in _groups_of(torch, value)):
-            found.append(f"{name} ({kind})")
-    return sorted(found)
+        try:
+            kind, holds = _binding(torch, value)
+        except Exception:  # noqa: BLE001 - a user's object with a property that raises, say
+            continue
+        if kind:
+            yield name, kind, holds
 
 
-def _groups_of(torch: Any, value: Any) -> list[Any]:
-    """The process groups ``value`` calls (None for one whose group is gone by name)."""
+def _binding(torch: Any, value: Any) -> tuple[str, list[Any]]:
+    """What kind of bound object ``value`` is ("" for none), and the groups and meshes it holds."""
     DeviceMesh = _loaded("torch.distributed.device_mesh", "DeviceMesh")  # noqa: N806 - a class
     DTensor = _loaded("torch.distributed.tensor", "DTensor")  # noqa: N806
 
-    if isinstance(value, torch.distributed.ProcessGroup):
-        return [value]
-    if isinstance(value, torch.nn.parallel.DistributedDataParallel):
-        return [value.process_group]
-    meshes: dict[int, Any] = {}
     if isinstance(value, DeviceMesh):
-        meshes[id(value)] = value
-    elif isinstance(value, DTensor):
-        meshes[id(value.device_mesh)] = value.device_mesh
-    else:
-        params = value.parameters() if isinstance(value, torch.nn.Module) else (
-            p for g in getattr(value, "param_groups", ()) for p in g["params"])
-        for p in params:
-            if isinstance(p, DTensor):
-                meshes.setdefault(id(p.device_mesh), p.device_mesh)
-    groups: list[Any] = []
-    for mesh in meshes.values():
+        return "DeviceMesh", [value]
+    if isinstance(value, torch.distributed.ProcessGroup):
+        return "process group", [value]
+    if isinstance(value, DTensor):
+        return "DTensor", [value.device_mesh]
+    if isinstance(value, torch.nn.parallel.DistributedDataParallel):
+        return "DDP module", [value.process_group]
+    if isinstance(value, torch.nn.Module):
+        if type(value).__name__.startswith("FSDP"):
+            group = getattr(value, "process_group", None)
+            return "FSDP module", [group] if group is not None else []
+        meshes = _meshes(DTensor, value.parameters())
+        return ("module with DTensor parameters (FSDP2 / tensor parallel)" if meshes else ""), meshes
+    if isinstance(value, torch.optim.Optimizer):
+        meshes = _meshes(DTensor, (p for g in value.param_groups for p in g["params"]))
+        return ("optimizer over DTensor parameters" if meshes else ""), meshes
+    return "", []
+
+
+def _meshes(dtensor: Any, params: Iterable[Any]) -> list[Any]:
+    """The distinct device meshes of the DTensors among ``params``."""
+    found: dict[int, Any] = {}
+    for p in params:
+        if isinstance(p, dtensor):
+            found.setdefault(id(p.device_mesh), p.device_mesh)
+    return list(found.values())
+
+
+def _groups(holds: list[Any]) -> Iterator[Any]:
+    """The process groups behind what a variable holds; a mesh finds its groups by name, so
+    one whose groups are gone gives a placeholder that is no current group."""
+    for held in holds:
+        if not hasattr(held, "get_all_groups"):  # a process group itself
+            yield held
+            continue
         try:
-            groups += mesh.get_all_groups()
-        except Exception:  # its groups are looked up by name: gone with them
-            groups.append(None)
-    return groups
+            yield from held.get_all_groups()
+        except Exception:  # noqa: BLE001 - looked up by name: gone with them
+            yield _Absent
