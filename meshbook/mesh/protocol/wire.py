@@ -161,6 +161,7 @@ class Pickler(cloudpickle.Pickler):
 
 #: Values that pickle the same whoever pickles them (no tensors, no code): see :func:`dumps`.
 _PLAIN = frozenset({type(None), bool, int, float, str})
+_CONTAINERS = frozenset({tuple, list, dict})
 
 
 def _plain(obj: Any, depth: int = 2) -> bool:
@@ -169,11 +170,17 @@ def _plain(obj: Any, depth: int = 2) -> bool:
     kind = type(obj)
     if kind in _PLAIN:
         return True
-    if depth == 0 or kind not in (tuple, list, dict) or len(obj) > 16:
+    if depth == 0 or kind not in _CONTAINERS or len(obj) > 16:
         return False
     if kind is dict:
-        return all(type(k) is str and _plain(v, depth - 1) for k, v in obj.items())
-    return all(_plain(v, depth - 1) for v in obj)
+        for key in obj:
+            if type(key) is not str:
+                return False
+        obj = obj.values()
+    for item in obj:  # a loop, not all(...): this runs for every request and every result
+        if type(item) not in _PLAIN and not _plain(item, depth - 1):
+            return False
+    return True
 
 
 def dumps(obj: Any, limit: int | None = None) -> tuple[bytes, list[pickle.PickleBuffer]]:
