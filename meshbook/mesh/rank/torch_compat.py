@@ -113,14 +113,6 @@ def set_default_group_timeout(timeout: Any) -> None:
     c10d._set_pg_timeout(timeout)
 
 
-def default_group_timeouts() -> list[float]:
-    """Seconds each backend of the default group waits for a collective (what
-    :func:`set_default_group_timeout` set)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    return [b.options._timeout.total_seconds() for b in backends(c10d._get_default_group())]
-
-
 def abort_process_groups() -> bool:
     """Abort every NCCL communicator of this process (any thread may call it): a collective
     or CUDA sync blocked on one fails at once, where ``destroy_process_group`` would wait for
