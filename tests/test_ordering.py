@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshbook.mesh.protocol.fragments import Assembly, split
@@ -44,6 +44,39 @@ def test_a_gap_that_asking_does_not_fill_is_asked_for_less_and_less_often() -> N
     incoming.take(4, [b"4"], 141.0)
     assert incoming.ask(141.0) == (3, 3) and incoming.ask(141.0 + ASK_AGAIN_S) == (3, 3), \
         "a new gap is asked for promptly"
+
+
+@settings(max_examples=400, derandomize=True)  # the same examples on every run: never a flake
+@given(arrivals=st.lists(st.integers(min_value=1, max_value=6), max_size=12),
+       lost=st.sets(st.integers(min_value=1, max_value=6)), told_at=st.integers(min_value=0, max_value=12))
+def test_whatever_comes_in_whatever_order_is_delivered_as_the_rule_says(
+        arrivals: list[int], lost: set[int], told_at: int) -> None:
+    """Any arrivals (late, twice, some never) and numbers told lost at any point, against the
+    rule in its plainest form: a number is delivered once, when every number before it came or
+    was told lost; a number that comes after its turn passed is dropped. The in-order path
+    (nothing held, nothing lost: delivered at once) must agree with it."""
+    incoming, delivered = Incoming(), []
+    expected, waiting, skipped, wanted = 1, set(), set(), []
+
+    def go_on() -> None:
+        nonlocal expected
+        while expected in waiting or expected in skipped:
+            if expected in waiting:
+                wanted.append(expected)
+            expected += 1
+
+    for i, seq in enumerate([*arrivals, 0]):
+        if i == told_at:
+            delivered += incoming.give_up([(n, n) for n in sorted(lost)])
+            skipped |= {n for n in lost if n >= expected and n not in waiting}
+            go_on()
+        if seq:
+            delivered += incoming.take(seq, [seq], 0.0)
+            if seq >= expected:
+                waiting.add(seq)
+                go_on()
+    assert [frames[0] for frames in delivered] == wanted
+    assert incoming.expected == expected
 
 
 def test_what_the_sender_no_longer_keeps_is_lost_and_the_rest_goes_on() -> None:

@@ -121,6 +121,9 @@ class Incoming:
 
     def take(self, seq: int, frames: list[Any], now: float) -> list[list[Any]]:
         """A message arrived: what can be delivered now, in order (maybe nothing)."""
+        if seq == self.expected and not self.held and not self.gone:  # the usual case, per host and answer
+            self.expected = seq + 1
+            return [frames]
         if seq < self.expected or seq in self.held:
             return []  # sent again, and already here
         self.held[seq] = frames

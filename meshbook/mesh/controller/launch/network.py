@@ -300,7 +300,7 @@ class Network:
         parts = [struct.pack(f"<{len(routes)}I", *routes), *routes.values(), *frames]
         if wire.is_big(frames):
             return wire.send_tracked(self._outbox, parts)
-        wire.send(self._outbox, parts)
+        wire.send(self._outbox, parts, big=False)  # known: not asked again of every host's route
         return None
 
     # -- the receiver thread's side ------------------------------------------------------------
