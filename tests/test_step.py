@@ -195,23 +195,38 @@ def test_a_collective_that_timed_out_has_its_groups_re_created() -> None:
 
 
 def test_a_module_left_on_the_old_groups_says_so_when_it_fails_and_works_once_rebuilt() -> None:
-    """After the groups were re-created, a DDP module built before calls its closed group:
-    gloo says "Connection closed by peer ... typically caused by a remote worker crashing";
-    the error names what to re-create instead. A DTensor finds its mesh's groups by name, so
-    it works on the new ones and is not named."""
+    """After the groups were re-created, a DDP module built before calls its closed group (gloo:
+    "Connection closed by peer ... typically caused by a remote worker crashing") and an FSDP2
+    module the destroyed group fully_shard kept (torch: "... is not initialized in the world
+    group map"). The step report names both, and so does each one's error. A DTensor and a
+    tensor parallel module find their mesh's groups by name: they work on the new ones, and
+    are not named."""
     with meshbook.start(2) as mesh:
         mesh.run("from torch.distributed.tensor import distribute_tensor, Shard\n"
+                 "from torch.distributed.tensor.parallel import parallelize_module, ColwiseParallel\n"
+                 "from torch.distributed.fsdp import fully_shard\n"
                  "net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
-                 "d = distribute_tensor(torch.arange(4.0), device_mesh, [Shard(0)])").result()
+                 "d = distribute_tensor(torch.arange(4.0), device_mesh, [Shard(0)])\n"
+                 "torch.manual_seed(0)\n"
+                 "tp = parallelize_module(torch.nn.Linear(4, 4), device_mesh, ColwiseParallel())\n"
+                 "before = tp(torch.ones(2, 4)).sum().item()\n"
+                 "fs = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))\n"
+                 "fully_shard(fs[0], mesh=device_mesh)\nfully_shard(fs, mesh=device_mesh)\n"
+                 "fs(torch.ones(2, 4)).sum().backward()").result()
         first = mesh.run("x = torch.ones(1)\nif rank == 1:\n    raise ValueError('bad batch')\ndist.all_reduce(x)")
         failures_of(first)
-        assert "re-created the process groups" in first.step_report()
-        error = failures_of(mesh.run("net(torch.ones(3, 2)).sum().backward()"))
-        for failure in error.failures.values():
-            assert failure.message.startswith("net (DDP module) still uses process groups meshbook re-created "
-                                              "since it was built"), failure.message
-            assert "Connection closed by peer" in failure.message  # what the collective said, kept
+        report = first.step_report()
+        assert "re-created the process groups" in report
+        assert "\n[0,1] bound to the old groups, re-create: fs (FSDP2 module), net (DDP module)" in report, report
+        assert report.endswith("(DDP module)"), "a DTensor, a tensor parallel module: not named"
+        for code, said in (("net(torch.ones(3, 2)).sum().backward()", "Connection closed by peer"),
+                           ("fs(torch.ones(2, 4)).sum().backward()", "is not initialized in the world group map")):
+            for failure in failures_of(mesh.run(code)).failures.values():
+                assert failure.message.startswith("fs (FSDP2 module), net (DDP module) still use process groups "
+                                                  "meshbook re-created since they were built"), failure.message
+                assert said in failure.message  # what the collective said, kept
         assert mesh.run("d.full_tensor().tolist()").result().unique() == [0.0, 1.0, 2.0, 3.0]
+        assert mesh.run("tp(torch.ones(2, 4)).sum().item() == before").result().unique() is True
         mesh.run("net = torch.nn.parallel.DistributedDataParallel(net.module)").result()
         mesh.run("net(torch.ones(3, 2)).sum().backward()").result(timeout=30)
         assert dict(mesh.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}

@@ -116,3 +116,16 @@ def test_the_default_group_timeout_can_be_set_and_read() -> None:
 def test_abort_process_groups_exists() -> None:
     with meshbook.start(1) as mesh:  # on gloo it aborts nothing; the call itself must exist
         assert mesh.apply(torch_compat.abort_process_groups).result()[0] is True
+
+
+
+def test_the_groups_fully_shard_keeps_are_found(pair: meshbook.Mesh) -> None:
+    """A wrapped module and its wrapped submodules keep the mesh's group as an object (one,
+    found once); a module nothing wrapped keeps none."""
+    pair.run("from torch.distributed.fsdp import fully_shard\n"
+             "from meshbook.mesh.rank import torch_compat\n"
+             "wrapped = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))\n"
+             "fully_shard(wrapped[0], mesh=device_mesh)\nfully_shard(wrapped, mesh=device_mesh);").result()
+    kept = pair.run("[torch_compat.fsdp2_groups(torch.nn.Linear(2, 2)),\n"
+                    " [g is device_mesh.get_group() for g in torch_compat.fsdp2_groups(wrapped)]]").result()
+    assert kept.unique() == [[], [True]]

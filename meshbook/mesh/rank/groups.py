@@ -1,26 +1,25 @@
-"""What in a rank's namespace holds on to process groups, and which of it holds groups that are
-gone: after meshbook re-creates the groups (a step check, a recovery, a restart), a DDP module
-or a DTensor built before still calls the old, closed ones, and the collective fails with
-gloo's "Connection closed by peer" (NCCL: an aborted communicator), which says nothing of why.
-The step report names what was bound when the groups were re-created (:func:`bound_objects`);
-a later failure that comes from one of them says so in its own headline (:func:`stale_objects`).
+"""What in a rank's namespace still holds process groups that are gone: after meshbook
+re-creates the groups (a step check, a recovery, a restart), a DDP or FSDP module built before
+calls the old, destroyed ones, and fails with gloo's "Connection closed by peer" (NCCL: an
+aborted communicator) or torch's "Process group ... is not initialized in the world group map",
+neither of which says why. A DeviceMesh finds its groups by name, so a DTensor or a tensor
+parallel module on ``device_mesh`` works on the new groups and is not named.
+
+The step report names what is stale once the new groups are joined, and a later failure that
+comes from such an object says so in its own headline (both through :func:`stale_objects`).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .torch_compat import process_groups
+from .torch_compat import fsdp2_groups, process_groups
 
-
-def bound_objects(namespace: Mapping[str, Any]) -> list[str]:
-    """Variables that hold on to process groups: they must be re-created after new groups.
-
-    ``device_mesh`` is meshbook's own and is rebuilt with the groups, so it is not listed.
-    """
-    return sorted(f"{name} ({kind})" for name, kind, _ in _bound(namespace))
+#: What torch says when a collective is called on a group that was destroyed (FSDP2 kept it).
+DESTROYED_GROUP = re.compile(r"Process group .* is not initialized in the world group map")
 
 
 def stale_objects(namespace: Mapping[str, Any]) -> list[str]:
@@ -77,12 +76,15 @@ def _binding(torch: Any, value: Any) -> tuple[str, list[Any]]:
         return "DTensor", [value.device_mesh]
     if isinstance(value, torch.nn.parallel.DistributedDataParallel):
         return "DDP module", [value.process_group]
+    if isinstance(value, _loaded("torch.distributed.fsdp", "FullyShardedDataParallel")):
+        group = getattr(value, "process_group", None)
+        return "FSDP module", [group] if group is not None else []
     if isinstance(value, torch.nn.Module):
-        if type(value).__name__.startswith("FSDP"):
-            group = getattr(value, "process_group", None)
-            return "FSDP module", [group] if group is not None else []
         meshes = _meshes(DTensor, value.parameters())
-        return ("module with DTensor parameters (FSDP2 / tensor parallel)" if meshes else ""), meshes
+        kept = fsdp2_groups(value)
+        if kept:
+            return "FSDP2 module", kept + meshes
+        return ("module with DTensor parameters" if meshes else ""), meshes
     if isinstance(value, torch.optim.Optimizer):
         meshes = _meshes(DTensor, (p for g in value.param_groups for p in g["params"]))
         return ("optimizer over DTensor parameters" if meshes else ""), meshes

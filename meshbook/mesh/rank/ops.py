@@ -27,7 +27,7 @@ from ..protocol.payload import Overweight, Payload, Slot, pickled_for_pull
 from ..protocol.reports import Collective, GroupPosition, Positions, RankSnapshot
 from ..protocol.wire import TooBig
 from .devices import on_device, walk
-from .groups import bound_objects
+from .groups import stale_objects
 from .torch_compat import abort_process_groups, backends, flight_records, is_default_group, issued, process_groups
 
 if TYPE_CHECKING:
@@ -239,7 +239,7 @@ def positions(worker: "Worker") -> Positions:
 def hold(worker: "Worker") -> list[str]:
     """Wait for the controller's verdict on this check; join a new generation if it says so.
 
-    Returns the variables bound to the old groups when the groups were re-created. Shielded
+    Returns the variables still bound to the old groups when the groups were re-created. Shielded
     from interrupts, and a verdict names the check it is for: a verdict never lands on a
     later check. A check of a kernel that let the mesh go (a kept mesh attached by another:
     :func:`supersede`) gives no verdict: the rank then holds back what comes next, and the
@@ -259,7 +259,7 @@ def hold(worker: "Worker") -> list[str]:
         if generation is None:
             return []
         worker.reinit(generation)
-    return bound_objects(worker.namespace)
+    return stale_objects(worker.namespace)
 
 
 @rank_op(channel=msg.CONTROL)

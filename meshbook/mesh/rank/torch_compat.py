@@ -113,6 +113,27 @@ def set_default_group_timeout(timeout: Any) -> None:
     c10d._set_pg_timeout(timeout)
 
 
+def fsdp2_groups(module: Any) -> list[Any]:
+    """The process groups ``fully_shard`` keeps for ``module`` and the submodules it wrapped.
+    Each wrapped module's parameter group holds its mesh's groups as objects, taken when it was
+    wrapped (its mesh would find new groups by name; these do not): a module wrapped before
+    meshbook re-created the groups calls destroyed ones. Empty for a module nothing wrapped."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    wrapped = getattr(fsdp, "FSDPModule", None)
+    if wrapped is None:
+        return []
+    import torch
+
+    found: dict[int, Any] = {}
+    for sub in module.modules():
+        group = sub._get_fsdp_state()._fsdp_param_group if isinstance(sub, wrapped) else None
+        for info in (group.mesh_info, group.post_forward_mesh_info) if group is not None else ():
+            for held in vars(info).values() if info is not None else ():
+                if isinstance(held, torch.distributed.ProcessGroup):
+                    found.setdefault(id(held), held)
+    return list(found.values())
+
+
 def abort_process_groups() -> bool:
     """Abort every NCCL communicator of this process (any thread may call it): a collective
     or CUDA sync blocked on one fails at once, where ``destroy_process_group`` would wait for

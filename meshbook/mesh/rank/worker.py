@@ -66,7 +66,7 @@ from . import torchrun
 from .actors import ActorHost
 from .collectives import CollectiveClock
 from .context import RankConfig
-from .groups import stale_objects
+from .groups import DESTROYED_GROUP, stale_objects
 from .ipython import route_display
 from .memory import CudaStats, host_memory_probe
 from .sampling import MainThreadSampler, see_through
@@ -719,10 +719,11 @@ def _main_module() -> types.ModuleType:
 
 
 def _explain_stale(failure: RankFailure, namespace: dict[str, Any]) -> RankFailure:
-    """A collective that failed on a closed group, where the namespace holds objects built on
-    groups meshbook has re-created since: the headline says which to re-create (gloo's own
-    "Connection closed by peer" says a peer crashed, which it did not)."""
-    if not BROKEN_GROUP.search(failure.message):
+    """A collective that failed on a closed or destroyed group, where the namespace holds
+    objects built on groups meshbook has re-created since: the headline says which to re-create
+    (gloo's own "Connection closed by peer" says a peer crashed, which it did not, and torch's
+    "not initialized in the world group map" names no variable)."""
+    if not (BROKEN_GROUP.search(failure.message) or DESTROYED_GROUP.search(failure.message)):
         return failure
     stale = stale_objects(namespace)
     if not stale:

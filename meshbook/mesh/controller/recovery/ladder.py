@@ -74,8 +74,9 @@ class Recovery:
                          f"{ranks_text(self.aborted)} (a collective writes as it goes, and may differ between "
                          f"ranks): compute it again before you use it.")
         lines.append(f"The process group was re-created on all ranks (generation {self.generation}) "
-                     f"in {self.seconds:.1f} s; objects built on the old one (DDP/FSDP modules, "
-                     f"DTensors, subgroups) must be re-created from the new `device_mesh`.")
+                     f"in {self.seconds:.1f} s; what holds the old groups (DDP and FSDP modules, groups "
+                     f"of your own) must be re-created from the new `device_mesh`; DTensors and tensor "
+                     f"parallel modules on `device_mesh` keep working.")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

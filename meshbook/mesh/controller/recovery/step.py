@@ -18,8 +18,10 @@ The check is a barrier in the ranks' request order, so nothing queued after it c
    which each rank joins inside ``hold`` (the recovery ladder frees any rank whose old,
    unpaired collective keeps it from leaving), and the cell says what happened.
 
-What was built on the old groups (DDP/FSDP modules, DTensors, DeviceMeshes) cannot follow: the
-report names those variables (``bound_objects``, on the ranks) so the user knows what to re-create.
+What holds the old groups as objects (DDP and FSDP modules, groups and meshes of the user's
+own) cannot follow: the report names those variables (``stale_objects``, on the ranks) so the
+user knows what to re-create. A DTensor or tensor parallel module on ``device_mesh`` finds the
+new groups by name, and is not named.
 """
 
 from __future__ import annotations
