@@ -7,6 +7,7 @@ import gc
 import os
 import re
 import resource
+import secrets
 import signal
 import threading
 import time
@@ -481,9 +482,37 @@ def test_a_write_cut_short_by_an_interrupt_leaves_no_file_open(monkeypatch: pyte
         lend(Lent(), torch.ones(SHARE_MIN))
     with pytest.raises(KeyboardInterrupt):
         Segments().share(body, views)  # a new segment
+    monkeypatch.setattr(secrets, "token_bytes", interrupted)  # the free one is written through its mapping
     with pytest.raises(KeyboardInterrupt):
-        pool.share(body, views)  # the free one
+        pool.share(body, views)
     assert meshbook_files() == before - {str(reused)}
+    assert call_mappings() == 0, "its mapping went with it"
+
+
+def call_mappings() -> int:
+    """How many mappings of actor-call segments this process holds."""
+    with open("/proc/self/maps") as maps:
+        return sum("/memfd:meshbook-call" in line for line in maps)
+
+
+def test_a_segment_written_over_holds_the_new_values_and_its_mapping_goes_with_the_file() -> None:
+    """A segment is written over through a mapping the writer keeps (a copy, where pwrite costs
+    three): readers see the new values, and the mapping is let go of with the file."""
+    pool = Segments(keep=1)
+    payload, fd = pool.share(*pickled({"x": torch.arange(SHARE_MIN // 4, dtype=torch.float32)}, "call")[:2])
+    value, release = payload.open("call")
+    assert value["x"][5].item() == 5.0 and call_mappings() == 1, "a new segment: written, not mapped"
+    del value
+    assert release()
+    pool.give_back(fd, True)
+    again, reused = pool.share(*pickled({"x": torch.full((SHARE_MIN // 8,), 7.0)}, "call")[:2])
+    assert reused == fd and call_mappings() == 1, "written over through the writer's mapping"
+    value, release = again.open("call")
+    assert torch.equal(value["x"], torch.full((SHARE_MIN // 8,), 7.0)) and call_mappings() == 2
+    pool.give_back(reused, False)  # a reader still holds it: closed, the writer's mapping with it
+    assert call_mappings() == 1 and str(fd) not in meshbook_files()
+    del value
+    assert release() and call_mappings() == 0
 
 
 def test_a_pull_still_being_written_is_not_expired(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -85,6 +85,8 @@ _PART_DEPTH = 4
 #: Python's ``mmap`` keeps a duplicate of the file's descriptor, one per mapped value, unless
 #: told not to (3.13 on): a notebook holding thousands of pulled values would run out.
 _MMAP_OPTIONS: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+#: Put a mapping's pages in place for writing, in one call (Linux 5.14; Python names it from 3.14).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 @dataclass(frozen=True)
@@ -244,9 +246,10 @@ class FreeFiles:
     The smallest file that fits is taken; past ``keep`` files, the one freed longest ago is
     closed. Its owner's lock guards it."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, on_close: Callable[[int], None] = os.close) -> None:
         self.keep = keep
         self._files: list[tuple[int, float, int]] = []  # (size, when freed, fd)
+        self._on_close = on_close  # closes a file it lets go of (and whatever its owner keeps of it)
 
     def __len__(self) -> int:
         return len(self._files)
@@ -277,15 +280,24 @@ class FreeFiles:
 
     def _close(self, entry: tuple[int, float, int]) -> None:
         self._files.remove(entry)
-        os.close(entry[2])
+        self._on_close(entry[2])
 
 
 class Segments:
-    """Shared files to write payloads into, kept for reuse once every reader released them."""
+    """Shared files to write payloads into, kept for reuse once every reader released them.
+
+    A segment written over is written through a mapping of it this process keeps: ``pwrite``
+    into shared memory does the kernel's bookkeeping page by page, at about a third of a
+    copy's speed (256 MiB on a 2-core machine: 78 ms, against 27 ms through a mapping whose
+    pages are in place). The mapping is made when the segment is first written over, its
+    pages put in place in one call (``MADV_POPULATE_WRITE``, where the kernel has it), and
+    goes with the file. A new segment is written with ``pwrite``: mapping a new file first
+    would fault its pages in one by one (192 ms for the same 256 MiB, against 90)."""
 
     def __init__(self, keep: int = 4) -> None:
-        self._free = FreeFiles(keep)
+        self._free = FreeFiles(keep, on_close=self._close)
         self._lock = threading.Lock()
+        self._maps: dict[int, mmap.mmap] = {}  # a writable mapping of each segment written over
 
     def share(self, body: bytes, views: list[memoryview]) -> tuple[Payload, int]:
         """A payload in a free segment big enough (or a new one), and that segment's fd."""
@@ -294,16 +306,36 @@ class Segments:
         if fd is None:
             shared, fd = in_new_file("meshbook-call", views)
             return Payload(body, shared=shared), fd
-        return Payload(body, shared=_write_or_close(fd, views)), fd
+        try:  # cut short (an interrupt), the segment is half written: nobody may read it, or reuse it
+            mapping = self._maps.get(fd) or self._map(fd)
+            return Payload(body, shared=_write_mapped(fd, mapping, views)), fd
+        except BaseException:
+            self._close(fd)
+            raise
 
     def give_back(self, fd: int, reusable: bool) -> None:
         """Done with segment ``fd``: kept if every reader released it, else closed (the
         readers' mappings keep its pages as long as they need them)."""
-        if not reusable:
-            os.close(fd)
-            return
         with self._lock:
-            self._free.put(fd, time.monotonic())
+            if reusable:
+                self._free.put(fd, time.monotonic())
+            else:
+                self._close(fd)
+
+    def _map(self, fd: int) -> mmap.mmap:
+        with _descriptors():
+            mapping = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE, **_MMAP_OPTIONS)
+        with contextlib.suppress(OSError):  # a kernel before 5.14: the copy faults them in instead
+            mapping.madvise(_MADV_POPULATE_WRITE)
+        self._maps[fd] = mapping
+        return mapping
+
+    def _close(self, fd: int) -> None:
+        mapping = self._maps.pop(fd, None)
+        if mapping is not None:
+            mapping.close()
+        os.close(fd)
 
 
 class Lent:
@@ -564,6 +596,16 @@ def _write(fd: int, views: list[memoryview], token: bytes | None = None, fit: bo
     _pwrite_all(fd, memoryview(token), 0)
     for view, (start, _) in zip(views, spans):
         _pwrite_all(fd, view, start)
+    return SharedFile(os.getpid(), fd, token, offset, tuple(spans))
+
+
+def _write_mapped(fd: int, mapping: mmap.mmap, views: list[memoryview]) -> SharedFile:
+    """:func:`_write` for a segment this process keeps mapped (big enough: it was written before)."""
+    token = secrets.token_bytes(_TOKEN_BYTES)
+    spans, offset = _layout(views)
+    mapping[:_TOKEN_BYTES] = token
+    for view, (start, length) in zip(views, spans):
+        mapping[start:start + length] = view
     return SharedFile(os.getpid(), fd, token, offset, tuple(spans))
 
 
