@@ -62,6 +62,17 @@ def parse_argstring(magic: Any, line: str) -> argparse.Namespace:
     return magic.parser.parse_args(argv)
 
 
+def cell_number(shell: Any) -> int:
+    """The number the frontend shows the running cell under (``In [N]``), as meshbook names it
+    in tracebacks and messages ("cell [N]"). IPython counts a cell before running it from 9.x
+    on, after it before (``execution_count`` is N+1 or N meanwhile); both store the cell in
+    the input history first, at index N, which says which."""
+    count = shell.execution_count
+    history = getattr(shell, "history_manager", None)
+    stored = len(history.input_hist_raw) - 1 if history is not None else -1
+    return stored if stored in (count, count - 1) else count
+
+
 def selected(args: argparse.Namespace) -> tuple[str | None, dict[str, list[int]] | None]:
     """The ranks and the conditions :func:`selection` declared, as the API takes them."""
     try:

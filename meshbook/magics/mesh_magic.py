@@ -34,6 +34,7 @@ from ..mesh import (
     use,
 )
 from .base import (
+    cell_number,
     command,
     describe,
     out_name,
@@ -49,6 +50,9 @@ from .debug_commands import DebugCommands
 from .plan_commands import PlanCommands
 from .render import RenderOptions, show_run
 from .widget_commands import WidgetCommands
+
+#: What asks a command for its help, as in a shell (``%%mesh --help``, ``%mesh start -h``).
+_HELP = frozenset({"--help", "-h"})
 
 
 @magics_class
@@ -105,6 +109,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
     # -- %%mesh ------------------------------------------------------------------------------
 
     def _cell(self, line: str, cell: str) -> Any:
+        if _HELP.intersection(line.split()):  # the options, and nothing run
+            return self.help_("")
         args = parse_argstring(self.mesh, line)
         out, (ranks, where) = out_name(args), selected(args)
         try:
@@ -115,7 +121,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
             raise UsageError(f"{exc} (every cell runs on the mesh since %mesh on: %mesh off runs them "
                              f"locally)") from None
         run = mesh.run(cell, ranks, where=where, first_line=args.first_line,
-                       name=self.shell.execution_count,
+                       name=cell_number(self.shell),
                        max_bytes=parse_size(args.max_bytes) if args.max_bytes else None)
         options = RenderOptions(ordered=args.ordered, timeout=args.timeout,
                                 late_values=partial(self._store_late, out) if out else None)
@@ -147,8 +153,10 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
 
     def _line(self, line: str) -> Any:
         name, _, rest = line.strip().partition(" ")
-        if not name:
+        if not name or name in _HELP:
             return self.help_("")
+        if _HELP.intersection(rest.split()):  # %mesh start --help, as a shell command takes it
+            return self.help_(name)
         handler = self._commands().get(name)
         if handler is None:
             raise UsageError(f"unknown command %mesh {name}; commands: "

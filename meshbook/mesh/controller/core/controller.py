@@ -304,7 +304,7 @@ class Controller:
         try:
             raw, buffers = wire.dumps(body)
         except Exception as exc:
-            raise SendError(f"{what}: cannot send {wire.describe_unpicklable(body, exc)}") from None
+            raise SendError(f"{what}: {wire.describe_unpicklable(body, exc)}; nothing was sent") from None
         with self._lock:
             # Again, under the lock that deaths and stops take: pickling a big argument takes
             # a while, and a run opened after a rank's death or the stop was booked would never
