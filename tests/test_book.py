@@ -179,6 +179,30 @@ def test_late_output_goes_to_the_run_that_started_it_for_a_while() -> None:
     assert b.route(run.id) is None, "only the most recent runs keep a route"
 
 
+def test_what_a_run_was_is_known_in_flight_and_for_a_while_after() -> None:
+    """A message that names another cell ("paired with the one rank 0 issued in cell [3]")
+    finds it whether it still runs or has ended lately."""
+    b = book()
+    run = run_on(b, [0])
+    assert b.what(run.id) == "test" and b.what(run.id + 1) is None
+    answer(b, run, 0)
+    assert b.what(run.id) == "test", "retired, still named"
+    for _ in range(LATE_OUTPUT_RUNS):
+        answer(b, run_on(b, [0]), 0)
+    assert b.what(run.id) is None, "only as long as its late output is routed"
+
+
+def test_results_found_wrong_after_they_were_booked_become_failures() -> None:
+    """Revoked: the value goes, the failure is told after what came, the run still ends once."""
+    b = book()
+    run = run_on(b, [0, 1, 2])
+    answer_group(b, run, (0, 1))
+    run.revoke({1: RankFailure(1, "CollectiveMispaired", "paired with another request's")})
+    answer(b, run, 2)
+    assert run.done() and run.values().keys() == {0, 2} and run.failed_ranks() == {1}
+    assert [type(e).__name__ for e in run.events()] == ["Result", "Result", "Error", "Result"]
+
+
 def test_what_runs_where() -> None:
     b = book()
     first, second = run_on(b, [0]), run_on(b, [0])

@@ -93,6 +93,20 @@ def test_a_collective_a_member_never_joined_is_dropped_in_time() -> None:
     assert times.incomplete == 0  # the book keeps nothing for ever
 
 
+def test_a_collective_whose_members_issued_it_in_different_requests_is_told() -> None:
+    """Rank 0 issued the group's first collective in request 7 (a cell on rank 0 only), ranks
+    1 and 2 in request 8 (a later cell on all three): it paired all the same. Both requests
+    hear of it; the second collective, issued in 8 by all, is in order."""
+    times = CollectiveTimes(now_ns=lambda: 101 * S)
+    times.add(0, batch(0, [(0, 1, 100.0, 100.5)], request=7))
+    times.add(0, batch(0, [(0, 2, 100.6, 100.7)], request=8))
+    for rank in (1, 2):
+        times.add(rank, batch(rank, [(0, 1, 100.4, 100.5), (0, 2, 100.6, 100.7)], request=8))
+    [found] = times.mispaired(8)
+    assert (found.group, found.n, found.members, found.requests) == ("0", 1, (0, 1, 2), {0: 7, 1: 8, 2: 8})
+    assert times.mispaired(7) == [found] and times.mispaired(9) == []
+
+
 def test_the_window_shows_the_newest_request() -> None:
     times = CollectiveTimes(now_ns=lambda: 105 * S)
     loop(times)

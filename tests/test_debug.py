@@ -200,7 +200,7 @@ def test_a_slice_waiting_for_ranks_outside_it_is_explained(mesh: meshbook.Mesh, 
     run = mesh.run("dist.barrier()", ranks=[0, 1])
     note = hint_until_timeout(mesh, run, capsys)
     assert "rank(s) 0,1 wait in a collective (for over 2 s) that a rank of its group has not joined." in note
-    assert "ranks 2,3 finished the cell without joining it (idle)" in note
+    assert "ranks 2,3 took no part in this cell (idle)" in note
     mesh.recover()
     with pytest.raises(RemoteError) as info:  # the recovery's reason, not gloo's "connection closed"
         run.result(echo=False)

@@ -17,6 +17,7 @@ import pytest
 
 import meshbook
 from meshbook import RemoteError
+from meshbook.mesh.rank import torch_compat
 
 ASYNC_LOOP = """import time; i = 0
 while True:
@@ -357,3 +358,27 @@ def test_a_rank_that_fails_beside_a_dead_one_runs_the_next_cell() -> None:
         with pytest.raises(RemoteError, match="ZeroDivisionError"):
             mesh.run("1 / 0", ranks=[0]).result(timeout=30, echo=False)
         assert mesh.run("rank + 10", ranks=[0]).result(timeout=30, echo=False)[0] == 10
+
+
+def test_a_collective_that_paired_with_another_cells_is_a_failure_not_a_wrong_value(pair: meshbook.Mesh) -> None:
+    """A cell on rank 0 only waits in an all_reduce over ranks 0 and 1 (rank 1 is not in it);
+    the next cell, on both, reaches rank 1 first: its all_reduce pairs with rank 0's old one,
+    and rank 1 gets 1 + 100. That value is wrong, so rank 1 answers CollectiveMispaired,
+    naming the cell it paired with; rank 0's own all_reduce of the new cell never pairs and is
+    aborted, as before. The ranks are in step afterwards."""
+    def waiting(worker: object) -> bool:  # on the control thread: answered while the rank waits
+        return bool(torch_compat.flight_records())
+
+    pair.run("x = torch.ones(1)\ndist.all_reduce(x)\nx.item()", ranks=[0])
+    deadline = time.monotonic() + 30
+    while not pair.call(waiting, ranks=[0], control=True).result(timeout=10)[0]:
+        assert time.monotonic() < deadline, "rank 0 never entered its all_reduce"
+        time.sleep(0.1)
+    both = pair.run("y = torch.full((1,), 100.0)\ndist.all_reduce(y)\ny.item()")
+    error = failures_of(both, timeout=60)
+    assert error.failures[1].type_name == "CollectiveMispaired", error.failures[1]
+    assert re.match(r"its collective #\d+ in the group of ranks 0,1 paired with the one rank\(s\) 0 in "
+                    r"run\('x = torch.ones\(1\)'\) issued, another request: what this rank computed from it is "
+                    r"wrong\.", error.failures[1].message), error.failures[1].message
+    assert error.failures[0].type_name == "CollectiveAborted" and 1 not in error.partial
+    assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}

@@ -8,7 +8,7 @@ The controller turns each message from a rank into one of these events and adds 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 from .errors import RankFailure
 
@@ -45,6 +45,16 @@ class Results:
 
     def each(self) -> list[Result]:
         return [Result(r, v, d) for r, v, d in zip(self.ranks, self.values, self.durations)]
+
+    def only(self, keep: Callable[[int], bool]) -> "Results | None":
+        """The part of the group from the ranks ``keep`` says yes to (None: no part)."""
+        chosen = [i for i, r in enumerate(self.ranks) if keep(r)]
+        if len(chosen) == len(self.ranks):
+            return self
+        if not chosen:
+            return None
+        return Results(tuple(self.ranks[i] for i in chosen), tuple(self.values[i] for i in chosen),
+                       tuple(self.durations[i] for i in chosen))
 
 
 @dataclass(frozen=True)

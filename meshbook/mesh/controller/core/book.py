@@ -85,6 +85,8 @@ class RankBook:
         #: Where request ids come from (one per request, ranks and agents alike).
         self.request_ids = itertools.count(self.first_request)
         self._late: OrderedDict[int, Callable[[Event], None]] = OrderedDict()
+        #: What each retired run was ("cell [3]"), as long as its late output is routed.
+        self._what: dict[int, str] = {}
 
     #: Request numbers one controller uses at most: an attaching controller of a later epoch
     #: numbers its requests past all of them (see :meth:`number_from`).
@@ -136,8 +138,14 @@ class RankBook:
         if run is not None and run.done():
             del self.runs[request]
             self._late[request] = run.on_late_output
+            self._what[request] = run.what
             while len(self._late) > LATE_OUTPUT_RUNS:
-                self._late.popitem(last=False)
+                self._what.pop(self._late.popitem(last=False)[0], None)
+
+    def what(self, request: int) -> str | None:
+        """What ``request`` is ("cell [3]", "run('x = 1')"), in flight or retired lately."""
+        run = self.runs.get(request)
+        return run.what if run is not None else self._what.get(request)
 
     def route(self, request: int | None) -> "Run | Callable[[Event], None] | None":
         """Where an event of ``request`` goes: its run, or, once retired, its late-output route."""

@@ -47,7 +47,7 @@ from ...protocol.text import format_ranks
 from ...protocol.topology import Topology
 from ...protocol.versions import mismatch, versions
 from ...rank.ops import interrupt_request, ready_report, resume, supersede
-from ..insight.clock import CollectiveTimes
+from ..insight.clock import CollectiveTimes, Mispaired
 from ..insight.metrics import MetricsHistory
 from ..launch.base import Launcher
 from ..launch.local import discard_standby
@@ -693,14 +693,49 @@ class Controller:
             if failed and check is not None:  # a kept mesh's run, the kernel before's: its ranks hold back too
                 check(request, None)
             return
-        if answer.check_step and check is not None:
+        events = [event]
+        wrong, ours = self._mispaired(run) if answer.done and run.in_step else ({}, False)
+        if wrong:  # answers that said success, and are not: told as failures
+            run.revoke(wrong)
+            events = _without(event, wrong)
+        # A run sent to every member of such a group is checked like any that ended irregularly:
+        # its members may have issued different numbers of collectives (an async one, unwaited).
+        # Not a run on some of them: the run on all that it paired with may still run, and a
+        # check would hold the members it waits for.
+        run.irregular = run.irregular or ours
+        if (answer.check_step or ours) and check is not None:
             # Before the run is seen done: whoever renders it waits for this check too.
             run.step_check = check(request, run)
             if failed and run.step_check is None:
                 self._resume(ranks, request)  # they hold back what comes next for a check that will not come
-        run.add_event(event)
+        for each in events:
+            run.add_event(each)
         with self._lock:
             self.book.settle(request)
+
+    def _mispaired(self, run: Run) -> tuple[dict[int, RankFailure], bool]:
+        """The ranks of ``run`` whose collectives paired with another request's on some member
+        (the collective clock lines them up), where that is wrong: one of the requests went to
+        every member of the group, so its calls were meant to pair with each other. The helper
+        run on rank 0 only that waits in an all_reduce over ranks 0,1, then a cell on both:
+        rank 1's all_reduce pairs with rank 0's old one, and both compute from the wrong data.
+        (A send in one cell and its recv in the next, each on its own rank, pair on purpose.)
+        Also says whether ``run`` is itself such a request."""
+        wrong: dict[int, RankFailure] = {}
+        ours = False
+        for found in self.clock.mispaired(run.id):
+            members = set(found.members)
+            with self._lock:
+                others = set(found.requests.values()) - {run.id}
+                mine = members <= set(run.ranks)
+                meant = mine or any(
+                    members <= set(other.ranks) for q in others if (other := self.book.runs.get(q)) is not None)
+                said = {q: self.book.what(q) or "an earlier request" for q in others}
+            ours = ours or mine
+            for rank, request in found.requests.items() if meant else ():
+                if request == run.id and rank not in wrong:
+                    wrong[rank] = RankFailure(rank, "CollectiveMispaired", _mispaired_text(found, said))
+        return wrong, ours
 
     def _resume(self, ranks: Sequence[int], request: int) -> None:
         """Tell ``ranks``, which failed ``request``, that no step check follows (a rank died, a
@@ -1010,6 +1045,29 @@ def _unreadable(rank: int, type_name: str | None, exc: Exception) -> RankFailure
         f"{type(exc).__name__}: {exc}. It stays on the rank as `_`: return plain data instead "
         f"(tensors moved with .cpu(), .tolist(), numbers, dicts of them), or fetch plain "
         f"tensors with %mesh pull (mesh.pull)"))
+
+
+def _without(event: Event, wrong: dict[int, RankFailure]) -> list[Event]:
+    """``event`` with the results of ``wrong``'s ranks told as their failures instead."""
+    if isinstance(event, Result) and event.rank in wrong:
+        return [Error(event.rank, wrong[event.rank], event.duration)]
+    if not isinstance(event, Results):
+        return [event]
+    right = event.only(lambda rank: rank not in wrong)
+    return [*([right] if right is not None else []),
+            *(Error(r, wrong[r], d) for r, d in zip(event.ranks, event.durations) if r in wrong)]
+
+
+def _mispaired_text(found: Mispaired, said: dict[int, str]) -> str:
+    """Why a rank's part of a run is wrong; ``said``: what each other request involved was. The
+    same words on every such rank, so they group."""
+    by = " and ".join(f"rank(s) {format_ranks(sorted(r for r, q in found.requests.items() if q == other))} in {what}"
+                      for other, what in sorted(said.items()))
+    return (f"its collective #{found.n} in the group of ranks {format_ranks(sorted(found.members))} paired with "
+            f"the one {by} issued, another request: what this rank computed from it is wrong. A collective pairs "
+            f"the n-th call of every member of its group, whichever cell made it: let a cell that calls a group's "
+            f"collectives on some of its members end (or interrupt it) before one that calls them on all, then run "
+            f"this again")
 
 
 def _terminal_stdin() -> bool:

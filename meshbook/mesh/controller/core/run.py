@@ -30,6 +30,8 @@ from ...protocol.values import RankValues
 from .render import EventRenderer, print_late, write_stream
 from .transport import log
 
+#: What no rank's value is (a value may be None).
+_MISSING = object()
 #: How long a run's result waits for the step check that follows an irregular end.
 STEP_CHECK_WAIT_S = 30.0
 
@@ -152,6 +154,17 @@ class Run:
             with self._handing:
                 self._hand_on([event] if late else [], ended, [] if unanswered is None else [unanswered])
 
+    def revoke(self, failures: dict[int, RankFailure]) -> None:
+        """Results this run booked that turned out wrong (a collective that paired with another
+        request's, see ``Controller._mispaired``): each of those ranks' value becomes its
+        failure, told as an :class:`Error` after what came before."""
+        with self._cond:
+            for rank, failure in failures.items():
+                if self._values.pop(rank, _MISSING) is not _MISSING:
+                    self._failures[rank] = failure
+                    self._events.append(Error(rank, failure, self._durations.get(rank, 0.0)))
+            self._cond.notify_all()
+
     def let_go(self) -> None:
         """Nobody follows this run from now on (a cell that stopped waiting at its timeout):
         what its ranks print, and how it ends, go where late output goes (that cell), where
@@ -187,20 +200,15 @@ class Run:
         for rank, failure in sorted(self._failures.items()):
             errors.setdefault(f"{failure.type_name}: {failure.message}", []).append(rank)
         parts += [f"[{format_ranks(ranks)}] {text}" for text, ranks in errors.items()]
-        raised = [rank for rank, failure in self._failures.items() if not failure.died]
+        # Where an exception was raised there (a death, or an answer meshbook found wrong, has no frames)
+        raised = [rank for rank, failure in self._failures.items() if failure.frames and not failure.died]
         hint = f" (%mesh debug {min(raised)} shows where)" if raised else ""
         return f"meshbook: {self.what} ended after the wait for it timed out: {'; '.join(parts)}{hint}"
 
     def _fresh(self, group: Results) -> Results | None:
         """The part of ``group`` from ranks that had not answered yet (None: no part)."""
         pending = self._pending
-        if pending.issuperset(group.ranks):
-            return group
-        keep = [i for i, r in enumerate(group.ranks) if r in pending]
-        if not keep:
-            return None
-        return Results(tuple(group.ranks[i] for i in keep), tuple(group.values[i] for i in keep),
-                       tuple(group.durations[i] for i in keep))
+        return group if pending.issuperset(group.ranks) else group.only(pending.__contains__)
 
     # -- the public face ---------------------------------------------------------------------
 

@@ -48,6 +48,18 @@ class RequestTimes:
 
 
 @dataclass(frozen=True)
+class Mispaired:
+    """A collective whose members issued it in different requests: the n-th call of each
+    member paired, but they came from different cells (one ran on some members while a later
+    cell reached the others first). Each member's request, by rank."""
+
+    group: str
+    n: int
+    members: tuple[int, ...]
+    requests: dict[int, int]
+
+
+@dataclass(frozen=True)
 class Lateness:
     """Per rank, how late it arrived at a request's complete collectives (or a window's)."""
 
@@ -77,6 +89,8 @@ class CollectiveTimes:
         #: Complete collectives, newest last: (first entry, request, {rank: (late, waiting)},
         #: spread, the rank that came last, the last exit).
         self._recent: deque[tuple[int, int, dict[int, tuple[int, int]], int, int, int]] = deque()
+        #: Collectives paired across requests, by each request they involve (see ``mispaired``).
+        self._mispaired: OrderedDict[int, list[Mispaired]] = OrderedDict()
 
     def add(self, rank: int, batch: dict[str, Any], offset_ns: int = 0) -> None:
         """A rank's batch; ``offset_ns`` is how far its host's clock runs ahead of ours."""
@@ -101,7 +115,20 @@ class CollectiveTimes:
             if set(arrived) >= set(members):
                 del self._open[(generation, name, n)]
                 self._complete(arrived)
+                self._check_pairing(name, n, members, arrived)
         self._prune()
+
+    def _check_pairing(self, name: str, n: int, members: tuple[int, ...],
+                       arrived: dict[int, tuple[int, int, int]]) -> None:
+        requests = {rank: request for rank, (request, _, _) in arrived.items()}
+        if len(set(requests.values())) == 1:
+            return
+        found = Mispaired(name, n, members, requests)
+        for request in set(requests.values()):
+            self._mispaired.setdefault(request, []).append(found)
+            self._mispaired.move_to_end(request)
+        while len(self._mispaired) > KEPT_REQUESTS:
+            self._mispaired.popitem(last=False)
 
     def _complete(self, arrived: dict[int, tuple[int, int, int]]) -> None:
         first = min(e for _, e, _ in arrived.values())
@@ -141,6 +168,12 @@ class CollectiveTimes:
             self._recent.popleft()
 
     # -- figures -------------------------------------------------------------------------------
+
+    def mispaired(self, request: int) -> list[Mispaired]:
+        """The collectives ``request`` issued that paired with another request's on some
+        member. Whether that is wrong is the caller's to say: a cell on rank 0 that sends, and
+        a later cell on rank 1 that receives, pair across cells on purpose."""
+        return list(self._mispaired.get(request, ()))
 
     @property
     def incomplete(self) -> int:

@@ -92,7 +92,9 @@ def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, Ran
         return f"{ended} (now at meshbook's {snap.doing})"
     if snap.busy:
         return f"never reached it: at {snap.where()}"
-    return f"{ended} (idle)"
+    # Not in this cell at all: only a later cell can join, and its collectives then pair with
+    # this one's (a wrong value, which the controller tells as CollectiveMispaired).
+    return f"{ended} (idle)" if here else "took no part in this cell (idle)"
 
 
 def group_members(collective: Collective, rank: int, topology: Topology) -> list[int] | None:
