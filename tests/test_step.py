@@ -382,3 +382,23 @@ def test_a_collective_that_paired_with_another_cells_is_a_failure_not_a_wrong_va
                     r"wrong\.", error.failures[1].message), error.failures[1].message
     assert error.failures[0].type_name == "CollectiveAborted" and 1 not in error.partial
     assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}
+
+
+def test_an_interrupted_cell_waiting_for_ranks_outside_it_is_freed_by_the_interrupt(pair: meshbook.Mesh) -> None:
+    """gloo ignores SIGINT: a rank of a cell on rank 0 only, waiting in an all_reduce over ranks
+    0 and 1, stayed in it after the interrupt (a second one re-created the groups). Rank 1 is
+    not in the cell and idle: only a later cell could join, wrongly, so the interrupt aborts it."""
+    def waiting(worker: object) -> bool:
+        return bool(torch_compat.flight_records())
+
+    run = pair.run("x = torch.ones(1)\ndist.all_reduce(x)", ranks=[0])
+    deadline = time.monotonic() + 30
+    while not pair.call(waiting, ranks=[0], control=True).result(timeout=10)[0]:
+        assert time.monotonic() < deadline, "rank 0 never entered its all_reduce"
+        time.sleep(0.1)
+    run.interrupt()
+    failure = failures_of(run, timeout=30).failures[0]
+    assert failure.type_name == "CollectiveAborted", failure
+    assert re.match(r"interrupted: meshbook aborted its all_reduce #\d+ \(\[1\] float\), which rank 1 took no "
+                    r"part in this cell and would never join", failure.message), failure.message
+    assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}

@@ -11,7 +11,8 @@ later: ``if rank != 1: raise ValueError()`` then ``dist.all_reduce(x)`` left ran
 why, and the step check that follows the run re-creates the process groups.
 
 The controller's receiver calls :func:`watch` at every tick; it sends nothing. A run whose
-ranks have finished unevenly for ``CHECK_AFTER_S`` is checked on a thread of its own every
+ranks have finished unevenly for ``CHECK_AFTER_S`` (or that was interrupted: a member outside the
+run that is idle would only join from a later cell) is checked on a thread of its own every
 ``RECHECK_S``: a snapshot of the ranks still in it (their flight recorders, so collectives issued
 from C++, like DDP's, count too) and, where a collective cannot complete, the abort. The first
 check after an interrupt waits ``FREE_AFTER_S``: a rank stopping at that very moment must not be
@@ -51,9 +52,9 @@ def watch(controller: "Controller", runs: list["Run"]) -> None:
     """Start a check of each user run that is ending unevenly and is due one (receiver thread)."""
     now = time.monotonic()
     for run in runs:
-        if not run.in_step or run.checking or run.done() or run.first_done_at is None:
+        if not run.in_step or run.checking or run.done() or (run.first_done_at is None and run.interrupted_at is None):
             continue
-        due = run.first_done_at + CHECK_AFTER_S
+        due = run.first_done_at + CHECK_AFTER_S if run.first_done_at is not None else 0.0
         if run.interrupted_at is not None:
             due = max(due, run.interrupted_at + FREE_AFTER_S)
         if now >= max(due, run.checked_at + RECHECK_S):
@@ -87,6 +88,10 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
         members = group_members(collective, rank, controller.topology) or []
         gone = [m for m in members if m in run.ranks and m not in run.pending
                 and (not controller.queued(m) or m in held)]
+        # Interrupted: a member outside the run, idle, could only join from a later cell, whose
+        # collectives would then pair with this one's; the user asked for the run to stop.
+        gone += [m for m in members if run.interrupted and m not in run.ranks and not controller.queued(m)
+                 and m in controller.live([m])]
         if gone:
             blocked[rank] = (collective, gone)
     if not blocked or run.done():
@@ -136,8 +141,10 @@ def _reason(run: "Run", collective: Collective, gone: list[int],
         return (f"meshbook aborted its {collective.describe()}: the calls do not match ({calls}, and went "
                 f"on), so it could never complete")
     if run.interrupted:
-        return (f"interrupted: meshbook aborted its {collective.describe()}, which {ranks_text(gone)} "
-                f"stopped before joining and would never join")
+        stopped, outside = [r for r in gone if r in run.ranks], [r for r in gone if r not in run.ranks]
+        who = " and ".join([*([f"{ranks_text(stopped)} stopped before joining"] if stopped else []),
+                            *([f"{ranks_text(outside)} took no part in this cell"] if outside else [])])
+        return f"interrupted: meshbook aborted its {collective.describe()}, which {who} and would never join"
     failed = run.failed_ranks()
     how = "failed" if set(gone) <= failed else "finished"
     return (f"meshbook aborted its {collective.describe()}: {ranks_text(gone)} {how} the cell without "
