@@ -264,3 +264,16 @@ def test_interrupt_stops_python_code_with_keyboard_interrupt(mesh4: meshbook.Mes
     assert info.value.summary_lines() == ["[0,1] KeyboardInterrupt"]
     assert info.value.failures[0].frames[-1].lineno == 3
     assert dict(mesh4.run("started", ranks=[0, 1]).result()) == {0: True, 1: True}
+
+
+def test_ranks_that_failed_alike_but_for_their_peers_address_are_one_group(mesh4: meshbook.Mesh) -> None:
+    """gloo names each rank's own peer ("Connection closed by peer [127.0.0.1]:57034"): four
+    such errors are one group, told without the addresses. The ranks that finished are said
+    too, with where their values are."""
+    with pytest.raises(RemoteError) as info:
+        mesh4.run("if rank:\n    raise RuntimeError(f'Connection closed by peer [127.0.0.1]:{5000 + rank}')\n"
+                  "'fine'").result(echo=False)
+    text = info.value.render()
+    assert "[1-3] RuntimeError: Connection closed by peer [peer]\n" in text, text
+    assert text.endswith("[0] finished: their values are this error's .partial (%%mesh --out NAME keeps them)"), text
+    assert info.value.failures[2].message == "Connection closed by peer [127.0.0.1]:5002", "each rank's own, kept"

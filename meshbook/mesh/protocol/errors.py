@@ -180,6 +180,16 @@ class RankFailure:
         return "\n".join(parts)
 
 
+#: The peer a transport's error names ("Connection closed by peer [127.0.0.1]:57034"): each rank
+#: names its own peer's port, so ranks failing alike would each be a group of their own.
+_PEER = re.compile(r"\[[0-9A-Fa-f.:]+\]:\d+")
+
+
+def _alike(text: str) -> str:
+    """``text`` with the peers' addresses left out: what ranks that failed alike share."""
+    return _PEER.sub("[peer]", text)
+
+
 @dataclass(eq=False)
 class RemoteError(MeshError):
     """Code failed on one or more ranks.
@@ -197,7 +207,7 @@ class RemoteError(MeshError):
         super().__init__()
         # Deaths first: a rank that died is what its peers' failures follow from (their
         # collective's connection closed), so the headline names the cause, not gloo's echo of it.
-        self.groups = sorted(group_by_text({r: f.body() for r, f in self.failures.items()}),
+        self.groups = sorted(group_by_text({r: _alike(f.body()) for r, f in self.failures.items()}),
                              key=lambda group: self.failures[group[0][0]].died is None)
 
     @property
@@ -212,13 +222,18 @@ class RemoteError(MeshError):
         return "\n".join(lines + ([self.hint] if self.hint else []))
 
     def render(self) -> str:
-        """The full grouped report: each distinct failure once, headed by its ranks."""
+        """The full grouped report: each distinct failure once, headed by its ranks; then the
+        ranks that finished, whose values are not lost."""
         out = []
         for ranks, _ in self.groups:
             failure = self.failures[ranks[0]]
-            out.append(f"[{format_ranks(ranks)}] {failure.headline}")
+            alike = len({self.failures[r].body() for r in ranks}) > 1  # told with the peers' addresses left out
+            out.append(f"[{format_ranks(ranks)}] {_alike(failure.headline) if alike else failure.headline}")
             out.extend("  " + line for f in failure.frames for line in f.format().splitlines())
-            out.extend("  " + line for line in failure.detail.splitlines())
+            out.extend("  " + line for line in (_alike(failure.detail) if alike else failure.detail).splitlines())
+        if self.partial:
+            out.append(f"[{format_ranks(sorted(self.partial))}] finished: their values are this error's "
+                       f".partial (%%mesh --out NAME keeps them)")
         if self.hint:
             out.append(self.hint)
         return "\n".join(out)

@@ -100,16 +100,16 @@ def input_hook(worker: "RankContext") -> Callable[..., str]:
         worker.stderr.flush()
         request = worker.request
         if request is None or not worker.stdin_available or threading.current_thread() is not threading.main_thread():
-            raise EOFError(f"input() on rank {worker.rank}: nobody can answer it here (a cell's own code may ask "
-                           f"when its notebook lets cells read input; not a batch run or a background "
-                           f"thread); send the value instead: mesh.push(name=value)")
+            raise EOFError("input(): nobody can answer it here (a cell's own code may ask "
+                           "when its notebook lets cells read input; not a batch run or a background "
+                           "thread); send the value instead: mesh.push(name=value)")
         try:
             line = ask_notebook(worker, request, f"[{worker.rank}] {prompt}")
         finally:
             worker.emit(msg.DEBUG_END, request, None)  # one line: the next rank's question may come
         if line is None:
-            raise EOFError(f"input() on rank {worker.rank}: nobody in the notebook will answer it (its cell "
-                           f"stopped waiting at its timeout, or waits without showing the ranks' output)")
+            raise EOFError("input(): nobody in the notebook will answer it (its cell "
+                           "stopped waiting at its timeout, or waits without showing the ranks' output)")
         return line.rstrip("\n")
 
     return ask
