@@ -204,7 +204,7 @@ def test_a_cell_that_timed_out_still_shows_its_output_and_how_it_ended(kernel: K
     assert all(f"[{r}] slept {r}" in seen for r in range(4)), seen
     # Named as the notebook shows it (In [N]); IPython 9 counts a cell before it runs it, 8 after.
     assert (f"meshbook: cell [{reply.content['execution_count']}] ended after the wait for it timed out: "
-            "[0,2,3] finished; [1] "
+            "[0,2,3] finished: 'value'; [1] "
             "ZeroDivisionError: division by zero (%mesh debug 1 shows where); the values of the ranks that "
             "finished are in `late`") in seen, seen
     assert kernel.value("dict(late)") == {0: "value", 2: "value", 3: "value"}

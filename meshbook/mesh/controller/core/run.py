@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 from ...protocol import messages as msg
 from ...protocol.errors import MeshTimeout, RankFailure, RemoteError, check_seconds
 from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
-from ...protocol.text import format_ranks
+from ...protocol.text import format_ranks, group_by_text
 from ...protocol.topology import Topology
 from ...protocol.values import RankValues
 from .render import EventRenderer, print_late, write_stream
@@ -32,6 +32,8 @@ from .transport import log
 
 #: What no rank's value is (a value may be None).
 _MISSING = object()
+#: How much of a value a line about a finished run shows.
+BRIEF_CHARS = 60
 #: How long a run's result waits for the step check that follows an irregular end.
 STEP_CHECK_WAIT_S = 30.0
 
@@ -194,12 +196,12 @@ class Run:
             log(f"the late output of {self.what} was lost: {type(exc).__name__}: {exc}")
 
     def _how_it_ended(self) -> str:
-        """How the run ended, one line: the ranks that finished, and each error with its ranks."""
-        parts = [f"[{format_ranks(self._values)}] finished"] if self._values else []
-        errors: dict[str, list[int]] = {}
-        for rank, failure in sorted(self._failures.items()):
-            errors.setdefault(f"{failure.type_name}: {failure.message}", []).append(rank)
-        parts += [f"[{format_ranks(ranks)}] {text}" for text, ranks in errors.items()]
+        """How the run ended, one line: the ranks that finished (with their values, briefly),
+        and each error with its ranks."""
+        finished = group_by_text({r: _briefly(v) for r, v in self._values.items()})
+        parts = [f"[{format_ranks(ranks)}] finished" + (f": {text}" if text else "") for ranks, text in finished]
+        failed = group_by_text({r: f"{f.type_name}: {f.message}" for r, f in self._failures.items()})
+        parts += [f"[{format_ranks(ranks)}] {text}" for ranks, text in failed]
         # Where an exception was raised there (a death, or an answer meshbook found wrong, has no frames)
         raised = [rank for rank, failure in self._failures.items() if failure.frames and not failure.died]
         hint = f" (%mesh debug {min(raised)} shows where)" if raised else ""
@@ -367,3 +369,14 @@ class Run:
         state = "done" if self.done() else f"running on {format_ranks(self.pending)}"
         return f"<Run {self.id} {self.what}: {state}>"
 
+
+
+def _briefly(value: Any) -> str:
+    """A finished rank's value in one line: its repr, cut short (nothing for None)."""
+    if value is None:
+        return ""
+    try:
+        text = " ".join(repr(value).split())
+    except Exception:  # noqa: BLE001 - a user's __repr__ that raises
+        return f"a {type(value).__name__}"
+    return text if len(text) <= BRIEF_CHARS else text[:BRIEF_CHARS - 3] + "..."
