@@ -716,8 +716,8 @@ class Controller:
     def _mispaired(self, run: Run) -> tuple[dict[int, RankFailure], bool]:
         """The ranks of ``run`` whose collectives paired with another request's on some member
         (the collective clock lines them up), where that is wrong: one of the requests went to
-        every member of the group, so its calls were meant to pair with each other. The helper
-        run on rank 0 only that waits in an all_reduce over ranks 0,1, then a cell on both:
+        every member of the group, so its calls were meant to pair with each other. A run on
+        rank 0 only that waits in an all_reduce over ranks 0,1, then a cell on both:
         rank 1's all_reduce pairs with rank 0's old one, and both compute from the wrong data.
         (A send in one cell and its recv in the next, each on its own rank, pair on purpose.)
         Also says whether ``run`` is itself such a request."""
