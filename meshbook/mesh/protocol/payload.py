@@ -307,7 +307,9 @@ class Segments:
             shared, fd = in_new_file("meshbook-call", views)
             return Payload(body, shared=shared), fd
         try:  # cut short (an interrupt), the segment is half written: nobody may read it, or reuse it
-            mapping = self._maps.get(fd) or self._map(fd)
+            mapping = self._maps.get(fd)
+            if mapping is None:  # its first reuse
+                mapping = self._map(fd)
             return Payload(body, shared=_write_mapped(fd, mapping, views)), fd
         except BaseException:
             self._close(fd)
