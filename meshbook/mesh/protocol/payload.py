@@ -310,7 +310,7 @@ class Segments:
             mapping = self._maps.get(fd)
             if mapping is None:  # its first reuse
                 mapping = self._map(fd)
-            return Payload(body, shared=_write_mapped(fd, mapping, views)), fd
+            return Payload(body, shared=_write(fd, views, mapping=mapping)), fd
         except BaseException:
             self._close(fd)
             raise
@@ -588,26 +588,21 @@ def _layout(views: list[memoryview]) -> tuple[list[tuple[int, int]], int]:
     return spans, offset
 
 
-def _write(fd: int, views: list[memoryview], token: bytes | None = None, fit: bool = False) -> SharedFile:
-    """``views`` written into file ``fd`` after ``token`` (a new one by default). The file only
-    grows, since shrinking frees pages a reused one would allocate again, unless ``fit``."""
+def _write(fd: int, views: list[memoryview], token: bytes | None = None, fit: bool = False,
+           mapping: mmap.mmap | None = None) -> SharedFile:
+    """``views`` written into file ``fd`` after ``token`` (a new one by default): through
+    ``mapping`` where the writer keeps one of the file (a segment written over: big enough, it
+    was written before), else with ``pwrite``. The file only grows, since shrinking frees pages
+    a reused one would allocate again, unless ``fit``."""
     token = token or secrets.token_bytes(_TOKEN_BYTES)
     spans, offset = _layout(views)
-    if os.fstat(fd).st_size < offset or fit and os.fstat(fd).st_size != offset:
+    if mapping is None and (os.fstat(fd).st_size < offset or fit and os.fstat(fd).st_size != offset):
         os.ftruncate(fd, offset)
-    _pwrite_all(fd, memoryview(token), 0)
-    for view, (start, _) in zip(views, spans):
-        _pwrite_all(fd, view, start)
-    return SharedFile(os.getpid(), fd, token, offset, tuple(spans))
-
-
-def _write_mapped(fd: int, mapping: mmap.mmap, views: list[memoryview]) -> SharedFile:
-    """:func:`_write` for a segment this process keeps mapped (big enough: it was written before)."""
-    token = secrets.token_bytes(_TOKEN_BYTES)
-    spans, offset = _layout(views)
-    mapping[:_TOKEN_BYTES] = token
-    for view, (start, length) in zip(views, spans):
-        mapping[start:start + length] = view
+    for view, start in zip([memoryview(token), *views], [0, *(start for start, _ in spans)]):
+        if mapping is None:
+            _pwrite_all(fd, view, start)
+        else:
+            mapping[start:start + view.nbytes] = view
     return SharedFile(os.getpid(), fd, token, offset, tuple(spans))
 
 
