@@ -84,9 +84,8 @@ class RankBook:
         self.first_request = 1
         #: Where request ids come from (one per request, ranks and agents alike).
         self.request_ids = itertools.count(self.first_request)
-        self._late: OrderedDict[int, Callable[[Event], None]] = OrderedDict()
-        #: What each retired run was ("cell [3]"), as long as its late output is routed.
-        self._what: dict[int, str] = {}
+        #: Each retired run's late-output route, and what it was ("cell [3]"), for a while.
+        self._late: OrderedDict[int, tuple[Callable[[Event], None], str]] = OrderedDict()
 
     #: Request numbers one controller uses at most: an attaching controller of a later epoch
     #: numbers its requests past all of them (see :meth:`number_from`).
@@ -137,21 +136,24 @@ class RankBook:
         run = self.runs.get(request)
         if run is not None and run.done():
             del self.runs[request]
-            self._late[request] = run.on_late_output
-            self._what[request] = run.what
+            self._late[request] = (run.on_late_output, run.what)
             while len(self._late) > LATE_OUTPUT_RUNS:
-                self._what.pop(self._late.popitem(last=False)[0], None)
+                self._late.popitem(last=False)
 
     def what(self, request: int) -> str | None:
         """What ``request`` is ("cell [3]", "run('x = 1')"), in flight or retired lately."""
         run = self.runs.get(request)
-        return run.what if run is not None else self._what.get(request)
+        if run is not None:
+            return run.what
+        retired = self._late.get(request)
+        return retired[1] if retired is not None else None
 
     def route(self, request: int | None) -> "Run | Callable[[Event], None] | None":
         """Where an event of ``request`` goes: its run, or, once retired, its late-output route."""
         if request is None:
             return None
-        return self.runs.get(request) or self._late.get(request)
+        retired = self._late.get(request)
+        return self.runs.get(request) or (retired[0] if retired is not None else None)
 
     # -- ranks ---------------------------------------------------------------------------------
 
