@@ -277,3 +277,16 @@ def test_ranks_that_failed_alike_but_for_their_peers_address_are_one_group(mesh4
     assert "[1-3] RuntimeError: Connection closed by peer [peer]\n" in text, text
     assert text.endswith("[0] finished: their values are this error's .partial (%%mesh --out NAME keeps them)"), text
     assert info.value.failures[2].message == "Connection closed by peer [127.0.0.1]:5002", "each rank's own, kept"
+
+
+def test_only_a_peers_address_is_left_out_when_failures_are_grouped() -> None:
+    """A user's own text that looks like an index and a number ("row [3]:1") still tells ranks apart."""
+    from meshbook.mesh.protocol.errors import RankFailure
+
+    def failure(rank: int, text: str) -> RankFailure:
+        return RankFailure(rank, "ValueError", text)
+
+    own = RemoteError({1: failure(1, "row [3]:1"), 2: failure(2, "row [3]:2")})
+    assert [ranks for ranks, _ in own.groups] == [[1], [2]]
+    peers = RemoteError({1: failure(1, "peer [::1]:4001"), 2: failure(2, "peer [10.0.0.7]:4002")})
+    assert [ranks for ranks, _ in peers.groups] == [[1, 2]] and "[1,2] ValueError: peer [peer]" in peers.render()

@@ -182,7 +182,9 @@ class RankFailure:
 
 #: The peer a transport's error names ("Connection closed by peer [127.0.0.1]:57034"): each rank
 #: names its own peer's port, so ranks failing alike would each be a group of their own.
-_PEER = re.compile(r"\[[0-9A-Fa-f.:]+\]:\d+")
+#: An IPv4 or IPv6 address in brackets and a port, nothing shorter: "x[3]:1" in a user's own
+#: message must still tell ranks apart.
+_PEER = re.compile(r"\[(?:\d{1,3}(?:\.\d{1,3}){3}|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*)\]:\d+")
 
 
 def _alike(text: str) -> str:
