@@ -370,7 +370,6 @@ class Run:
         return f"<Run {self.id} {self.what}: {state}>"
 
 
-
 def _briefly(value: Any) -> str:
     """A finished rank's value in one line: its repr, cut short (nothing for None)."""
     if value is None:

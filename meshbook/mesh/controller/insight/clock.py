@@ -28,6 +28,8 @@ from ...protocol.config import WINDOW_S
 
 #: How many requests keep their figures (the cell status reads a run's once it ended).
 KEPT_REQUESTS = 64
+#: How many collectives paired across requests are kept per request (each names its ranks).
+MISPAIRED_KEPT = 16
 #: A collective still missing members after this long is dropped (a member died, or failed
 #: before joining: it will never be complete).
 OPEN_FOR_S = 120.0
@@ -120,12 +122,16 @@ class CollectiveTimes:
 
     def _check_pairing(self, name: str, n: int, members: tuple[int, ...],
                        arrived: dict[int, tuple[int, int, int]]) -> None:
-        requests = {rank: request for rank, (request, _, _) in arrived.items()}
-        if len(set(requests.values())) == 1:
+        """Book ``arrived`` if its members issued it in different requests (every complete
+        collective passes here, on the receiver thread: the usual answer is a loop, no dict)."""
+        first = next(iter(arrived.values()))[0]
+        if all(request == first for request, _, _ in arrived.values()):
             return
-        found = Mispaired(name, n, members, requests)
-        for request in set(requests.values()):
-            self._mispaired.setdefault(request, []).append(found)
+        found = Mispaired(name, n, members, {rank: request for rank, (request, _, _) in arrived.items()})
+        for request in set(found.requests.values()):
+            kept = self._mispaired.setdefault(request, [])
+            if len(kept) < MISPAIRED_KEPT:  # a loop of them says no more than its first few
+                kept.append(found)
             self._mispaired.move_to_end(request)
         while len(self._mispaired) > KEPT_REQUESTS:
             self._mispaired.popitem(last=False)
