@@ -52,12 +52,12 @@ def watch(controller: "Controller", runs: list["Run"]) -> None:
     """Start a check of each user run that is ending unevenly and is due one (receiver thread)."""
     now = time.monotonic()
     for run in runs:
-        if not run.in_step or run.checking or run.done() or (run.first_done_at is None and run.interrupted_at is None):
+        # Due once a rank finished it (and a moment after an interrupt), or after an interrupt alone.
+        due = [at + wait for at, wait in ((run.first_done_at, CHECK_AFTER_S), (run.interrupted_at, FREE_AFTER_S))
+               if at is not None]
+        if not run.in_step or run.checking or run.done() or not due:
             continue
-        due = run.first_done_at + CHECK_AFTER_S if run.first_done_at is not None else 0.0
-        if run.interrupted_at is not None:
-            due = max(due, run.interrupted_at + FREE_AFTER_S)
-        if now >= max(due, run.checked_at + RECHECK_S):
+        if now >= max(*due, run.checked_at + RECHECK_S):
             run.checking = True
             threading.Thread(target=_check, args=(controller, run), name="meshbook-run-watch", daemon=True).start()
 
@@ -73,25 +73,24 @@ def _check(controller: "Controller", run: "Run") -> None:
 
 def free_unpairable(controller: "Controller", run: "Run") -> None:
     """Abort the collectives of ``run``'s waiting ranks that a member who finished the run,
-    and runs nothing else, will never join."""
+    and runs nothing else, will never join; once the run was interrupted, nor a live member
+    outside it that runs nothing (it could only join from a later cell, whose collectives would
+    then pair with this one's)."""
     live = controller.live(run.pending)
     if not live or controller.stopped:
         return
     asked = controller.call(snapshot, ranks=live, what="stacks")
     asked.wait(SNAPSHOT_WAIT_S)
     held = held_for(controller, run)  # held for its check: they run nothing else before it
+    alive = set(controller.live())
     blocked: dict[int, tuple[Collective, list[int]]] = {}
     for rank, snap in asked.values().items():
         if snap is None or snap.request != run.id or not snap.pending:  # None: nothing to say (a stand-in)
             continue
         collective = snap.pending[-1]
         members = group_members(collective, rank, controller.topology) or []
-        gone = [m for m in members if m in run.ranks and m not in run.pending
+        gone = [m for m in members if (m not in run.pending if m in run.ranks else run.interrupted and m in alive)
                 and (not controller.queued(m) or m in held)]
-        # Interrupted: a member outside the run, idle, could only join from a later cell, whose
-        # collectives would then pair with this one's; the user asked for the run to stop.
-        gone += [m for m in members if run.interrupted and m not in run.ranks and not controller.queued(m)
-                 and m in controller.live([m])]
         if gone:
             blocked[rank] = (collective, gone)
     if not blocked or run.done():
