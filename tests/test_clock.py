@@ -107,6 +107,21 @@ def test_a_collective_whose_members_issued_it_in_different_requests_is_told() ->
     assert times.mispaired(7) == [found] and times.mispaired(9) == []
 
 
+def test_a_request_is_unsettled_until_every_member_said_where_it_issued_what_completed() -> None:
+    """Ranks 1 and 2 completed the group's first collective in request 8 (a run on them
+    alone); rank 0, outside it, has not reported its part yet: whether it paired across
+    requests is unknown until it does. An async call (no exit seen) or a rank that failed
+    the run (not among those asked about) leaves nothing to wait for."""
+    times = CollectiveTimes(now_ns=lambda: 101 * S)
+    for rank in (1, 2):
+        times.add(rank, batch(rank, [(0, 1, 100.4, 100.5)], request=8))
+    assert times.unsettled(8, {1, 2}) and not times.unsettled(8, {0}) and not times.unsettled(9, {1, 2})
+    times.add(0, batch(0, [(0, 1, 100.0, 100.5)], request=7))
+    assert not times.unsettled(8, {1, 2}) and [f.requests for f in times.mispaired(8)] == [{0: 7, 1: 8, 2: 8}]
+    times.add(1, batch(1, [(0, 2, 100.6, 0)], request=8))  # async_op=True
+    assert not times.unsettled(8, {1, 2})
+
+
 def test_the_window_shows_the_newest_request() -> None:
     times = CollectiveTimes(now_ns=lambda: 105 * S)
     loop(times)

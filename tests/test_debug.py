@@ -100,7 +100,7 @@ def test_stacks_of_a_rank_spinning_in_pure_python(mesh: meshbook.Mesh) -> None:
     run = mesh.run("import time\nend = time.time() + 60\nwhile time.time() < end:\n    pass", ranks=[2])
     wait_until(lambda: mesh.snapshots([2])[2].busy)
     snap = mesh.snapshots([2])[2]
-    assert snap.cell_frame is not None and snap.cell_frame.lineno in (3, 4)
+    assert snap.user_frame is not None and snap.user_frame.in_cell and snap.user_frame.lineno in (3, 4)
     mesh.interrupt([2])
     with pytest.raises(RemoteError, match="KeyboardInterrupt"):
         run.result(timeout=10, echo=False)

@@ -275,7 +275,7 @@ def test_ranks_that_failed_alike_but_for_their_peers_address_are_one_group(mesh4
                   "'fine'").result(echo=False)
     text = info.value.render()
     assert "[1-3] RuntimeError: Connection closed by peer [peer]\n" in text, text
-    assert text.endswith("[0] finished: their values are this error's .partial (%%mesh --out NAME keeps them)"), text
+    assert text.endswith("[0] finished: their values are this error's .partial"), text
     assert info.value.failures[2].message == "Connection closed by peer [127.0.0.1]:5002", "each rank's own, kept"
 
 

@@ -181,14 +181,10 @@ def frames_of(tb: TracebackType | None) -> tuple[Frame, ...]:
     # collective lands as it logs the collective's failure (its def line says nothing).
     frames = [f for f in frames if not short_path(f.filename).startswith(_LOGGER)]
     return tuple(f for i, f in enumerate(frames)
-                 if not _in_torch(f) or (i == len(frames) - 1))
+                 if not f.in_torch or (i == len(frames) - 1))
 
 
 _LOGGER = "torch/distributed/c10d_logger.py"
-
-
-def _in_torch(frame: Frame) -> bool:
-    return short_path(frame.filename).startswith("torch/")
 
 
 def _frame(filename: str, lineno: int, name: str, line: str) -> Frame:

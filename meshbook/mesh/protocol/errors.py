@@ -131,6 +131,10 @@ class Frame:
         """``cell line 3``, or a library file shortened to its package path."""
         return f"cell line {self.lineno}" if self.in_cell else f"{short_path(self.filename)}:{self.lineno}"
 
+    @property
+    def in_torch(self) -> bool:
+        return short_path(self.filename).startswith("torch/")
+
     def format(self) -> str:
         text = f"  {self.where}, in {self.name}"
         return text + (f"\n    {self.line}" if self.line else "")
@@ -234,8 +238,7 @@ class RemoteError(MeshError):
             out.extend("  " + line for f in failure.frames for line in f.format().splitlines())
             out.extend("  " + line for line in (_alike(failure.detail) if alike else failure.detail).splitlines())
         if self.partial:
-            out.append(f"[{format_ranks(sorted(self.partial))}] finished: their values are this error's "
-                       f".partial (%%mesh --out NAME keeps them)")
+            out.append(f"[{format_ranks(sorted(self.partial))}] finished: their values are this error's .partial")
         if self.hint:
             out.append(self.hint)
         return "\n".join(out)

@@ -65,17 +65,24 @@ RESEND = "resend"  # agent -> controller: messages went missing on the link, sen
 LOST = "lost"  # agent -> controller: what was asked again is no longer kept
 BUNDLE = "bundle"  # agent -> controller: its ranks' messages, checked there, signed once
 
-#: Requests that run user code: an irregular end of one triggers a step check.
-USER_KINDS = (EXEC, APPLY)
+#: Requests from the notebook that run user code (an actor's constructor or endpoint too: its
+#: collectives pair with the cells' ones): an irregular end of one triggers a step check. Not
+#: ``PEER``: an actor's call to another actor is none of the controller's runs.
+USER_KINDS = (EXEC, APPLY, ACTOR)
+
+#: The endpoint meshbook calls with an actor mesh's failures (on a supervising actor): its
+#: delivery is meshbook's, never held back behind a failure, nor step-checked.
+SUPERVISE = "__supervise__"
 
 
 def pairs_collectives(kind: str, body: Any) -> bool:
     """Whether a request issues collectives that pair across ranks: a cell, an applied
-    function, or a rank operation declared ``@rank_op(collective=True)`` (plan's probe,
-    parallelize). A failure of one is step-checked, and a rank that failed one holds back what
-    was sent before the check (DESIGN.md, "Ranks in step")."""
+    function, an actor's constructor or endpoint, or a rank operation declared
+    ``@rank_op(collective=True)`` (plan's probe, parallelize). A failure of one is
+    step-checked, and a rank that failed one holds back what was sent before the check
+    (DESIGN.md, "Ranks in step")."""
     if kind in USER_KINDS:
-        return True
+        return not (kind == ACTOR and isinstance(body, dict) and body.get("endpoint") == SUPERVISE)
     return kind == CALL and isinstance(body, dict) and bool(getattr(body.get("fn"), "collective", False))
 
 

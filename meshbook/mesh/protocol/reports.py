@@ -50,15 +50,19 @@ class RankSnapshot:
     doing: str = ""  # what meshbook itself runs there, when busy with its own work ("the step check")
 
     @property
-    def cell_frame(self) -> Frame | None:
-        """The innermost frame in cell code (where the user's code is)."""
-        return next((f for f in reversed(self.frames) if f.in_cell), None)
+    def user_frame(self) -> Frame | None:
+        """Where the user's code is: the innermost frame in cell code, else the innermost
+        outside torch (an actor's endpoint, a function the notebook applied), else the
+        innermost."""
+        frames = self.frames[::-1]
+        return next((f for f in frames if f.in_cell), None) or next((f for f in frames if not f.in_torch),
+                                                                    frames[0] if frames else None)
 
     def where(self) -> str:
         """``cell line 3 (time.sleep(30))`` — where this rank's own code is now."""
         if self.doing:
             return f"meshbook's {self.doing}"
-        frame = self.cell_frame or (self.frames[-1] if self.frames else None)
+        frame = self.user_frame
         if frame is None:
             return "somewhere outside Python" if self.busy else "idle"
         return frame.where + (f" ({frame.line})" if frame.line else "")

@@ -98,7 +98,7 @@ class ActorHost:
             raise LookupError(f"no actor {name!r} lives on rank {self.worker.rank}: the rank was restarted "
                               f"since it was spawned (respawn() it), or it was never spawned here")
         method = getattr(type(actor), endpoint, None)
-        if not getattr(method, ENDPOINT_MARK, False) and endpoint != "__supervise__":
+        if not getattr(method, ENDPOINT_MARK, False) and endpoint != msg.SUPERVISE:
             raise AttributeError(f"{type(actor).__qualname__} has no endpoint {endpoint!r}")
         if "payload" not in body:
             return self._run(getattr(actor, endpoint), body["args"], body["kwargs"])

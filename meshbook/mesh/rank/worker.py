@@ -688,8 +688,8 @@ class Worker:
 
 
 def _described(message: wire.Message) -> str:
-    """``cell [7]``, ``an earlier run``, ``an applied function`` or ``meshbook's parallelize``:
-    what the user sent, in words."""
+    """``cell [7]``, ``an earlier run``, ``an applied function``, ``a call of policy.step`` or
+    ``meshbook's parallelize``: what the user sent, in words."""
     if message.kind == msg.APPLY:
         return "an applied function"
     try:
@@ -698,6 +698,9 @@ def _described(message: wire.Message) -> str:
         body = {}
     if message.kind == msg.CALL:
         return f"meshbook's {getattr(body.get('fn'), '__name__', 'operation')}"
+    if message.kind == msg.ACTOR:
+        return (f"the spawn of {body.get('actor')}" if "cls" in body
+                else f"a call of {body.get('actor')}.{body.get('endpoint')}")
     name = body.get("name")
     return f"cell [{name}]" if isinstance(name, int) else "an earlier run"
 

@@ -136,7 +136,7 @@ def _check_spawn(controller: Controller, name: str, cls: type, supervisor: Any) 
                         f"unpicklable things (locks, open files, sockets) out of the class body; create "
                         f"them in __init__, which runs on the rank") from None
     if supervisor is not None and not callable(supervisor) and not (
-            isinstance(supervisor, ActorMesh) and hasattr(supervisor.state.cls, "__supervise__")):
+            isinstance(supervisor, ActorMesh) and hasattr(supervisor.state.cls, msg.SUPERVISE)):
         raise MeshError("supervisor= takes a function of the failure event, or an actor mesh whose class "
                         "defines __supervise__(self, event)")
 
@@ -144,7 +144,8 @@ def _check_spawn(controller: Controller, name: str, cls: type, supervisor: Any) 
 def _spawn_on(state: ActorState, ranks: list[int]) -> None:
     body = {"actor": state.name, "cls": state.cls, "args": state.args, "kwargs": state.kwargs,
             "code": code_places(methods_of(state.cls))}
-    run = state.controller.submit(msg.ACTOR, body, ranks, f"spawn {state.name} ({state.cls.__qualname__})")
+    run = state.controller.submit(msg.ACTOR, body, ranks, f"spawn {state.name} ({state.cls.__qualname__})",
+                                  noun="spawn")
     try:
         peers = run.result()
     except BaseException:  # a failure on some ranks, or an interrupt during a slow __init__
@@ -188,7 +189,7 @@ def _tell(state: ActorState, event: SupervisionEvent, gone: Controller | None = 
 def _supervise(supervisor: Any, event: SupervisionEvent) -> None:
     try:
         if isinstance(supervisor, ActorMesh):
-            supervisor.submit_call("__supervise__", supervisor.ranks, (event,), {}, False).result()
+            supervisor.submit_call(msg.SUPERVISE, supervisor.ranks, (event,), {}, False).result()
         else:
             supervisor(event)
     except Exception as exc:  # noqa: BLE001 - a failing supervisor must not end the receiver

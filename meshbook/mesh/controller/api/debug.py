@@ -67,7 +67,7 @@ class DebugOps:
 
     def diagnose(self, ranks: Sequence[int] | str | int | None = None) -> Diagnosis:
         """Which ranks wait in which collective, who they wait for, and where the others are."""
-        return diagnose(self.snapshots(ranks), self.topology)
+        return diagnose(self.snapshots(ranks), self.topology, self.controller.nouns())
 
     def kill(self, ranks: Sequence[int] | str | int) -> None:
         """SIGKILL ranks (their variables are lost); ``restart`` brings them back. The dead

@@ -53,7 +53,7 @@ from ..launch.base import Launcher
 from ..launch.local import discard_standby
 from ..launch.network import HostLink, Network
 from .agents import Agents
-from .book import RankBook, RankState
+from .book import Answer, RankBook, RankState
 from .render import print_late
 from .run import Run, StepReport
 from .transport import Sent, Transport, log
@@ -62,6 +62,9 @@ from .transport import Sent, Transport, log
 USER_STOP = "stopped by the user"
 #: How many rank lists' routes are kept (see ``Controller._routes``); more are grouped anew.
 ROUTES_KEPT = 64
+#: How long a run answered by every rank waits for the other members of the collectives it
+#: completed to say in which request they issued them (they do within a heartbeat, 0.5 s).
+SETTLE_S = 3.0
 
 #: A user run that ended irregularly: its request, and its Run (None: one this controller did not
 #: send, a kept mesh's from the kernel before).
@@ -113,6 +116,9 @@ class Controller:
         #: Messages of a kind no handler takes, by kind (each is logged too).
         self.unknown_kinds: Counter[str] = Counter()
         self._held: list[Any] | None = None  # a results entry of hosts' bundles not booked yet (see _hold)
+        #: Runs answered by every rank whose end waits for the collective clock (see _finish),
+        #: and until when: request -> (its last answer, what the book said of it, deadline).
+        self._unsettled: dict[int, tuple[tuple[int, ...], Event, Answer, float]] = {}
         #: Agents that said they stopped on their own, not by our stop: when, and why.
         self._stopped_alone: dict[int, tuple[HostLink, float, str]] = {}
         #: Ranks killed to be re-forked (a recovery), and why: what their deaths then say.
@@ -298,8 +304,10 @@ class Controller:
 
     # -- sending -----------------------------------------------------------------------------
 
-    def submit(self, kind: str, body: Any, ranks: list[int], what: str, channel: str = msg.MAIN) -> Run:
-        """Send one request to ``ranks`` (one message per rank) and return its Run."""
+    def submit(self, kind: str, body: Any, ranks: list[int], what: str, channel: str = msg.MAIN,
+               noun: str | None = None) -> Run:
+        """Send one request to ``ranks`` (one message per rank) and return its Run (``noun``:
+        what messages call it, when not what its kind says)."""
         self.check_usable(ranks)
         try:
             raw, buffers = wire.dumps(body)
@@ -310,7 +318,7 @@ class Controller:
             # a while, and a run opened after a rank's death or the stop was booked would never
             # be failed by either (nor answered by the dead rank).
             self.check_usable(ranks)
-            run = self._new_run(ranks, what, kind, msg.pairs_collectives(kind, body))
+            run = self._new_run(ranks, what, kind, msg.pairs_collectives(kind, body), noun)
             self.book.open(run, queued=channel == msg.MAIN)
             for listener in self.run_listeners:
                 listener(run)
@@ -322,9 +330,10 @@ class Controller:
         self.transport.wait_sent(sent, self._alive)
         return run
 
-    def _new_run(self, ranks: list[int], what: str, kind: str, in_step: bool = False) -> Run:
+    def _new_run(self, ranks: list[int], what: str, kind: str, in_step: bool = False,
+                 noun: str | None = None) -> Run:
         return Run(next(self.book.request_ids), ranks, self.topology, what, self.interrupt_run, self.send_input,
-                   kind, follow=self.follow, in_step=in_step)
+                   kind, follow=self.follow, in_step=in_step, noun=noun)
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: list[int], what: str = "",
              channel: str | None = None, stdin: bool = False, **kwargs: Any) -> Run:
@@ -448,6 +457,11 @@ class Controller:
         with self._lock:
             return self.book.own_work(request)
 
+    def nouns(self) -> dict[int, str]:
+        """What a user calls each run still booked, by request ("cell", "call"...)."""
+        with self._lock:
+            return {request: run.noun for request, run in self.book.runs.items()}
+
     def queued(self, rank: int) -> int:
         with self._lock:
             return self.book.queued(rank)
@@ -530,6 +544,7 @@ class Controller:
 
     def _tick(self) -> None:
         self._check_agents()
+        self._settle()
         with self._lock:
             runs = list(self.book.runs.values())
         for listener in self.tick_listeners:
@@ -601,6 +616,8 @@ class Controller:
         network = self.transport.network
         link = network.links.get(self.host_of[rank]) if network is not None else None
         self.clock.add(rank, message.body(), link.clock_offset_ns if link is not None else 0)
+        if self._unsettled:
+            self._settle()
 
     def _on_output(self, message: wire.Message) -> None:
         body = message.body()
@@ -688,11 +705,35 @@ class Controller:
         with self._lock:
             answer = self.book.answered(request, ranks, isinstance(event, Error), lost_group)
         run, failed = answer.run, isinstance(event, Error)
-        check = None if self.stopped else self.on_irregular_end
         if run is None:
+            check = None if self.stopped else self.on_irregular_end
             if failed and check is not None:  # a kept mesh's run, the kernel before's: its ranks hold back too
                 check(request, None)
             return
+        if answer.done and run.in_step and self.clock.unsettled(request, _succeeded(run, ranks, event)):
+            # A collective it completed on a rank that succeeded has a member outside it that
+            # has not said yet in which request it issued it (it does with its next answer or
+            # heartbeat): whether that rank's numbers paired with another run's is unknown until
+            # then. Told before, a wrong number went out as a success (1 in 6 such pairings, tried).
+            self._unsettled[request] = (ranks, event, answer, time.monotonic() + SETTLE_S)
+            return
+        self._conclude(run, ranks, event, answer)
+
+    def _settle(self, everything: bool = False) -> None:
+        """End the runs that waited for the collective clock and no longer need to (the
+        receiver thread, after a ``COLLECTIVES`` batch and at each tick; ``everything``: at stop)."""
+        now = time.monotonic()
+        for request, (ranks, event, answer, due) in list(self._unsettled.items()):
+            assert answer.run is not None
+            if everything or now >= due or not self.clock.unsettled(request, _succeeded(answer.run, ranks, event)):
+                del self._unsettled[request]
+                self._conclude(answer.run, ranks, event, answer)
+
+    def _conclude(self, run: Run, ranks: tuple[int, ...], event: Event, answer: Answer) -> None:
+        """Give ``run`` the answer of ``ranks`` (``event``): a collective that paired across
+        runs fails it, an irregular end starts the step check first."""
+        request, failed = run.id, isinstance(event, Error)
+        check = None if self.stopped else self.on_irregular_end
         events = [event]
         wrong, ours = self._mispaired(run) if answer.done and run.in_step else ({}, False)
         if wrong:  # answers that said success, and are not: told as failures
@@ -1013,6 +1054,7 @@ class Controller:
 
     def _stop(self, detach: bool) -> None:
         self.transport.stop_receiver()
+        self._settle(everything=True)  # the receiver is gone: as they are
         self.agents.stop(detach)  # the receiver is gone: this thread owns the links
         with self._lock:
             runs = list(self.book.runs.values())
@@ -1056,6 +1098,11 @@ def _without(event: Event, wrong: dict[int, RankFailure]) -> list[Event]:
     right = event.only(lambda rank: rank not in wrong)
     return [*([right] if right is not None else []),
             *(Error(r, wrong[r], d) for r, d in zip(event.ranks, event.durations) if r in wrong)]
+
+
+def _succeeded(run: Run, ranks: tuple[int, ...], event: Event) -> set[int]:
+    """The ranks of ``run`` that succeeded, with ``ranks``' answer ``event`` (not yet its)."""
+    return set(run.ranks) - run.failed_ranks() - (set(ranks) if isinstance(event, Error) else set())
 
 
 def _mispaired_text(found: Mispaired, said: dict[int, str]) -> str:

@@ -54,17 +54,24 @@ class StepReport(Protocol):
 #: with hang hints and escalating interrupts (:mod:`..api.follow`).
 Follow = Callable[["Run", EventRenderer, "float | None"], RankValues]
 
+#: What a user calls a run of each kind where messages name it ("failed the call without
+#: joining it"); a rank operation (``CALL``) is an operation.
+NOUNS = {msg.EXEC: "cell", msg.APPLY: "function", msg.ACTOR: "call", msg.CALL: "operation"}
+
 
 class Run:
     """Handle on one request to a set of ranks."""
 
     def __init__(self, request_id: int, ranks: list[int], topology: Topology, what: str,
                  interrupt: Callable[["Run"], None], send_input: Callable[[int, str | None, int], None],
-                 kind: str = msg.EXEC, follow: Follow | None = None, in_step: bool | None = None) -> None:
+                 kind: str = msg.EXEC, follow: Follow | None = None, in_step: bool | None = None,
+                 noun: str | None = None) -> None:
         self.id = request_id
         self.ranks = list(ranks)
         self.what = what
-        self.kind = kind  # EXEC, APPLY, CALL (a rank operation) or OP (the agents'), see messages.py
+        self.kind = kind  # EXEC, APPLY, ACTOR, CALL (a rank operation) or OP (the agents'), see messages.py
+        #: What messages call it: "cell", "function", "call", "spawn", "operation".
+        self.noun = noun or NOUNS.get(kind, "request")
         #: Its collectives pair across ranks (``messages.pairs_collectives``): an irregular end
         #: is step-checked, the run watcher frees what it leaves waiting, a recovery drops it
         #: if it has not started.

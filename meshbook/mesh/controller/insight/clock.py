@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +181,14 @@ class CollectiveTimes:
         member. Whether that is wrong is the caller's to say: a cell on rank 0 that sends, and
         a later cell on rank 1 that receives, pair across cells on purpose."""
         return list(self._mispaired.get(request, ()))
+
+    def unsettled(self, request: int, ranks: Collection[int]) -> bool:
+        """Whether a collective that one of ``ranks`` (those that ran ``request`` to its end)
+        issued there and left waits for another member's report: it completed, so every
+        member issued it, but in which request is unknown until that member says. Usually
+        nothing is open."""
+        return any(req == request and left and rank in ranks
+                   for arrived in self._open.values() for rank, (req, _, left) in arrived.items())
 
     @property
     def incomplete(self) -> int:

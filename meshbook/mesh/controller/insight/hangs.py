@@ -14,6 +14,7 @@ The same snapshots, merged into a call tree, follow the verdict.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from ...protocol.reports import Collective, RankSnapshot
 from ...protocol.text import group_by_text, ranks_text
@@ -40,12 +41,14 @@ class Diagnosis:
         return self.render()
 
 
-def diagnose(snapshots: dict[int, RankSnapshot], topology: Topology) -> Diagnosis:
+def diagnose(snapshots: dict[int, RankSnapshot], topology: Topology,
+             nouns: Mapping[int, str] | None = None) -> Diagnosis:
+    """``nouns``: what the user calls each request the ranks run ("cell" where unknown)."""
     waiting = {r: s.pending[-1] for r, s in snapshots.items() if s.pending}
     groups: dict[tuple[str, int, str], list[int]] = {}
     for rank, collective in sorted(waiting.items()):
         groups.setdefault((collective.group, collective.seq, collective.op), []).append(rank)
-    explained = [_explain(ranks, waiting, snapshots, topology) for ranks in groups.values()]
+    explained = [_explain(ranks, waiting, snapshots, topology, nouns or {}) for ranks in groups.values()]
     verdict = [line for line, _ in explained]
     if not verdict:
         busy = [r for r, s in snapshots.items() if s.busy]
@@ -59,7 +62,8 @@ def diagnose(snapshots: dict[int, RankSnapshot], topology: Topology) -> Diagnosi
 
 
 def _explain(ranks: list[int], waiting: dict[int, Collective],
-             snapshots: dict[int, RankSnapshot], topology: Topology) -> tuple[str, bool]:
+             snapshots: dict[int, RankSnapshot], topology: Topology,
+             nouns: Mapping[int, str]) -> tuple[str, bool]:
     """The verdict's line for ``ranks`` waiting in one collective, and whether a member of its
     group is missing from it."""
     collective = waiting[ranks[0]]
@@ -69,15 +73,17 @@ def _explain(ranks: list[int], waiting: dict[int, Collective],
     members = group_members(collective, ranks[0], topology)
     if members is None:
         return line + " (a group meshbook does not know the members of)", False
-    absent = {r: _absence(r, waiting, snapshots, snapshots[ranks[0]].request) for r in members if r not in ranks}
+    request = snapshots[ranks[0]].request
+    noun = nouns.get(request, "cell") if request is not None else "cell"
+    absent = {r: _absence(r, waiting, snapshots, request, noun) for r in members if r not in ranks}
     if not absent:
         return line + "; every member of its group is there: it should complete", False
     return line + "; " + "; ".join(f"{ranks_text(r)} {why}" for r, why in group_by_text(absent)), True
 
 
 def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, RankSnapshot],
-             request: int | None) -> str:
-    """Why ``rank`` is not in the collective the ranks running ``request`` wait in."""
+             request: int | None, noun: str) -> str:
+    """Why ``rank`` is not in the collective the ranks running ``request`` (a ``noun``) wait in."""
     snap = snapshots.get(rank)
     if snap is None:
         return "did not answer"
@@ -87,14 +93,14 @@ def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, Ran
         return f"waits in {waiting[rank].describe()} instead"
     here = snap.last_request == request  # its last user code was that cell
     ended = (f"{snap.last} before joining it" if here and snap.last.startswith("stopped")
-             else "finished the cell without joining it")
+             else f"finished the {noun} without joining it")
     if snap.busy and snap.doing and here:  # held for the step check after it
         return f"{ended} (now at meshbook's {snap.doing})"
     if snap.busy:
         return f"never reached it: at {snap.where()}"
-    # Not in this cell at all: only a later cell can join, and its collectives then pair with
+    # Not in this run at all: only a later one can join, and its collectives then pair with
     # this one's (a wrong value, which the controller tells as CollectiveMispaired).
-    return f"{ended} (idle)" if here else "took no part in this cell (idle)"
+    return f"{ended} (idle)" if here else f"took no part in this {noun} (idle)"
 
 
 def group_members(collective: Collective, rank: int, topology: Topology) -> list[int] | None:

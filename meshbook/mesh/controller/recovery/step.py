@@ -93,7 +93,7 @@ def check_after(controller: "Controller", request: int, run: "Run | None") -> "S
     if controller.stopped or controller.dead() or recovering(controller):
         return None  # a dead rank's restart, or the recovery, re-creates every group anyway
     cause = "a cell the kernel before this one sent" if run is None else \
-        "the interrupt" if run.interrupted else "the failed cell"
+        "the interrupt" if run.interrupted else f"the failed {run.noun}"
     check = StepCheck(controller, cause, run, request)
     try:
         check.start()
