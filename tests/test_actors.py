@@ -300,7 +300,7 @@ def test_a_spawn_waiting_for_ranks_outside_it_is_explained_and_freed(two: tuple[
         generators.narrow([0]).spawn("joins", Joins)
     rescue.join()
     text = "".join(said)
-    assert "rank(s) 0 wait in a collective (for over 5 s) that a rank of its group has not joined." in text
+    assert "rank(s) 0 wait in a collective (for over 5 s) that a rank of its group has not joined: without it" in text
     assert "rank 1 took no part in this spawn (idle)" in text
     assert info.value.failures[0].type_name == "CollectiveAborted"
     assert generators.narrow([0]).spawn("joins", Policy, 2).where.call().result()[0][0] == 0  # nothing half-built
@@ -363,6 +363,11 @@ def test_an_actor_cannot_take_a_name_meshbook_sets_on_the_ranks(two: tuple[meshb
         with pytest.raises(MeshError, match=f"actor name '{name}': meshbook sets it on every rank.*pick another name"):
             generators.spawn(name, Policy, 2)
     assert dict(generators.run("str(device)").result()) == {0: "cpu", 1: "cpu"}
+    generators.run("mine = 'precious'").result()
+    with pytest.raises(RemoteError, match=r"\[0,1\] ValueError: this rank has a variable 'mine' \(a builtins.str\), "
+                                          r"which the actor would replace: pick another actor name"):
+        generators.spawn("mine", Policy, 2)
+    assert dict(generators.run("mine").result()) == {0: "precious", 1: "precious"}
     named = generators.spawn("named", Policy, 2)
     generators.run("saved, device = device, 'rebound by a cell'").result()
     try:

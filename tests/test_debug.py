@@ -199,7 +199,8 @@ def test_a_slice_waiting_for_ranks_outside_it_is_explained(mesh: meshbook.Mesh, 
     diagnosis says who is missing, ranks outside the run."""
     run = mesh.run("dist.barrier()", ranks=[0, 1])
     note = hint_until_timeout(mesh, run, capsys)
-    assert "rank(s) 0,1 wait in a collective (for over 2 s) that a rank of its group has not joined." in note
+    assert ("rank(s) 0,1 wait in a collective (for over 2 s) that a rank of its group has not joined: without it, "
+            "only the collective timeout ends the call (mesh.interrupt('0,1') stops it).") in note
     assert "ranks 2,3 took no part in this cell (idle)" in note
     mesh.recover()
     with pytest.raises(RemoteError) as info:  # the recovery's reason, not gloo's "connection closed"

@@ -127,6 +127,39 @@ def test_a_hung_home_directory_stalls_the_lease_renewal_only() -> None:
         mesh.stop()
 
 
+def test_the_actors_a_kernel_spawned_are_handles_in_the_kernel_that_attaches() -> None:
+    """The actors live on in the kept ranks: attaching gives their handles back, to the same
+    instances, so a kernel restart does not orphan them."""
+
+    class Counter(meshbook.Actor):
+        def __init__(self, start: int) -> None:
+            self.n = start
+
+        @meshbook.endpoint
+        def bump(self) -> int:
+            self.n += 1
+            return self.n
+
+    first = meshbook.start(2, keep="10m", name="spawner")
+    second = None
+    try:
+        counter = first.spawn("counter", Counter, 10)
+        assert dict(counter.bump.call().result()) == {0: 11, 1: 11}
+        first.narrow([1]).spawn("solo", Counter, 0)
+        second = meshbook.attach(first.controller.lease.id, name="adopter")
+        adopted = second.actors()
+        assert sorted(adopted) == ["counter", "solo"] and adopted["solo"].ranks == [1]
+        assert dict(adopted["counter"].bump.call().result()) == {0: 12, 1: 12}  # the same instances
+        with pytest.raises(meshbook.MeshError, match="an actor named 'counter' already lives on this mesh"):
+            second.spawn("counter", Counter, 0)
+        second.kill([1])
+        second.restart([1])
+        with pytest.raises(meshbook.MeshError, match="constructor's arguments stayed there: spawn it again"):
+            adopted["solo"].respawn()
+    finally:
+        (second or first).stop()
+
+
 def test_attaching_again_in_the_same_kernel_lets_the_first_handle_go() -> None:
     """(Another kernel attaching fences the first off: test_a_kernel_attached_over_is_told_so...)
     This one drives it already: its first handle lets go, with the name, and says which drives it."""

@@ -125,14 +125,29 @@ class ActorHost:
         """Build this rank's instance of an actor; answer how other ranks reach it."""
         name, cls = body["actor"], body["cls"]
         if name in self.actors:
-            raise ValueError(f"an actor named {name!r} already lives on rank {self.worker.rank}")
+            raise ValueError(f"an actor named {name!r} already lives on this rank: mesh.actors()[{name!r}] is its "
+                             f"handle, or pick another name")
+        if name in self.worker.namespace:
+            held = type(self.worker.namespace[name])
+            raise ValueError(f"this rank has a variable {name!r} (a {held.__module__}.{held.__qualname__}), which "
+                             f"the actor would replace: pick another actor name, or `del {name}` on the ranks "
+                             f"(%%mesh) first")
         place_code(methods_of(cls), body["code"])
         cfg = self.worker.cfg
         set_place(self.worker.rank, cfg.topology.world_size, cfg.topology.coords(self.worker.rank))
         instance = self._run(cls, body["args"], body["kwargs"])
         self.actors[name] = instance
         self.worker.namespace[name] = instance
+        return self._peer()
+
+    def _peer(self) -> Peer:
+        cfg = self.worker.cfg
         return Peer(cfg.request_addr, os.getpid(), socket.gethostname(), cfg.control_addr)
+
+    def living(self) -> dict[str, tuple[type, Peer]]:
+        """Each actor living here: its class and how to reach it (a kernel that attached this
+        kept mesh rebuilds its handles from them)."""
+        return {name: (type(actor), self._peer()) for name, actor in list(self.actors.items())}
 
     def drop(self, name: str) -> bool:
         """Forget actor ``name`` (and its namespace variable, if still the actor)."""

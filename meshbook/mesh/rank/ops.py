@@ -20,7 +20,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..protocol import messages as msg
-from ..protocol.actors import ActorAddress
+from ..protocol.actors import ActorAddress, Peer
 from ..protocol.cell import stack_frames
 from ..protocol.namespaces import VarInfo, describe, inventory, local_shard
 from ..protocol.payload import Overweight, Payload, Slot, pickled_for_pull
@@ -351,6 +351,12 @@ def unshare(worker: Any, tokens: dict[int, bytes]) -> None:
 
 
 # -- actors (mesh/controller/actors.py) -------------------------------------------------------
+
+
+@rank_op(channel=msg.CONTROL)
+def actors_living(worker: "Worker") -> dict[str, tuple[type, Peer]]:
+    """The actors living on this rank, with their classes and peers (control thread)."""
+    return worker.actors.living()
 
 
 def drop_actor(worker: "Worker", name: str) -> bool:

@@ -74,6 +74,9 @@ class ActorState:
     broadcasts: list["RunFuture"] = field(default_factory=list)
     supervisors: list[Any] = field(default_factory=list)
     turn: "itertools.count[int]" = field(default_factory=itertools.count)
+    #: Found on the ranks when this kernel attached the kept mesh (see :func:`adopt`): its
+    #: constructor's arguments stayed with the kernel that spawned it.
+    adopted: bool = False
 
     @property
     def controller(self) -> Controller:
@@ -103,11 +106,38 @@ def spawn(mesh: MeshView, name: str, cls: type, *args: Any, supervisor: Any = No
     _check_spawn(controller, name, cls, supervisor)
     state = ActorState(mesh, name, cls, args, dict(kwargs), supervisors=[supervisor] if supervisor else [])
     _spawn_on(state, mesh.ranks)
+    return _register(state)
+
+
+def adopt(mesh: MeshView) -> list[str]:
+    """Handles for the actors living on ``mesh``'s ranks, which a kernel before this one
+    spawned (this kernel attached the kept mesh): each becomes one of ``mesh.actors()``,
+    its class as the ranks have it. Returns their names."""
+    controller = mesh.controller
+    living = controller.live(mesh.ranks)
+    if not living:
+        return []
+    found: dict[str, dict[int, tuple[type, Peer]]] = {}
+    asked = controller.call(ops.actors_living, ranks=living, what="the actors living there")
+    for rank, actors in asked.result().items():
+        for name, (cls, peer) in actors.items():
+            found.setdefault(name, {})[rank] = (cls, peer)
+    for name, where in sorted(found.items()):
+        ranks = sorted(where)
+        cls = where[ranks[0]][0]
+        state = ActorState(mesh.narrow(ranks), name, cls, (), {}, {r: peer for r, (_, peer) in where.items()},
+                           adopted=True)
+        _register(state)
+    return sorted(found)
+
+
+def _register(state: ActorState) -> "ActorMesh":
+    controller = state.controller
     registry = _registry().setdefault(controller, {})
     if not registry:  # this dict, not a lookup: a stopped controller's entry leaves the registry first
         controller.add_death_listener(lambda rank, cause: _rank_died(controller, registry, rank, cause))
         controller.add_stop_listener(lambda: _mesh_stopped(controller, registry))
-    registry[name] = state
+    registry[state.name] = state
     return ActorMesh(state)
 
 
@@ -301,6 +331,9 @@ class ActorMesh(ActorView):
         lost = sorted(state.lost)
         if not lost:
             raise MeshError(f"actor {self.name!r} lost no rank: nothing to respawn")
+        if state.adopted:
+            raise MeshError(f"actor {self.name!r} was spawned by the kernel before this one attached the mesh, "
+                            f"and its constructor's arguments stayed there: spawn it again under another name")
         dead = state.controller.dead(lost)
         if dead:
             raise MeshError(f"rank(s) {format_ranks(dead)} of actor {self.name!r} are still dead: restart them "

@@ -265,7 +265,9 @@ class _Follow:
             diagnosis, said = self._diagnose()
             if diagnosis is not None and diagnosis.blocked:
                 self.explained = True
-                self._explain(f"{headline} that a rank of its group has not joined.", said)
+                stop = self.options.stop_earlier.format(ranks=format_ranks(waiting))
+                self._explain(f"{headline} that a rank of its group has not joined: without it, only the "
+                              f"collective timeout ends the call ({stop}).", said)
 
     def _explain(self, headline: str, said: str | None = None) -> None:
         self.renderer.flush()

@@ -51,7 +51,7 @@ from ..launch.kept import Lease, find, new_mesh_file, next_epoch, parse_duration
 from ..launch.kept import list_meshes as kept_meshes
 from ..launch.network import HostLink
 from ..launch.record import MeshRecord
-from .actors import ActorMesh, actor_meshes, spawn
+from .actors import ActorMesh, actor_meshes, adopt, spawn
 from .data import DataOps
 from .debug import DebugOps
 from .follow import FollowOptions, follow
@@ -181,7 +181,9 @@ def attach(mesh_id: str, name: str | None = None, timeout: float = 60.0) -> "Mes
     controller.lease = Lease(record)
     recovery.install(controller)
     controller.attach(timeout)
-    return register(controller)
+    mesh = register(controller)
+    adopt(mesh)  # the actors the kernel before spawned: mesh.actors() has their handles
+    return mesh
 
 
 def list_meshes() -> list[MeshRecord]:
