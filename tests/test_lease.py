@@ -160,6 +160,26 @@ def test_the_actors_a_kernel_spawned_are_handles_in_the_kernel_that_attaches() -
         (second or first).stop()
 
 
+def test_a_run_of_the_kernel_before_keeps_its_ranks_busy_in_the_kernel_that_attaches(tmp_path) -> None:
+    """The ranks still run what the kernel before sent: they show busy, and a run sent now
+    says it waits behind that, not that it is stuck in the other run's code."""
+    first = meshbook.start(2, keep="10m", name="before")
+    second = None
+    go = tmp_path / "go"
+    try:
+        first.run(f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)")
+        second = meshbook.attach(first.controller.lease.id, name="after")
+        assert [s.state for s in second.status()] == ["busy", "busy"]
+        run = second.run("rank")
+        assert second.controller.queued_behind(run) == {0: "a run the kernel before this one sent",
+                                                        1: "a run the kernel before this one sent"}
+        go.touch()
+        assert dict(run.result(timeout=60)) == {0: 0, 1: 1}
+        assert [s.state for s in second.status()] == ["idle", "idle"]
+    finally:
+        (second or first).stop()
+
+
 def test_attaching_again_in_the_same_kernel_lets_the_first_handle_go() -> None:
     """(Another kernel attaching fences the first off: test_a_kernel_attached_over_is_told_so...)
     This one drives it already: its first handle lets go, with the name, and says which drives it."""

@@ -266,8 +266,10 @@ class Worker:
         self.emit(msg.READY, None, self.ready_report(), **header)
 
     def ready_report(self) -> dict[str, Any]:
-        """What READY says of this rank: its device, its pid, how its threads were set."""
-        return {"device": str(self.namespace["device"]), "pid": os.getpid(), "threads": self.cfg.threads_note}
+        """What READY says of this rank: its device, its pid, how its threads were set; and
+        the request its main thread runs (for a kernel that attaches: a run of the one before)."""
+        return {"device": str(self.namespace["device"]), "pid": os.getpid(), "threads": self.cfg.threads_note,
+                "running": self.request}
 
     def init_distributed(self, generation: int) -> None:
         """(Re)create the process group and the namespace's ``device_mesh``."""

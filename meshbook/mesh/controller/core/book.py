@@ -44,6 +44,9 @@ class RankState:
     known_names: frozenset[str] = frozenset()
     #: How its torch threads were set (``OMP_NUM_THREADS=1 per rank, as torchrun sets it``).
     threads: str = ""
+    #: The newest request of the kernel before (a kept mesh's) it answered since this one
+    #: attached: its report of what it runs may be older.
+    answered_before: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class RankBook:
         queues, states = self.queues, self.ranks
         for rank in ranks:
             queue = queues[rank]
+            if request < self.first_request:  # the kernel before's
+                states[rank].answered_before = max(states[rank].answered_before, request)
             if queue and queue[0] == request:
                 queue.popleft()
                 state = states[rank]
@@ -146,7 +151,9 @@ class RankBook:
         if run is not None:
             return run.what
         retired = self._late.get(request)
-        return retired[1] if retired is not None else None
+        if retired is not None:
+            return retired[1]
+        return "a run the kernel before this one sent" if request < self.first_request else None
 
     def route(self, request: int | None) -> "Run | Callable[[Event], None] | None":
         """Where an event of ``request`` goes: its run, or, once retired, its late-output route."""
@@ -168,11 +175,18 @@ class RankBook:
             state.state = "idle"
             self._dead.discard(rank)
 
-    def described(self, rank: int, device: str, pid: int, threads: str) -> None:
+    def described(self, rank: int, device: str, pid: int, threads: str, running: int | None = None) -> None:
         """What an attached rank's READY had said (its device: a kept mesh's new kernel never
-        heard it)."""
+        heard it), and the request of the kernel before that its main thread runs: booked at
+        the head of its queue, so it shows busy, and what this kernel sends says it waits
+        behind that (unless its answer came meanwhile)."""
         state = self.ranks[rank]
         state.device, state.pid, state.threads = device, pid, threads
+        queue = self.queues[rank]
+        if running is not None and self.first_request > running > state.answered_before and running not in queue:
+            queue.appendleft(running)
+            if state.state == "idle":
+                state.state = "busy"
 
     def init_failed(self, rank: int, generation: int, headline: str) -> None:
         state = self.ranks[rank]

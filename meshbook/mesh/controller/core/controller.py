@@ -280,7 +280,7 @@ class Controller:
         asked.wait(timeout)
         with self._lock:
             for rank, said in asked.values().items():
-                self.book.described(rank, said["device"], said["pid"], said["threads"])
+                self.book.described(rank, said["device"], said["pid"], said["threads"], said.get("running"))
 
     def wait_generation(self, generation: int, ranks: list[int], timeout: float, what: str) -> None:
         """Wait for ``ranks`` to report ready in ``generation``; a clear error otherwise."""
@@ -499,9 +499,7 @@ class Controller:
         """The ranks of ``run`` where it still waits behind other work, and what that is."""
         with self._lock:
             ahead = self.book.ahead(run.id, run.pending)
-            runs = self.book.runs
-            return {rank: runs[request].what if request in runs else f"request {request}"
-                    for rank, request in ahead.items()}
+            return {rank: self.book.what(request) or f"request {request}" for rank, request in ahead.items()}
 
     def interrupt_where(self, running: dict[int, int]) -> None:
         """Interrupt what each rank runs (``running``: rank -> request), as a second Ctrl-C
