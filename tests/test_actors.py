@@ -633,12 +633,16 @@ def test_supervision_rank_death_respawn(two: tuple[meshbook.Mesh, meshbook.Mesh]
         with pytest.raises(MeshError, match="still dead: restart them first"):
             sleepy.respawn()
         spare.restart([1])
+        with pytest.raises(MeshError, match=r"The rank\(s\) were restarted: sleepy.respawn\(\) builds it there again"):
+            sleepy.where.call()
+        assert "failed: rank 1 died" in repr(sleepy)
         sleepy.respawn()
         assert dict(sleepy.where.call().result()) == {0: (0, {"world": 0}), 1: (1, {"world": 1})}
     finally:
         spare.stop()
     with pytest.raises(MeshError, match="stopped"):
         sleepy.where.call()
+    assert repr(sleepy).endswith(": its mesh is stopped>")
     # The whole mesh stopped: each supervisor hears it once, for each actor mesh it watches.
     _until(lambda: len(events) == 2 and len(watcher.seen.call().result()[0]) == 2)
     assert [(e.mesh, e.actor, e.rank) for e in events] == [("spare", "sleepy", 1), ("spare", "sleepy", None)]

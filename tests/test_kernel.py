@@ -18,6 +18,17 @@ def kernel() -> Iterator[Kernel]:
     yield from kernel_with_mesh()
 
 
+def test_a_mesh_error_from_the_python_api_shows_the_cell_and_the_message_only(kernel: Kernel) -> None:
+    """Not a traceback through meshbook's own frames: the cell's line, then what to do."""
+    reply = kernel.execute("import meshbook\nmesh = meshbook.current()\nmesh.run('rank', ranks=[9])")
+    shown = "\n".join(reply.content["traceback"])
+    assert reply.status == "error" and reply.content["ename"] == "SelectionError", reply.content
+    assert "meshbook/mesh" not in shown and "IPython" not in shown, shown
+    assert "line 3" in shown and "mesh.run('rank', ranks=[9])" in shown, shown
+    assert shown.splitlines()[-1].startswith("SelectionError: "), shown
+    assert kernel.ok("%%mesh\nrank").of_type("execute_result")  # nothing wedged
+
+
 def test_help_is_real(kernel: Kernel) -> None:
     reply = kernel.ok("%mesh?")
     page = reply.content["payload"][0]["data"]["text/plain"]

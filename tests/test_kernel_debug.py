@@ -227,8 +227,12 @@ def test_a_debugger_session_keeps_the_cell_status_out_of_its_transcript(kernel: 
 
 
 def test_post_mortem_of_a_rank(kernel: Kernel) -> None:
+    kernel.ok("%%mesh\nNone")
+    refused = kernel.execute("%mesh debug")
+    assert refused.status == "error" and "no rank's last code ended in an exception" in refused.content["evalue"]
     assert kernel.execute("%%mesh --ranks 1\nz = 5\n1 / 0").status == "error"
-    reply, prompts = kernel.execute_with_input("%mesh debug 1", ["p z", "q"])
+    assert "give one rank, e.g. %mesh debug 1" in kernel.execute("%mesh debug 0,1").content["evalue"]
+    reply, prompts = kernel.execute_with_input("%mesh debug", ["p z", "q"])  # the rank that failed
     assert reply.status == "ok", reply.error_text
     assert prompts == ["(Pdb rank 1) "] * 2
     assert "[1] 5\n" in reply.stream() and "ZeroDivisionError" in reply.stream()
@@ -243,7 +247,7 @@ def test_breakpoint_without_stdin_is_skipped_with_a_note(kernel: Kernel) -> None
 def test_interrupt_command_stops_work_a_timed_out_cell_left_running(kernel: Kernel) -> None:
     reply = kernel.execute("%%mesh --timeout 1\nimport time\ntime.sleep(60)")
     assert reply.status == "error" and "keep running" in reply.content["evalue"]
-    assert "interrupted rank(s) all" in kernel.ok("%mesh interrupt").stream()
+    assert "interrupted every rank" in kernel.ok("%mesh interrupt").stream()
     started = time.monotonic()
     assert result_text(kernel.ok("%%mesh\n'free again'")) == "[0-3] 'free again'"
     assert time.monotonic() - started < 30  # not the 60 s sleep

@@ -135,6 +135,7 @@ def require_mesh(name: str | None = None) -> Mesh:
                          "(or %mesh start --dims dp=2,tp=2)") from None
 
 
-def describe(mesh: Mesh) -> str:
-    named = "" if mesh.name == "mesh" else f"mesh {mesh.name!r}: "
-    return f"{named}{mesh.world_size} ranks ({mesh.topology.describe()}, {mesh.status()[0].device or 'cpu'})"
+def describe(mesh: Mesh, named: bool = False) -> str:
+    """``mesh 'trainers': 4 ranks (dp=2 x tp=2, cpu)``; the default name only if ``named``."""
+    prefix = f"mesh {mesh.name!r}: " if named or mesh.name != "mesh" else ""
+    return f"{prefix}{mesh.world_size} ranks ({mesh.topology.describe()}, {mesh.status()[0].device or 'cpu'})"

@@ -6,13 +6,23 @@ the :class:`~meshbook.Mesh` debugging API (:mod:`meshbook.mesh.controller.api.de
 
 from __future__ import annotations
 
+from argparse import ArgumentTypeError
 from typing import Any
 
+from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..mesh import Mesh, format_ranks
 from .base import command, parse_argstring, require_mesh, selected, selection
 from .render import RenderOptions, show_run
+
+
+def _one_rank(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"{text!r}: give one rank, e.g. %mesh debug 1 (pdb runs on one rank at a time)") \
+            from None
 
 
 class DebugCommands:
@@ -42,7 +52,7 @@ class DebugCommands:
         args = parse_argstring(self.interrupt, line)
         mesh = require_mesh()
         mesh.interrupt(args.ranks)
-        print(f"interrupted rank(s) {args.ranks or 'all'}{_dead_skipped(mesh, args.ranks)}")
+        print(f"interrupted {f'rank(s) {args.ranks}' if args.ranks else 'every rank'}{_dead_skipped(mesh, args.ranks)}")
 
     @magic_arguments(name="mesh kill")
     @argument("ranks", help="ranks to kill: 1 or 0,2")
@@ -61,14 +71,24 @@ class DebugCommands:
         print(require_mesh().restart(ranks, on=on).render())
 
     @magic_arguments(name="mesh debug")
-    @argument("rank", type=int, help="the rank whose last exception to debug")
+    @argument("rank", type=_one_rank, nargs="?",
+              help="the rank whose last exception to debug (default: the first whose last code failed)")
     @command
     def debug(self, line: str) -> Any:
         """Post-mortem pdb on a rank's last exception, answered in the notebook (like %debug)."""
         args = parse_argstring(self.debug, line)
         mesh = require_mesh()
-        values = show_run(mesh.debug(args.rank), RenderOptions(), mesh)
-        print(values[args.rank])
+        rank = args.rank if args.rank is not None else _first_failed(mesh)
+        values = show_run(mesh.debug(rank), RenderOptions(), mesh)
+        print(values[rank])
+
+
+def _first_failed(mesh: Mesh) -> int:
+    """The lowest rank whose last code (a cell, a function, an endpoint) ended in an exception."""
+    failed = [r for r, s in mesh.snapshots().items() if s.last.startswith("stopped with")]
+    if not failed:
+        raise UsageError("no rank's last code ended in an exception: %mesh debug RANK opens pdb on one that did")
+    return min(failed)
 
 
 def _dead_skipped(mesh: Mesh, ranks: str | None) -> str:

@@ -285,7 +285,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
     def use(self, line: str) -> None:
         """Pick the mesh that cells and commands use: %mesh use trainers"""
         args = parse_argstring(self.use, line)
-        print(f"now using {describe(use(args.name))}")
+        print(f"now using {describe(use(args.name), named=True)}")
 
     @magic_arguments(name="mesh restart")
     @argument("ranks", nargs="?",

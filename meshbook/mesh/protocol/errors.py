@@ -9,16 +9,30 @@ list, so eight ranks failing the same way read like one failure.
 from __future__ import annotations
 
 import operator
+import os
 import re
 import threading
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 from .text import format_ranks, group_by_text, parse_size
 
+#: meshbook's own files, and IPython's (the frame that runs a cell): not the user's frames.
+_NOT_THE_USERS = (os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+                  os.sep + "IPython" + os.sep)
+
 
 class MeshError(Exception):
     """Base class of every error meshbook raises on purpose."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows of it in a notebook: the cell's own frames and the message, not
+        meshbook's frames inside the call (the message says what to do; they only bury it)."""
+        frames = [f for f in traceback.extract_tb(self.__traceback__)
+                  if not any(part in f.filename for part in _NOT_THE_USERS)]
+        lines = [line for text in traceback.format_list(frames) for line in text.rstrip("\n").splitlines()]
+        return [*lines, f"{type(self).__name__}: {self}"]
 
 
 class SelectionError(MeshError, ValueError):

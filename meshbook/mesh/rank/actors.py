@@ -197,8 +197,9 @@ class PeerClient:
              kwargs: dict[str, Any], one: bool) -> "PeerFuture":
         own = self.host.worker.cfg.request_addr
         if any(address.peers[r].address == own for r in ranks):
-            raise MeshError(f"{address.name}.{endpoint}: an actor cannot call an actor on its own rank "
-                            f"(rank {self.host.worker.rank}) and wait: both run on the rank's one main thread")
+            raise MeshError(f"{address.name}.{endpoint}: an actor cannot call an actor on its own rank and wait: "
+                            f"both run on the rank's one main thread. Call it from the notebook, or from an "
+                            f"actor on another rank")
         # Negative: never one of the controller's; with our pid: never another caller's (a call
         # stopped by its number must be this one; callers share a host, see _Link.send).
         request = -((os.getpid() << 32) + next(self._ids))

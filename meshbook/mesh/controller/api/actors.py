@@ -302,10 +302,11 @@ class ActorMesh(ActorView):
         if state.controller.stopped:
             state.controller.check_usable(self.ranks)  # says the mesh is stopped
         if state.failed:
-            lost = sorted(state.lost)
-            raise MeshError(f"actor {self.name!r} failed: {state.failed}. Restart the rank(s) with "
-                            f"mesh.restart({lost}) (%mesh restart {','.join(map(str, lost))}), then "
-                            f"{self.name}.respawn()")
+            dead = state.controller.dead(sorted(state.lost))
+            restart = (f"Restart the rank(s) with mesh.restart({dead}) (%mesh restart {','.join(map(str, dead))}), "
+                       f"then" if dead else "The rank(s) were restarted:")
+            raise MeshError(f"actor {self.name!r} failed: {state.failed}. {restart} {self.name}.respawn() builds "
+                            f"it there again")
         finished, state.broadcasts = partition(state.broadcasts)
         for i, future in enumerate(finished):
             try:
@@ -357,7 +358,8 @@ class ActorMesh(ActorView):
         return (ops.actor_handle, (self.address(),))
 
     def __repr__(self) -> str:
-        state = f"failed: {self.failed}" if self.failed else "ok"
+        state = ("its mesh is stopped" if self.state.controller.stopped else
+                 f"failed: {self.failed}" if self.failed else "ok")
         return (f"<ActorMesh {self.name!r} ({self.cls_name}) on mesh {self.state.controller.name!r}, "
                 f"ranks {format_ranks(self.ranks)}: {state}>")
 

@@ -273,8 +273,8 @@ def _infos(mesh: MeshView, name: str, ranks: list[int], timeout: float | None = 
 
 def _missing(name: str, missing: list[int], have: list[int]) -> str:
     """Why a pull is refused when ``name`` is missing on some ranks, and what to do."""
-    where = (f" (it is on rank(s) {format_ranks(have)}: select those, e.g. "
-             f"ranks={format_ranks(have)!r})" if have else
+    where = (f" (it is on rank(s) {format_ranks(have)}: select those, ranks={format_ranks(have)!r} in Python, "
+             f"--ranks {format_ranks(have)} in %mesh)" if have else
              "; define it there in a %%mesh cell or send it with mesh.push()")
     return f"{name!r} is not defined on rank(s) {format_ranks(missing)}{where}; nothing was moved"
 

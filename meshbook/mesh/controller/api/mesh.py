@@ -273,8 +273,7 @@ def mesh_named(name: str) -> "Mesh":
     running = meshes()
     if name not in running:
         names = ", ".join(running) or "none"
-        raise MeshError(f"no mesh named {name!r} is running (running: {names}); start it with "
-                        f"meshbook.start(..., name={name!r})")
+        raise MeshError(f"no mesh named {name!r} is running (running: {names})")
     return running[name]
 
 
@@ -286,7 +285,8 @@ def new_name(name: str | None, replacing: str | None = None) -> str:
         candidates = itertools.chain(["mesh"], (f"mesh{i}" for i in itertools.count(2)))
         return next(n for n in candidates if n not in running)
     if not isinstance(name, str) or not name.replace("-", "_").isidentifier():
-        raise MeshError(f"mesh name {name!r}: use letters, digits, '_' or '-', e.g. name='trainers'")
+        raise MeshError(f"mesh name {name!r}: use letters, digits, '_' or '-', starting with a letter, "
+                        f"e.g. name='trainers'")
     if name in running:
         raise MeshError(f"a mesh named {name!r} is already running: stop it first "
                         f"(meshbook.mesh_named({name!r}).stop()), or pick another name")
