@@ -323,6 +323,8 @@ def test_a_kernel_attached_over_is_told_so_in_its_next_cell() -> None:
         assert "[1] 1" in str(second.ok("%%mesh\nx").of_type("execute_result"))
         second.ok("%mesh stop")
         assert wait_gone([agent], 10.0) == []
+        # not "take it back here with %mesh attach": there is nothing left to attach
+        assert "has ended since (stopped there, or its lease ran out)" in first.execute("%%mesh\nx").content["evalue"]
     finally:
         for kernel in (first, second):
             kernel.close()

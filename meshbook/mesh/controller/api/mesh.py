@@ -247,7 +247,7 @@ def ended_meshes() -> dict[str, str]:
 def current() -> "Mesh":
     """The mesh ``%%mesh`` cells run on: the last started, or the one picked with :func:`use`."""
     if _current is not None and _current.controller.fenced:
-        raise MeshStoppedError(_current.controller.fenced)  # until another mesh is started or attached
+        raise MeshStoppedError(_current.controller.fence_said())  # until another mesh is started or attached
     if _current is None or _current.stopped:
         running = meshes()
         if _current is not None and _current.name in _ended and _current.controller.stop_reason != USER_STOP:

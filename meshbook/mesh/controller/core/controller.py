@@ -28,6 +28,7 @@ groups, and is taken before ``_lock``, never after.
 from __future__ import annotations
 
 import atexit
+import os
 import secrets
 import signal
 import threading
@@ -523,9 +524,17 @@ class Controller:
         if live and not self.stopped:
             self.agent_op(msg.AgentOp.SIGNAL, live, sig=int(sig))
 
+    def fence_said(self) -> str:
+        """Why another kernel fenced this one off, as of now ("": it did not): the mesh may
+        have ended since (its agent removes the mesh file), and is not to be attached again."""
+        if self.fenced and self.lease is not None and not os.path.exists(self.lease.record.path):
+            return "this mesh was attached by another kernel, and has ended since (stopped there, or its lease " \
+                   "ran out): start a new one"
+        return self.fenced
+
     def check_usable(self, ranks: list[int]) -> None:
         if self.fenced:
-            raise MeshStoppedError(self.fenced)
+            raise MeshStoppedError(self.fence_said())
         if self.stopped and self.detached:
             raise MeshStoppedError(f"this kernel let go of the mesh, which runs on: {self.stop_reason}")
         if self.stopped:
