@@ -112,6 +112,7 @@ def test_errors_are_grouped_with_cell_line_numbers_and_the_cell_fails(kernel: Ke
     text = reply.error_text
     assert "[0,2] ZeroDivisionError: division by zero" in text
     assert "cell line 3" in text and "b = a / (rank % 2)" in text
+    assert "[1,3] finished: their values are this error's .partial (%%mesh --out NAME keeps them)" in text
     assert "meshbook/" not in text, "internal frames leaked into the traceback"
 
 

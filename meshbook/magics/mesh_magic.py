@@ -130,8 +130,8 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
         except RemoteError as exc:
             if out:  # the ranks that succeeded: their values are the user's as well
                 self.shell.user_ns[out] = exc.partial
-            elif exc.partial:
-                exc.hint = "\n".join(filter(None, [exc.hint, "(%%mesh --out NAME keeps their values)"]))
+            else:
+                exc.keeps = "%%mesh --out NAME keeps them"
             raise
         except MeshTimeout as exc:
             if out:

@@ -221,6 +221,9 @@ class RemoteError(MeshError):
     failures: dict[int, RankFailure]
     partial: Any = None
     hint: str = ""
+    #: How the caller keeps the finished ranks' values, where it can (a ``%%mesh`` cell's
+    #: ``--out NAME``): said after them.
+    keeps: str = ""
     groups: list[tuple[list[int], str]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -252,7 +255,8 @@ class RemoteError(MeshError):
             out.extend("  " + line for f in failure.frames for line in f.format().splitlines())
             out.extend("  " + line for line in (_alike(failure.detail) if alike else failure.detail).splitlines())
         if self.partial:
-            out.append(f"[{format_ranks(sorted(self.partial))}] finished: their values are this error's .partial")
+            out.append(f"[{format_ranks(sorted(self.partial))}] finished: their values are this error's .partial"
+                       + (f" ({self.keeps})" if self.keeps else ""))
         if self.hint:
             out.append(self.hint)
         return "\n".join(out)
