@@ -717,7 +717,8 @@ class Controller:
             if failed and check is not None:  # a kept mesh's run, the kernel before's: its ranks hold back too
                 check(request, None)
             return
-        if answer.done and run.in_step and self.clock.unsettled(request, _succeeded(run, ranks, event)):
+        if answer.done and run.in_step and self.clock.incomplete \
+                and self.clock.unsettled(request, _succeeded(run, ranks, event)):
             # A collective it completed on a rank that succeeded has a member outside it that
             # has not said yet in which request it issued it (it does with its next answer or
             # heartbeat): whether that rank's numbers paired with another run's is unknown until
