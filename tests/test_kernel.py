@@ -190,15 +190,20 @@ def test_a_stopped_current_mesh_says_which_runs_still(kernel: Kernel) -> None:
     assert kernel.ok("%%mesh\nrank").of_type("execute_result")[0]["content"]["data"]["text/plain"].startswith("[0] 0")
 
 
-def test_late_output_goes_to_the_cell_that_started_it(kernel: Kernel) -> None:
-    first = kernel.ok("%%mesh --ranks 1\nimport threading, time\n"
-                      "threading.Thread(target=lambda: (time.sleep(1), print('late line'))).start()")
+def test_late_output_goes_to_the_cell_that_started_it_merged_across_ranks(kernel: Kernel) -> None:
+    """A background thread's prints land in the cell that started it, the same line from
+    every rank once, as a running cell's; a line only one rank prints is marked with it."""
+    first = kernel.ok("%%mesh --ranks 1,2\nimport threading, time\n"
+                      "def later():\n    time.sleep(1)\n    print('late line')\n"
+                      "    print(f'only rank {rank}') if rank == 2 else None\n"
+                      "threading.Thread(target=later).start()")
     second = kernel.ok("import time\ntime.sleep(2.5)\nprint('local')")
     assert second.stream() == "local\n"
     deadline = time.monotonic() + 10
-    while "late line" not in "".join(m["content"].get("text", "") for _, m in kernel.outputs_of(first.msg_id)):
-        assert time.monotonic() < deadline, "late output never reached its cell"
+    while "only rank" not in (seen := "".join(m["content"].get("text", "") for _, m in kernel.outputs_of(first.msg_id))):
+        assert time.monotonic() < deadline, f"late output never reached its cell: {seen!r}"
         time.sleep(0.1)
+    assert seen == "[1,2] late line\n[2] only rank 2\n", seen
 
 
 def test_a_cell_that_timed_out_still_shows_its_output_and_how_it_ended(kernel: Kernel) -> None:

@@ -16,14 +16,11 @@ from typing import Any
 
 from ..mesh import (
     Display,
-    Event,
+    LateOutput,
     Mesh,
-    Output,
     Run,
     add_start_listener,
     current,
-    late_lines,
-    print_late,
     remove_start_listener,
 )
 
@@ -45,21 +42,16 @@ class KernelBridge:
     def attach(self, run: Run) -> None:
         if self.kernel is not None:
             parent = self.kernel.get_parent()
-            run.on_late_output = partial(self.publish, parent)
-            run.on_late_end = partial(self.publish_text, parent, "stderr")
+            late = LateOutput(run.ranks, partial(self.publish_text, parent), partial(self.publish_display, parent))
+            run.on_late_output, run.on_late_end = late, late.end
 
-    def publish(self, parent: dict[str, Any], event: Event) -> None:
-        """Send late output to the cell whose ``parent`` header is given (any thread)."""
+    def publish_display(self, parent: dict[str, Any], event: Display) -> None:
+        """A rank's late ``display()`` in the cell whose ``parent`` header is given (any thread)."""
         kernel = self.kernel
         assert kernel is not None  # attach() hooks this up only in a kernel
-        if isinstance(event, Output):
-            self.publish_text(parent, event.stream, late_lines(event))
-        elif isinstance(event, Display):
-            kernel.session.send(kernel.iopub_socket, "display_data",
-                                {"data": event.data, "metadata": {"meshbook": {"rank": event.rank}},
-                                 "transient": {}}, parent=parent)
-        else:
-            print_late(event)
+        kernel.session.send(kernel.iopub_socket, "display_data",
+                            {"data": event.data, "metadata": {"meshbook": {"rank": event.rank}},
+                             "transient": {}}, parent=parent)
 
     def publish_text(self, parent: dict[str, Any], stream: str, text: str) -> None:
         """``text`` on ``stream`` of the cell whose ``parent`` header is given (any thread)."""

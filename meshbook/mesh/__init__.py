@@ -40,7 +40,7 @@ _WHERE = {
     # for the notebook face
     "add_start_listener": "controller.api.mesh", "remove_start_listener": "controller.api.mesh",
     "EventRenderer": "controller.core.render", "write_stream": "controller.core.render",
-    "print_late": "controller.core.render", "late_lines": "controller.core.render",
+    "LateOutput": "controller.core.render",
     "follow": "controller.api.follow", "FollowOptions": "controller.api.follow", "View": "controller.api.follow",
     "MemoryRow": "controller.insight.memory",
     "StragglerReport": "controller.insight.stragglers", "DURATION_FACTOR": "controller.insight.stragglers",
@@ -62,7 +62,7 @@ __all__ = [
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
     "RemoteRef", "Namespaces", "VarInfo", "MissingNameError", "TooLargeError", "ShapeError", "check_seconds",
-    "add_start_listener", "remove_start_listener", "EventRenderer", "write_stream", "print_late", "late_lines",
+    "add_start_listener", "remove_start_listener", "EventRenderer", "write_stream", "LateOutput",
     "follow", "FollowOptions", "View", "add_start_arguments", "launcher_from_args", "launchers",
     "MemoryRow", "StragglerReport", "DURATION_FACTOR", "slow_by_duration", "DEFAULT_MAX_BYTES",
     "parse_dims", "parse_where", "format_ranks", "group_by_text", "format_bytes", "status_table", "parse_size",
@@ -101,7 +101,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
         use,
     )
     from .controller.api.plan import PlanReport, parse_batch
-    from .controller.core.render import EventRenderer, late_lines, print_late, write_stream
+    from .controller.core.render import EventRenderer, LateOutput, write_stream
     from .controller.core.run import Run
     from .controller.insight.memory import MemoryRow
     from .controller.insight.stragglers import DURATION_FACTOR, StragglerReport, slow_by_duration

@@ -12,6 +12,7 @@ interrupts around it.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Callable, Protocol
 
 from ...protocol.events import Display, Event, InputRequest, Output
@@ -41,14 +42,57 @@ def print_display(event: Display) -> None:
 
 
 def print_late(event: Event) -> None:
-    """Output that arrived after its run was rendered (a rank's background thread)."""
+    """Output of a run this process no longer knows, each line marked with its rank."""
     if isinstance(event, Output):
-        write_stream(event.stream, late_lines(event))
+        write_stream(event.stream, "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines()))
 
 
-def late_lines(event: Output) -> str:
-    """What a rank printed, each line marked with the rank: output shown away from its run."""
-    return "".join(f"[{event.rank}] {line}\n" for line in event.text.splitlines())
+class LateOutput:
+    """Where a run's output goes once nobody renders it (a background thread's prints, a
+    timed-out cell's): merged across its ranks as a cell's output is (a line waits up to the
+    merge window for the other ranks to print it too; a timer writes it then), through
+    ``write(stream, text)``; displays through ``show``. Called from any thread. The merger is
+    built at the first such output: a run that has none pays for this object only."""
+
+    def __init__(self, ranks: list[int], write: Callable[[str, str], None] = write_stream,
+                 show: Callable[[Display], None] = print_display) -> None:
+        self._ranks, self._write, self._show = ranks, write, show
+        self._merger: LineMerger | None = None
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event) -> None:
+        with self._lock:
+            if isinstance(event, Display):
+                if self._merger is not None:
+                    self._merger.flush()  # what the rank printed before comes first
+                self._show(event)
+            elif isinstance(event, Output):
+                if self._merger is None:
+                    self._merger = LineMerger(self._ranks, self._write)
+                self._merger.feed_event(event)
+                self._merger.poll()
+                self._arm(self._merger)
+
+    def end(self, text: str) -> None:
+        """How the run ended (a line), after everything it printed."""
+        with self._lock:
+            if self._merger is not None:
+                self._merger.flush()
+            self._write("stderr", text + "\n")
+
+    def _arm(self, merger: LineMerger) -> None:
+        due = merger.next_deadline()
+        if due is not None and self._timer is None:
+            self._timer = threading.Timer(due + 0.01, self._due, (merger,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _due(self, merger: LineMerger) -> None:
+        with self._lock:
+            self._timer = None
+            merger.poll()
+            self._arm(merger)
 
 
 class EventRenderer:

@@ -27,7 +27,7 @@ from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Ou
 from ...protocol.text import format_ranks, group_by_text
 from ...protocol.topology import Topology
 from ...protocol.values import RankValues
-from .render import EventRenderer, print_late, write_stream
+from .render import EventRenderer, LateOutput, write_stream
 from .transport import log
 
 #: What no rank's value is (a value may be None).
@@ -106,10 +106,11 @@ class Run:
         self.echoed = 0  #: events already printed (by result(), or the follower of a cell)
         #: Called with each Output/Display event that arrives after the run finished (also
         #: after this object is gone: the controller keeps the callable for a while), or
-        #: after nobody follows it (:meth:`let_go`).
-        self.on_late_output: Callable[[Event], None] = print_late
+        #: after nobody follows it (:meth:`let_go`); by default merged across the ranks.
+        late = LateOutput(self.ranks)
+        self.on_late_output: Callable[[Event], None] = late
         #: Called with how a run nobody follows ended (one line; where late output goes).
-        self.on_late_end: Callable[[str], None] = lambda text: write_stream("stderr", text + "\n")
+        self.on_late_end: Callable[[str], None] = late.end
         self.followed = True
         #: Ranks whose input request (``input()``, pdb) waits for an answer: its question.
         self._asking: dict[int, int] = {}
