@@ -33,8 +33,12 @@ from ...protocol.text import format_ranks, group_by_text
 
 Write = Callable[[str, str], None]
 
-#: How long a line waits for the other ranks to print it too.
+#: How long a line waits for the other ranks to print it too: from when it came, or, while
+#: a rank that has not reached it keeps printing the lines the others printed before it (it
+#: is catching up: a long output, a rank the machine ran later), from that rank's last such
+#: line; at most ``MERGE_CAP_S``.
 MERGE_WINDOW_S = 1.0
+MERGE_CAP_S = 10.0
 
 
 @dataclass
@@ -89,6 +93,9 @@ class LineMerger:
         #: Streams whose last write is a progress line, not ended, and its length: the next
         #: write overwrites it (blanking what a shorter one would leave of it).
         self._progress: dict[str, int] = {}
+        #: When each rank last joined a line another rank printed first (it is catching up).
+        self._joined: dict[int, float] = {}
+        self._everyone = frozenset(self._running)
 
     def feed_event(self, event: Event) -> None:
         if isinstance(event, Output):
@@ -112,6 +119,8 @@ class LineMerger:
             entry = _Line(stream, line, self._clock(), self._printed[(rank, stream)], next(self._serials))
             self._lines[entry.serial] = entry
             alike.append(entry)
+        else:
+            self._joined[rank] = self._clock()
         entry.ranks.add(rank)
         self._printed[(rank, stream)] += 1
         self._newest[(rank, stream)] = entry.serial
@@ -123,21 +132,29 @@ class LineMerger:
         ready: list[_Line] = []
         held: set[int] = set()  # ranks with an earlier line still waiting
         for entry in self._lines.values():
-            if entry.ranks & held or not (self._complete(entry) or now - entry.first_seen >= self._window):
+            if entry.ranks & held or now < self._due(entry):
                 held |= entry.ranks
+                if held >= self._everyone:
+                    break  # every later line has a rank held: none can go before it
             else:
                 ready.append(entry)
         self._emit(ready)
 
-    def _complete(self, entry: _Line) -> bool:
-        """Every running rank printed this line, or already printed another in its place."""
-        return all(rank in entry.ranks or self._printed[(rank, entry.stream)] > entry.position
-                   for rank in self._running)
+    def _due(self, entry: _Line) -> float:
+        """When ``entry`` goes without the ranks that have not reached it: at once if there
+        are none (every running rank printed it, or another line in its place), else a window
+        after it came or after the last line one of them caught up on, at most the cap."""
+        behind = [rank for rank in self._running
+                  if rank not in entry.ranks and self._printed[(rank, entry.stream)] <= entry.position]
+        if not behind:
+            return 0.0
+        catching_up = max((self._joined.get(rank, 0.0) for rank in behind), default=0.0)
+        return min(entry.first_seen + MERGE_CAP_S, max(entry.first_seen, catching_up) + self._window)
 
     def next_deadline(self) -> float | None:
         """Seconds until the oldest waiting line must be written (None: nothing waits)."""
         for entry in self._lines.values():
-            return max(0.0, entry.first_seen + self._window - self._clock())
+            return max(0.0, self._due(entry) - self._clock())
         return None
 
     def flush(self) -> None:
