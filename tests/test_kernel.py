@@ -200,7 +200,8 @@ def test_late_output_goes_to_the_cell_that_started_it_merged_across_ranks(kernel
     second = kernel.ok("import time\ntime.sleep(2.5)\nprint('local')")
     assert second.stream() == "local\n"
     deadline = time.monotonic() + 10
-    while "only rank" not in (seen := "".join(m["content"].get("text", "") for _, m in kernel.outputs_of(first.msg_id))):
+    while "only rank" not in (seen := "".join(m["content"].get("text", "")
+                                              for _, m in kernel.outputs_of(first.msg_id))):
         assert time.monotonic() < deadline, f"late output never reached its cell: {seen!r}"
         time.sleep(0.1)
     assert seen == "[1,2] late line\n[2] only rank 2\n", seen
