@@ -182,6 +182,14 @@ def test_output_arrives_before_the_result(mesh4: meshbook.Mesh) -> None:
         assert "".join(texts) == "".join(f"line {i} of {rank}\n" for i in range(3))
 
 
+def test_a_warning_shows_each_time_its_cell_runs(mesh4: meshbook.Mesh) -> None:
+    """As in IPython: not once per line number for every cell a rank runs."""
+    for _ in range(2):
+        run = mesh4.run("import warnings\nwarnings.warn('lr too high')", ranks=[1])
+        run.result(echo=False)
+        assert "UserWarning: lr too high" in "".join(e.text for e in run.events() if isinstance(e, Output))
+
+
 def test_c_level_output_is_captured(mesh4: meshbook.Mesh) -> None:
     run = mesh4.run("import os, ctypes\nos.system('echo from a subprocess')\n"
                     "ctypes.CDLL(None).printf(b'from C printf\\n')\nNone", ranks=[2])

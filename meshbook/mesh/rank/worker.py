@@ -410,6 +410,10 @@ class Worker:
         code = compile_cell(source, filename, first)
         register_source(filename, source, first)
         ns = self.namespace
+        # Python remembers a warning shown from these globals by its text and line: every cell
+        # shares them, so a cell run again (or another warning at that line) showed nothing. Per
+        # cell, as IPython does locally.
+        ns.pop("__warningregistry__", None)
         try:
             with self.user_code():
                 self._evaluate(code, ns)
