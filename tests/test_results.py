@@ -70,6 +70,20 @@ def test_a_result_the_notebook_cannot_unpickle_is_that_ranks_error(small_limit: 
     assert small_limit.run("1 + 1").result().unique() == 2  # nothing is left waiting
 
 
+def test_tensors_that_print_alike_but_differ_are_not_shown_as_one_value() -> None:
+    """A tensor prints 4 decimals: ranks 1-3 holding 1.000001, 1.000002 and 1.000003 all print
+    ``tensor(1.0000)``, which read as replicas in sync. Each shows apart, with a note, and
+    unique() refuses them; equal tensors (NaN included) still group."""
+    values = meshbook.RankValues({r: torch.tensor(1.0) + r * 1e-6 for r in range(4)})
+    assert repr(values).splitlines() == ["[0] tensor(1.)", "[1] tensor(1.0000)", "[2] tensor(1.0000)",
+                                         "[3] tensor(1.0000)", "(ranks shown apart with the same text hold "
+                                         "different numbers, beyond the digits shown)"]
+    with pytest.raises(ValueError, match="ranks returned 4 different values"):
+        values.unique()
+    same = meshbook.RankValues({r: torch.tensor([1.0, float("nan")]) for r in range(3)})
+    assert repr(same) == "[0-2] tensor([1., nan])" and same.unique().shape == (2,)
+
+
 def test_a_long_repr_is_cut_with_a_note() -> None:
     values = meshbook.RankValues({0: "y" * 50_000, 1: "y" * 50_000 + "z"})
     lines = repr(values).splitlines()

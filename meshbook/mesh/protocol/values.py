@@ -14,6 +14,7 @@ each group of ranks under its label, as the text groups them.
 from __future__ import annotations
 
 import html
+import sys
 from typing import Any, Iterator, Mapping
 
 from .limits import HTML_CHARS, capped
@@ -65,16 +66,22 @@ class RankValues(Mapping[int, Any]):
         return self._values[groups[0][0][0]]
 
     def groups(self) -> list[tuple[list[int], str]]:
-        """Ranks grouped by identical repr, ordered by their lowest rank."""
-        return group_by_text({r: _safe_repr(v) for r, v in self._values.items()})
+        """Ranks grouped by identical repr, ordered by their lowest rank; ranks whose arrays
+        print alike but hold other numbers (a tensor prints 4 decimals) are not one group."""
+        found = [(part, text) for ranks, text in group_by_text({r: _safe_repr(v) for r, v in self._values.items()})
+                 for part in _equal_parts(ranks, self._values)]
+        return sorted(found, key=lambda group: group[0][0])
 
     def __repr__(self) -> str:
         if not self._values:
             return "RankValues {}"
         lines = []
-        for ranks, text in self.groups():
+        groups = self.groups()
+        for ranks, text in groups:
             label = f"[{format_ranks(ranks)}] "
             lines.append(label + capped(text).replace("\n", "\n" + " " * len(label)))
+        if len({text for _, text in groups}) < len(groups):
+            lines.append("(ranks shown apart with the same text hold different numbers, beyond the digits shown)")
         return "\n".join(lines)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -114,6 +121,37 @@ def _html_of(value: Any) -> str | None:
     except Exception:  # noqa: BLE001 - a broken one falls back to the text, as in IPython
         return None
     return text if isinstance(text, str) and 0 < len(text) <= HTML_CHARS else None
+
+
+def _equal_parts(ranks: list[int], values: Mapping[int, Any]) -> list[list[int]]:
+    """``ranks`` (whose values print alike) split by equal contents, where the values are
+    tensors or numpy arrays; NaN equals NaN."""
+    first = values[ranks[0]]
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
+    if len(ranks) == 1:
+        return [ranks]
+    if torch is not None and isinstance(first, torch.Tensor):
+        def same(a: Any, b: Any) -> bool:
+            return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                    and bool(torch.equal(a, b) or (a.is_floating_point() and torch.allclose(
+                        a, b, rtol=0.0, atol=0.0, equal_nan=True))))
+    elif numpy is not None and isinstance(first, numpy.ndarray):
+        def same(a: Any, b: Any) -> bool:
+            return bool(isinstance(b, numpy.ndarray) and a.shape == b.shape and a.dtype == b.dtype
+                        and numpy.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    else:
+        return [ranks]
+    parts: list[list[int]] = []
+    for rank in ranks:
+        try:
+            part = next((p for p in parts if same(values[p[0]], values[rank])), None)
+        except Exception:  # noqa: BLE001 - tensors torch cannot compare (sparse, a device of their own)
+            return [ranks]
+        if part is None:
+            parts.append([rank])
+        else:
+            part.append(rank)
+    return parts
 
 
 def _safe_repr(value: Any) -> str:
