@@ -49,7 +49,8 @@ def test_an_unpaired_async_collective_is_found_and_the_groups_re_created(pair: m
     report = run.step_report()
     assert "out of step after the interrupt: in the default group, rank 0 has issued" in report
     assert report.count("re-created") >= 1 and report.count("The ranks were out of step") == 1
-    assert "[0,1] bound to the old groups, re-create: model (DDP module)" in report
+    assert "[0,1] bound to the old groups, re-create: model = DDP(model.module) (it broadcasts rank 0's weights)" \
+        in report
     assert run.step_report() == ""  # said once
     assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}
 
@@ -218,8 +219,10 @@ def test_a_module_left_on_the_old_groups_says_so_when_it_fails_and_works_once_re
         failures_of(first)
         report = first.step_report()
         assert "re-created the process groups" in report
-        assert "\n[0,1] bound to the old groups, re-create: fs (FSDP2 module), net (DDP module)" in report, report
-        assert report.endswith("(DDP module)"), "a DTensor, a tensor parallel module: not named"
+        assert ("\n[0,1] bound to the old groups, re-create: fs, an FSDP2 module, by building it anew and sharding "
+                "that on `device_mesh`") in report, report
+        assert report.endswith("; net = DDP(net.module) (it broadcasts rank 0's weights)"), \
+            "a DTensor, a tensor parallel module: not named"
         for code, said in (("net(torch.ones(3, 2)).sum().backward()", "Connection closed by peer"),
                            ("fs(torch.ones(2, 4)).sum().backward()", "is not initialized in the world group map")):
             for failure in failures_of(mesh.run(code)).failures.values():

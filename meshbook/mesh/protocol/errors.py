@@ -14,7 +14,7 @@ import re
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from .text import format_ranks, group_by_text, parse_size
 
@@ -165,6 +165,24 @@ def short_path(filename: str) -> str:
 #: What a collective's error says when its process group is broken for good: a gloo timeout
 #: closes the connections (every later collective fails with "Connection closed by peer"), and
 #: NCCL aborts its communicator. The counts may still agree; the groups must be re-created.
+def remaking(stale: Sequence[str]) -> str:
+    """How to re-create each of what holds the old process groups (``rank.groups``'
+    ``stale_objects``: ``"net (DDP module)"``...): each kind is made again its own way."""
+    hints = []
+    for entry in stale:
+        name, _, kind = entry.partition(" (")
+        kind = kind.rstrip(")")
+        if kind == "DDP module":
+            hints.append(f"{name} = DDP({name}.module) (it broadcasts rank 0's weights)")
+        elif kind in ("FSDP2 module", "FSDP module"):
+            hints.append(f"{name}, an {kind}, by building it anew and sharding that on `device_mesh` (a module "
+                         f"is sharded once; the old one's local shards, p.to_local(), still hold its weights to "
+                         f"copy in, or load a checkpoint)")
+        else:
+            hints.append(f"{name}, a {kind}, with new_group / init_device_mesh (or use `device_mesh`)")
+    return "; ".join(hints)
+
+
 BROKEN_GROUP = re.compile(r"gloo.*(timed out|connection closed|connection reset|pair closure)|nccl.*(timeout|abort)",
                           re.IGNORECASE | re.DOTALL)
 

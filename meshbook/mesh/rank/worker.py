@@ -57,7 +57,7 @@ from ..protocol.cell import (
     register_source,
 )
 from ..protocol.config import HEARTBEAT_S
-from ..protocol.errors import BROKEN_GROUP, RankFailure, SendError
+from ..protocol.errors import BROKEN_GROUP, RankFailure, SendError, remaking
 from ..protocol.lane import Inbox, Uplink
 from ..protocol.limits import KeptOnRank
 from ..protocol.payload import Lent
@@ -740,8 +740,8 @@ def _explain_stale(failure: RankFailure, namespace: dict[str, Any]) -> RankFailu
     return replace(failure, message=(
         f"{', '.join(stale)} still use{'s' if len(stale) == 1 else ''} process groups meshbook re-created "
         f"since {'it was' if len(stale) == 1 else 'they were'} built (the old ones are closed): re-create "
-        f"{'it' if len(stale) == 1 else 'them'} on the new groups (DDP(net.module), fully_shard or "
-        f"parallelize_module again on `device_mesh`). The collective said: {failure.message}"))
+        f"{'it' if len(stale) == 1 else 'them'} on the new groups: {remaking(stale)}. The collective said: "
+        f"{failure.message}"))
 
 
 def _out_of_memory(exc: BaseException) -> bool:

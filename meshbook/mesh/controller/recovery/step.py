@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from ...protocol.errors import BROKEN_GROUP, MeshError
+from ...protocol.errors import BROKEN_GROUP, MeshError, remaking
 from ...protocol.reports import Positions
 from ...protocol.text import format_ranks, group_by_text, ranks_text
 from ...rank.ops import hold, positions, release
@@ -227,5 +227,5 @@ def render_resync(cause: str, skews: list[Skew], gone: list[int], recovery: Reco
     lines.append(recovery.render())
     objects = group_by_text({r: ", ".join(names) for r, names in bound.items() if names})
     for ranks, names in objects:
-        lines.append(f"[{format_ranks(ranks)}] bound to the old groups, re-create: {names}")
+        lines.append(f"[{format_ranks(ranks)}] bound to the old groups, re-create: {remaking(names.split(', '))}")
     return "\n".join(lines)
