@@ -236,6 +236,26 @@ def test_a_module_left_on_the_old_groups_says_so_when_it_fails_and_works_once_re
         assert dict(mesh.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}
 
 
+def test_replicas_an_update_left_apart_are_told_even_where_the_counts_agree(pair: meshbook.Mesh) -> None:
+    """Rank 1 applied an optimizer step that rank 0 failed before: no collective was
+    skipped, so the ranks are in step, but the DDP replicas (and the optimizer's state) now
+    differ for good, with no error. The check says so, and what it says brings them back."""
+    pair.run("model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
+             "model(torch.ones(1, 2)).sum().backward()").result()
+    run = pair.run("if rank == 0:\n    raise ValueError('bad batch')\nopt.step()")
+    failures_of(run)
+    report = run.step_report(timeout=60)
+    assert report.startswith("Replicas differ between ranks: model (0 | 1); opt (0 | 1). An update"), report
+    assert "re-created" not in report, "in step: nothing was re-created"
+    pair.run("for t in [*model.parameters(), *model.buffers()]: dist.broadcast(t.data, 0)\n"
+             "kept = [opt.state_dict()]; dist.broadcast_object_list(kept, 0); opt.load_state_dict(kept[0])").result()
+    again = pair.run("if rank == 0:\n    raise ValueError('bad batch')")
+    failures_of(again)
+    assert again.step_report(timeout=60) == "", "brought together as it said"
+    pair.run("del model, opt").result()
+
+
 def test_a_failure_that_leaves_the_ranks_in_step_re_creates_nothing(pair: meshbook.Mesh) -> None:
     pair.run("kept = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))").result()
     generation = pair.status()[0].generation

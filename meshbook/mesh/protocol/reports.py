@@ -83,3 +83,6 @@ class Positions:
     rank: int
     groups: dict[str, GroupPosition] = field(default_factory=dict)
     initialized: bool = True  # False: the default group was destroyed
+    #: Objects the ranks of a group keep as replicas (a DDP module, its optimizer), by name:
+    #: those ranks, and a print of the object's numbers (``rank.groups.replica_prints``).
+    replicas: dict[str, tuple[tuple[int, ...], tuple[float | None, ...]]] = field(default_factory=dict)

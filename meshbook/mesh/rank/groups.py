@@ -33,6 +33,49 @@ def stale_objects(namespace: Mapping[str, Any]) -> list[str]:
                   if any(id(pg) not in current for pg in _groups(holds)))
 
 
+def replica_prints(namespace: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], tuple[float | None, ...]]]:
+    """Each DDP module of the namespace, and each optimizer over one's parameters: the ranks
+    that keep a replica of it (its group's) and a print of its numbers (each tensor's sum, in
+    float64). Replicas in step print alike; an optimizer step that ran on some ranks only (an
+    interrupt between backward and step, a rank failing there) leaves them apart for good,
+    with no error: DDP syncs gradients, never weights nor optimizer state."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return {}
+    found: dict[str, tuple[tuple[int, ...], tuple[float | None, ...]]] = {}
+    owners: dict[int, tuple[int, ...]] = {}  # id(parameter) -> the ranks keeping it
+    variables = [(n, v) for n, v in list(namespace.items()) if not n.startswith("_")]
+    for name, value in variables:
+        if isinstance(value, torch.nn.parallel.DistributedDataParallel):
+            try:
+                members = tuple(torch.distributed.get_process_group_ranks(value.process_group))
+            except Exception:  # noqa: BLE001 - its group is gone: a stale object, named as such
+                continue
+            found[name] = members, _prints(torch, [*value.parameters(), *value.buffers()])
+            owners.update((id(p), members) for p in value.parameters())
+    for name, value in variables:
+        if isinstance(value, torch.optim.Optimizer):
+            params = [p for group in value.param_groups for p in group["params"]]
+            keepers = {owners.get(id(p)) for p in params}
+            if len(keepers) == 1 and None not in keepers:
+                state = [v for p in params for v in value.state.get(p, {}).values()]
+                found[name] = keepers.pop(), _prints(torch, state)  # type: ignore[assignment]
+    return found
+
+
+def _prints(torch: Any, values: Iterable[Any]) -> tuple[float | None, ...]:
+    """Each value's sum in float64 (a number as it is; None where there is none, or a NaN)."""
+    out: list[float | None] = []
+    with torch.no_grad():
+        for value in values:
+            try:
+                total = float(value.detach().to(torch.float64).sum()) if torch.is_tensor(value) else float(value)
+            except (TypeError, ValueError, RuntimeError):
+                total = None
+            out.append(None if total is None or total != total else total)
+    return tuple(out)
+
+
 class _Absent:
     """What no value is an instance of: the class of a module nobody imported."""
 

@@ -27,7 +27,7 @@ from ..protocol.payload import Overweight, Payload, Slot, pickled_for_pull
 from ..protocol.reports import Collective, GroupPosition, Positions, RankSnapshot
 from ..protocol.wire import TooBig
 from .devices import on_device, walk
-from .groups import stale_objects
+from .groups import replica_prints, stale_objects
 from .torch_compat import abort_process_groups, backends, flight_records, is_default_group, issued, process_groups
 
 if TYPE_CHECKING:
@@ -233,7 +233,7 @@ def positions(worker: "Worker") -> Positions:
                 continue
             kind = backend.name()
             groups[f"{name}/{kind}"] = GroupPosition(count, f"{label} ({kind})" if len(found) > 1 else label)
-    return Positions(worker.rank, groups)
+    return Positions(worker.rank, groups, replicas=replica_prints(worker.namespace))
 
 
 def hold(worker: "Worker") -> list[str]:

@@ -78,6 +78,32 @@ def compare(reports: Mapping[int, Positions]) -> tuple[list[Skew], list[int]]:
     return skews, gone
 
 
+def apart(reports: Mapping[int, Positions]) -> list[tuple[str, list[list[int]]]]:
+    """The objects whose replicas differ between the ranks that keep them (a DDP module, its
+    optimizer), each with its ranks grouped by what they hold, in name order."""
+    prints: dict[tuple[str, tuple[int, ...]], dict[int, str]] = {}
+    for rank, report in reports.items():
+        for name, (members, numbers) in report.replicas.items():
+            prints.setdefault((name, members), {})[rank] = repr(numbers)
+    found = []
+    for (name, _), by_rank in sorted(prints.items()):
+        alike = group_by_text(by_rank)
+        if len(alike) > 1:
+            found.append((name, [ranks for ranks, _ in alike]))
+    return found
+
+
+def render_apart(found: list[tuple[str, list[list[int]]]]) -> str:
+    """What the cell says of replicas that differ: which, where, and how to bring them together."""
+    where = "; ".join(f"{name} ({' | '.join(format_ranks(r) for r in groups)})" for name, groups in found)
+    return (f"Replicas differ between ranks: {where}. An update (an optimizer step) ran on some of them and "
+            f"not the others, and DDP never syncs weights nor optimizer state: they would drift apart from "
+            f"here on, with no error. Bring one rank's to every rank before you go on, e.g. "
+            f"`for t in [*model.parameters(), *model.buffers()]: dist.broadcast(t.data, 0)` and, for an "
+            f"optimizer, `kept = [opt.state_dict()]; dist.broadcast_object_list(kept, 0); "
+            f"opt.load_state_dict(kept[0])` (or load both from a checkpoint).")
+
+
 def check_after(controller: "Controller", request: int, run: "Run | None") -> "StepCheck | None":
     """Check that every rank is at the same collective in each group after ``run`` (request
     ``request``) stopped irregularly (the controller's ``on_irregular_end``, on the receiver
@@ -172,18 +198,21 @@ class StepCheck:
         while not self.asked.wait(0.25):
             if ctl.stopped or self._owner == "cancel":
                 return ""
-        skews, gone = compare(dict(self.asked.values().items()))
+        reports = dict(self.asked.values().items())
+        skews, gone = compare(reports)
         if not self._own("check"):
             return ""
         broken = broken_groups(self.run) if self.run is not None else []
         # Read now: an abort may have come since the check started.
         force = self.run is not None and self.run.forced_resync or bool(broken)
+        differ = render_apart(found) if (found := apart(reports)) else ""
         if self.asked.exception() is not None or (not skews and not gone and not force):
             self._release(None)  # in step (or a rank died: its restart re-creates the groups)
-            return ""
+            return differ
 
         recovery = resync(ctl, self.held, [r for s in skews for r in s.ahead], self._release)
-        return render_resync(self.cause, skews, gone, recovery, dict(self.held.values().items()), broken)
+        report = render_resync(self.cause, skews, gone, recovery, dict(self.held.values().items()), broken)
+        return "\n".join(filter(None, [report, differ]))
 
     def _release(self, verdict: int | None) -> None:
         with self._lock:  # once: a second verdict would wait in a rank's queue for its next check
