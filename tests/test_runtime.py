@@ -190,6 +190,17 @@ def test_a_warning_shows_each_time_its_cell_runs(mesh4: meshbook.Mesh) -> None:
         assert "UserWarning: lr too high" in "".join(e.text for e in run.events() if isinstance(e, Output))
 
 
+def test_a_dtensor_result_says_the_notebook_gets_local_shards(mesh4: meshbook.Mesh) -> None:
+    """Each rank's value is its quarter of the tensor: the cell says so, not only the docs."""
+    run = mesh4.run("from torch.distributed.tensor import Shard, distribute_tensor\n"
+                    "d = distribute_tensor(torch.arange(8.0), device_mesh, [Shard(0), Shard(0)])\n{'w': d}")
+    values = run.result(echo=False)
+    assert [values[r]["w"].shape for r in range(4)] == [(2,)] * 4
+    said = "".join(e.text for e in run.events() if isinstance(e, Output))
+    assert said.count("meshbook: the result holds DTensors, and the notebook gets each rank's local shard") == 4
+    assert "DTensors" not in "".join(e.text for e in mesh4.run("d.full_tensor()").events() if isinstance(e, Output))
+
+
 def test_c_level_output_is_captured(mesh4: meshbook.Mesh) -> None:
     run = mesh4.run("import os, ctypes\nos.system('echo from a subprocess')\n"
                     "ctypes.CDLL(None).printf(b'from C printf\\n')\nNone", ranks=[2])

@@ -369,6 +369,8 @@ class Worker:
                 failure = replace(failure, type_name="CollectiveAborted", message=reason)
             self._finish(request, failure=failure, reply=reply)
         else:
+            if value is not None and _holds_dtensors(value):
+                print(DTENSOR_RESULT, file=sys.stderr)  # before the answer: flushed with the run's output
             self._finish(request, value=value, reply=reply)
 
     def not_run_because(self) -> str:
@@ -742,6 +744,22 @@ def _explain_stale(failure: RankFailure, namespace: dict[str, Any]) -> RankFailu
         f"since {'it was' if len(stale) == 1 else 'they were'} built (the old ones are closed): re-create "
         f"{'it' if len(stale) == 1 else 'them'} on the new groups: {remaking(stale)}. The collective said: "
         f"{failure.message}"))
+
+
+#: What a rank says of a result that holds DTensors (each travels as its local shard): the
+#: same words on every rank, so they merge into one line.
+DTENSOR_RESULT = ("meshbook: the result holds DTensors, and the notebook gets each rank's local shard of them "
+                  "(not the whole tensor); .full_tensor() on the ranks, or mesh.ref(NAME).full_tensor(), gives "
+                  "the whole")
+
+
+def _holds_dtensors(value: Any) -> bool:
+    """Is ``value`` a DTensor, or a dict, list or tuple with one among its items?"""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:
+        return False
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+    return any(isinstance(item, dtensor) for item in items)
 
 
 def _out_of_memory(exc: BaseException) -> bool:

@@ -168,13 +168,11 @@ class DataOps:
         cannot size (objects of your own, bytes, deep containers, a value changed since) is
         weighed on each rank as it is pickled, against that rank's share of the limit.
         """
-        if max_bytes is not None:
-            max_bytes = check_bytes(max_bytes, "max_bytes")
-        chosen = self.select(ranks, where)
-        sizes = {rank: info.nbytes or 0 for rank, info in _infos(self, name, chosen).items()}
-        if max_bytes is not None and sum(sizes.values()) > max_bytes:
-            raise TooLargeError(_too_large(name, sizes, max_bytes))
-        return _fetch(self, name, sizes, max_bytes)
+        values, shards = _pull(self, name, self.select(ranks, where), max_bytes)
+        if shards:
+            warnings.warn(f"{name!r} is a DTensor: each rank's value is its local shard, not the whole tensor; "
+                          f"mesh.ref({name!r}).full_tensor() gives the whole", stacklevel=2)
+        return values
 
 
 class RemoteRef:
@@ -198,8 +196,8 @@ class RemoteRef:
 
     def fetch(self, ranks: Ranks = None, *, where: Where = None,
               max_bytes: int | None = DEFAULT_MAX_BYTES) -> RankValues:
-        """The values, rank -> value (see :meth:`Mesh.pull`)."""
-        return self.mesh.pull(self.name, ranks, where=where, max_bytes=max_bytes)
+        """The values, rank -> value (see :meth:`Mesh.pull`; a DTensor's local shards, unsaid)."""
+        return _pull(self.mesh, self.name, self.mesh.select(ranks, where), max_bytes)[0]
 
     def full_tensor(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
         """The global tensor of a DTensor, assembled on the notebook's CPU from its shards.
@@ -257,6 +255,18 @@ class RemoteRef:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _pull(mesh: MeshView, name: str, ranks: list[int], max_bytes: int | str | None) -> tuple[RankValues, bool]:
+    """``name``'s value on each of ``ranks`` (see :meth:`DataOps.pull`), and whether it is a
+    DTensor's local shards."""
+    if max_bytes is not None:
+        max_bytes = check_bytes(max_bytes, "max_bytes")
+    infos = _infos(mesh, name, ranks)
+    sizes = {rank: info.nbytes or 0 for rank, info in infos.items()}
+    if max_bytes is not None and sum(sizes.values()) > max_bytes:
+        raise TooLargeError(_too_large(name, sizes, max_bytes))
+    return _fetch(mesh, name, sizes, max_bytes), any(info.layout for info in infos.values())
 
 
 def _infos(mesh: MeshView, name: str, ranks: list[int], timeout: float | None = None) -> RankValues:
