@@ -559,9 +559,9 @@ def _one_layout(name: str, infos: RankValues) -> Layout:
     layout = layouts[infos.ranks[0]]
     for kind, arg in layout.placements:
         if kind not in ("Shard", "Replicate", "Partial") or (kind == "Partial" and arg not in _REDUCE):
-            raise ShapeError(f"cannot assemble {name!r} in the notebook: placement {kind} "
-                             f"{arg or ''} is not supported; run `{name}.full_tensor()` on the "
-                             f"ranks and pull the result")
+            placement = f"{kind} {arg}" if arg not in (None, "") else kind
+            raise ShapeError(f"cannot assemble {name!r} in the notebook: placement {placement} is not "
+                             f"supported; run `{name}.full_tensor()` on the ranks and pull the result")
     return layout
 
 
