@@ -211,14 +211,20 @@ def test_ranks_that_print_the_same_lines_in_another_order_merge_only_where_the_o
     assert "".join(text for _, text in written) == "[0,1] A\n[0-2] B\n[2] A\n"
 
 
-def test_a_line_waits_past_the_window_for_a_rank_that_is_catching_up_on_it() -> None:
-    """Rank 0 printed ten lines at once; rank 1 prints the same ten, one every 0.6 s (a long
-    output, a rank the machine runs later): each line waits for it as long as it keeps
-    catching up, so all ten merge, though rank 1's last comes 5.4 s after rank 0's."""
+def ten_lines_from_rank_0() -> tuple[list[tuple[str, str]], LineMerger, Clock]:
+    """A merger of ranks 0 and 1 where rank 0 printed ten lines at once, at time 0."""
     written, write = collect()
     clock = Clock()
     merger = LineMerger([0, 1], write, clock=clock)
     merger.feed_event(Output(0, "stdout", "".join(f"line {i}\n" for i in range(10))))
+    return written, merger, clock
+
+
+def test_a_line_waits_past_the_window_for_a_rank_that_is_catching_up_on_it() -> None:
+    """Rank 0 printed ten lines at once; rank 1 prints the same ten, one every 0.6 s (a long
+    output, a rank the machine runs later): each line waits for it as long as it keeps
+    catching up, so all ten merge, though rank 1's last comes 5.4 s after rank 0's."""
+    written, merger, clock = ten_lines_from_rank_0()
     for i in range(10):
         clock.now = 0.6 * i
         merger.poll()
@@ -230,10 +236,7 @@ def test_a_line_waits_past_the_window_for_a_rank_that_is_catching_up_on_it() -> 
 def test_a_rank_printing_other_lines_does_not_hold_back_a_line_it_never_prints() -> None:
     """Rank 1 prints its own heartbeat every 0.5 s, never rank 0's ten lines: it is behind on
     them but not catching up, so they go a window after they came, as without it."""
-    written, write = collect()
-    clock = Clock()
-    merger = LineMerger([0, 1], write, clock=clock)
-    merger.feed_event(Output(0, "stdout", "".join(f"line {i}\n" for i in range(10))))
+    written, merger, clock = ten_lines_from_rank_0()
     for tick in range(3):
         clock.now = 0.5 * tick
         merger.feed_event(Output(1, "stdout", f"beat {tick}\n"))
