@@ -144,10 +144,11 @@ def test_a_progress_line_shows_at_once_and_each_update_overwrites_it() -> None:
     """tqdm's way (``\\r`` then the bar, no newline until it ends): labelled, live, in place."""
     written, write = collect()
     merger = LineMerger([0, 1], write, clock=Clock())
+    merger.feed_event(Output(1, "stdout", "\rstep 8/30"))  # alone: its bar shows
     merger.feed_event(Output(0, "stdout", "\rstep 10/30"))
-    merger.feed_event(Output(1, "stdout", "\rstep 9/30"))
+    merger.feed_event(Output(1, "stdout", "\rstep 9/30"))  # rank 0's bar is the one shown now
     merger.feed_event(Output(0, "stdout", "\rstep 11/30"))
-    assert [text for _, text in written] == ["[0] step 10/30", "\r[1] step 9/30 ", "\r[0] step 11/30"]
+    assert [text for _, text in written] == ["[1] step 8/30", "\r[0] step 10/30", "\r[0] step 11/30"]
     merger.feed_event(Output(0, "stdout", "\rdone\n"))  # the line ends: what it shows in the end
     merger.feed_event(Output(1, "stdout", "\rstep 30/30\rdone\r\n"))
     merger.poll()

@@ -9,7 +9,8 @@ Each rank's lines keep their order: a line joins a waiting line of the same text
 one shows after every line the rank printed before (ranks 0,1 printing ``A B`` and rank 2
 ``B A`` show ``[0,1] A``, ``[0-2] B``, ``[2] A``), so a rank that prints the same text twice
 contributes to two separate lines. A progress line (``\r``, as tqdm writes) shows at once, labelled, and each
-update overwrites it (``\r[0] 50%|...``), as in a terminal; a line is what it shows in the end
+update overwrites it (``\r[0] 50%|...``), as in a terminal, the lowest rank's while several ranks have
+one going; a line is what it shows in the end
 (its text after its last ``\r``). Per-rank lines written together are sorted by rank between the merged lines around
 them (``[0] loss 1.2``, ``[1] loss 1.3``, ... whatever order they arrived in).
 
@@ -68,6 +69,11 @@ class _Splitter:
         tail = self._partial[(rank, stream)]
         return shown(tail) if "\r" in tail else ""
 
+    def first_in_progress(self, stream: str) -> int | None:
+        """The lowest rank whose unfinished tail on ``stream`` is a progress line."""
+        return min((rank for (rank, on), tail in self._partial.items() if on == stream and "\r" in tail),
+                   default=None)
+
     def tails(self) -> list[tuple[int, str, str]]:
         out = [(rank, stream, text) for (rank, stream), text in self._partial.items() if text]
         self._partial.clear()
@@ -102,7 +108,9 @@ class LineMerger:
             for line in self._splitter.lines(event.rank, event.stream, event.text):
                 self._add(event.rank, event.stream, line)
             progress = self._splitter.progress(event.rank, event.stream)
-            if progress:
+            # One live bar, the lowest rank's: bars of several ranks updating one line took
+            # turns there (tqdm on every rank flickered between them). Each shows as it ends.
+            if progress and event.rank == self._splitter.first_in_progress(event.stream):
                 self._show(event.stream, f"[{event.rank}] {progress}", ended=False)
         elif isinstance(event, (Result, Error)):
             self._running.discard(event.rank)
