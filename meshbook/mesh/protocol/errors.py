@@ -165,13 +165,20 @@ def short_path(filename: str) -> str:
 #: What a collective's error says when its process group is broken for good: a gloo timeout
 #: closes the connections (every later collective fails with "Connection closed by peer"), and
 #: NCCL aborts its communicator. The counts may still agree; the groups must be re-created.
-def remaking(stale: Sequence[str]) -> str:
+BROKEN_GROUP = re.compile(r"gloo.*(timed out|connection closed|connection reset|pair closure)|nccl.*(timeout|abort)",
+                          re.IGNORECASE | re.DOTALL)
+
+
+def stale_names(stale: Sequence[tuple[str, str]]) -> str:
+    """``fs (FSDP2 module), net (DDP module)``: what holds the old process groups, by name."""
+    return ", ".join(f"{name} ({kind})" for name, kind in stale)
+
+
+def remaking(stale: Sequence[tuple[str, str]]) -> str:
     """How to re-create each of what holds the old process groups (``rank.groups``'
-    ``stale_objects``: ``"net (DDP module)"``...): each kind is made again its own way."""
+    ``stale_objects``: name and kind): each kind is made again its own way."""
     hints = []
-    for entry in stale:
-        name, _, kind = entry.partition(" (")
-        kind = kind.rstrip(")")
+    for name, kind in stale:
         if kind == "DDP module":
             hints.append(f"{name} = DDP({name}.module) (it broadcasts rank 0's weights)")
         elif kind in ("FSDP2 module", "FSDP module"):
@@ -181,10 +188,6 @@ def remaking(stale: Sequence[str]) -> str:
         else:
             hints.append(f"{name}, a {kind}, with new_group / init_device_mesh (or use `device_mesh`)")
     return "; ".join(hints)
-
-
-BROKEN_GROUP = re.compile(r"gloo.*(timed out|connection closed|connection reset|pair closure)|nccl.*(timeout|abort)",
-                          re.IGNORECASE | re.DOTALL)
 
 
 @dataclass(frozen=True)

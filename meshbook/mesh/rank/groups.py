@@ -22,14 +22,14 @@ from .torch_compat import fsdp2_groups, process_groups
 DESTROYED_GROUP = re.compile(r"Process group .* is not initialized in the world group map")
 
 
-def stale_objects(namespace: Mapping[str, Any]) -> list[str]:
+def stale_objects(namespace: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Variables bound to process groups that no longer exist (destroyed when meshbook
-    re-created the groups): what must be re-created before they work again."""
+    re-created the groups), as (name, kind): what must be re-created before they work again."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return []
     current = {id(pg) for _, pg in process_groups()}
-    return sorted(f"{name} ({kind})" for name, kind, holds in _bound(namespace)
+    return sorted((name, kind) for name, kind, holds in _bound(namespace)
                   if any(id(pg) not in current for pg in _groups(holds)))
 
 

@@ -236,7 +236,7 @@ def positions(worker: "Worker") -> Positions:
     return Positions(worker.rank, groups, replicas=replica_prints(worker.namespace))
 
 
-def hold(worker: "Worker") -> list[str]:
+def hold(worker: "Worker") -> list[tuple[str, str]]:
     """Wait for the controller's verdict on this check; join a new generation if it says so.
 
     Returns the variables still bound to the old groups when the groups were re-created. Shielded

@@ -57,7 +57,7 @@ from ..protocol.cell import (
     register_source,
 )
 from ..protocol.config import HEARTBEAT_S
-from ..protocol.errors import BROKEN_GROUP, RankFailure, SendError, remaking
+from ..protocol.errors import BROKEN_GROUP, RankFailure, SendError, remaking, stale_names
 from ..protocol.lane import Inbox, Uplink
 from ..protocol.limits import KeptOnRank
 from ..protocol.payload import Lent
@@ -740,7 +740,7 @@ def _explain_stale(failure: RankFailure, namespace: dict[str, Any]) -> RankFailu
     if not stale:
         return failure
     return replace(failure, message=(
-        f"{', '.join(stale)} still use{'s' if len(stale) == 1 else ''} process groups meshbook re-created "
+        f"{stale_names(stale)} still use{'s' if len(stale) == 1 else ''} process groups meshbook re-created "
         f"since {'it was' if len(stale) == 1 else 'they were'} built (the old ones are closed): re-create "
         f"{'it' if len(stale) == 1 else 'them'} on the new groups: {remaking(stale)}. The collective said: "
         f"{failure.message}"))

@@ -236,7 +236,7 @@ def broken_groups(run: "Run") -> list[int]:
 
 
 def render_resync(cause: str, skews: list[Skew], gone: list[int], recovery: Recovery,
-                  bound: Mapping[int, list[str]], broken: Sequence[int] = ()) -> str:
+                  bound: Mapping[int, list[tuple[str, str]]], broken: Sequence[int] = ()) -> str:
     """What the cell says after the groups were re-created to put the ranks back in step."""
     lines = []
     if broken:
@@ -254,7 +254,6 @@ def render_resync(cause: str, skews: list[Skew], gone: list[int], recovery: Reco
     if gone:
         lines.append(f"{ranks_text(gone)} destroyed the default process group; meshbook re-created it.")
     lines.append(recovery.render())
-    objects = group_by_text({r: ", ".join(names) for r, names in bound.items() if names})
-    for ranks, names in objects:
-        lines.append(f"[{format_ranks(ranks)}] bound to the old groups, re-create: {remaking(names.split(', '))}")
+    for ranks, remedy in group_by_text({r: remaking(stale) for r, stale in bound.items() if stale}):
+        lines.append(f"[{format_ranks(ranks)}] bound to the old groups, re-create: {remedy}")
     return "\n".join(lines)
