@@ -126,10 +126,10 @@ def _html_of(value: Any) -> str | None:
 def _equal_parts(ranks: list[int], values: Mapping[int, Any]) -> list[list[int]]:
     """``ranks`` (whose values print alike) split by equal contents, where the values are
     tensors or numpy arrays; NaN equals NaN."""
-    first = values[ranks[0]]
-    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
     if len(ranks) == 1:
         return [ranks]
+    first = values[ranks[0]]
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
     if torch is not None and isinstance(first, torch.Tensor):
         def same(a: Any, b: Any) -> bool:
             return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype

@@ -147,7 +147,8 @@ class ActorHost:
     def living(self) -> dict[str, tuple[type, Peer]]:
         """Each actor living here: its class and how to reach it (a kernel that attached this
         kept mesh rebuilds its handles from them)."""
-        return {name: (type(actor), self._peer()) for name, actor in list(self.actors.items())}
+        peer = self._peer()  # every actor of this rank is reached the same way
+        return {name: (type(actor), peer) for name, actor in list(self.actors.items())}
 
     def drop(self, name: str) -> bool:
         """Forget actor ``name`` (and its namespace variable, if still the actor)."""

@@ -118,10 +118,11 @@ class RankBook:
         queues move on at once (a request the caller sends as soon as it sees the answer finds
         them idle). Call :meth:`settle` once the event was given to the run."""
         queues, states = self.queues, self.ranks
+        if request < self.first_request:  # the kernel before's: not a run of ours, rare
+            for rank in ranks:
+                states[rank].answered_before = max(states[rank].answered_before, request)
         for rank in ranks:
             queue = queues[rank]
-            if request < self.first_request:  # the kernel before's
-                states[rank].answered_before = max(states[rank].answered_before, request)
             if queue and queue[0] == request:
                 queue.popleft()
                 state = states[rank]

@@ -623,8 +623,7 @@ class Controller:
         network = self.transport.network
         link = network.links.get(self.host_of[rank]) if network is not None else None
         self.clock.add(rank, message.body(), link.clock_offset_ns if link is not None else 0)
-        if self._unsettled:
-            self._settle()
+        self._settle()
 
     def _on_output(self, message: wire.Message) -> None:
         body = message.body()
@@ -730,6 +729,8 @@ class Controller:
     def _settle(self, everything: bool = False) -> None:
         """End the runs that waited for the collective clock and no longer need to (the
         receiver thread, after a ``COLLECTIVES`` batch and at each tick; ``everything``: at stop)."""
+        if not self._unsettled:
+            return
         now = time.monotonic()
         for request, (ranks, event, answer, due) in list(self._unsettled.items()):
             assert answer.run is not None
