@@ -160,6 +160,33 @@ def test_the_actors_a_kernel_spawned_are_handles_in_the_kernel_that_attaches() -
         (second or first).stop()
 
 
+def test_actors_this_kernel_cannot_read_do_not_fail_the_attach(tmp_path, capsys) -> None:
+    """An actor class only the ranks can import (its module gone from this kernel): the mesh
+    is attached all the same, and the kernel says which actors it has no handle for."""
+    (tmp_path / "only_on_ranks.py").write_text(
+        "import meshbook\n\nclass Kept(meshbook.Actor):\n    @meshbook.endpoint\n    def one(self):\n"
+        "        return 1\n")
+    sys.path.insert(0, str(tmp_path))
+    first = meshbook.start(2, keep="10m", name="unreadable")
+    second = None
+    try:
+        import only_on_ranks
+
+        first.run(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})").result()
+        first.spawn("kept", only_on_ranks.Kept)
+        sys.path.remove(str(tmp_path))
+        del sys.modules["only_on_ranks"]
+        second = meshbook.attach(first.controller.lease.id, name="reader")
+        assert second.actors() == {}
+        assert "the actors living on rank(s) 0,1 have no handle in this kernel" in capsys.readouterr().err
+        assert dict(second.run("kept.one()").result()) == {0: 1, 1: 1}  # they live on, as variables
+    finally:
+        if str(tmp_path) in sys.path:
+            sys.path.remove(str(tmp_path))
+        sys.modules.pop("only_on_ranks", None)
+        (second or first).stop()
+
+
 def test_a_run_of_the_kernel_before_keeps_its_ranks_busy_in_the_kernel_that_attaches(tmp_path) -> None:
     """The ranks still run what the kernel before sent: they show busy, and a run sent now
     says it waits behind that, not that it is stuck in the other run's code."""

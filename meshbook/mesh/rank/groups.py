@@ -18,6 +18,9 @@ from typing import Any
 
 from .torch_compat import fsdp2_groups, process_groups
 
+#: How many elements of a tensor are summed at once for its print (32 MiB in float64).
+PRINT_SLICE = 1 << 22
+
 #: What torch says when a collective is called on a group that was destroyed (FSDP2 kept it).
 DESTROYED_GROUP = re.compile(r"Process group .* is not initialized in the world group map")
 
@@ -64,12 +67,19 @@ def replica_prints(namespace: Mapping[str, Any]) -> dict[str, tuple[tuple[int, .
 
 
 def _prints(torch: Any, values: Iterable[Any]) -> tuple[float | None, ...]:
-    """Each value's sum in float64 (a number as it is; None where there is none, or a NaN)."""
+    """Each value's sum in float64 (a number as it is; None where there is none, or a NaN),
+    a slice at a time: a float64 copy of a whole weight (4x a bf16 embedding) could run a full
+    GPU out of memory in the middle of a step check."""
     out: list[float | None] = []
     with torch.no_grad():
         for value in values:
             try:
-                total = float(value.detach().to(torch.float64).sum()) if torch.is_tensor(value) else float(value)
+                if torch.is_tensor(value):
+                    flat = value.detach().reshape(-1)
+                    total = float(sum((part.sum(dtype=torch.float64) for part in flat.split(PRINT_SLICE)),
+                                      torch.zeros((), dtype=torch.float64, device=flat.device)))
+                else:
+                    total = float(value)
             except (TypeError, ValueError, RuntimeError):
                 total = None
             out.append(None if total is None or total != total else total)

@@ -47,7 +47,7 @@ from ...protocol.actors import (
     methods_of,
 )
 from ...protocol.cell import code_places
-from ...protocol.errors import MeshError, RemoteError, SendError
+from ...protocol.errors import MeshError, MeshTimeout, RemoteError, SendError
 from ...protocol.events import Error, Result
 from ...protocol.namespaces import SEEDED
 from ...protocol.text import format_ranks
@@ -82,6 +82,9 @@ class ActorState:
     def controller(self) -> Controller:
         return self.mesh.controller
 
+
+#: How long attaching waits for the ranks to list their actors (control threads answer at once).
+ADOPT_TIMEOUT_S = 30.0
 
 #: Each running controller's actor meshes by name (a stopped one's are dropped at the next
 #: look: the handles a user still holds keep theirs, and say the mesh is stopped).
@@ -119,7 +122,13 @@ def adopt(mesh: MeshView) -> list[str]:
         return []
     found: dict[str, dict[int, tuple[type, Peer]]] = {}
     asked = controller.call(ops.actors_living, ranks=living, what="the actors living there")
-    for rank, actors in asked.result().items():
+    try:
+        answers = asked.result(timeout=ADOPT_TIMEOUT_S, echo=False)
+    except (RemoteError, MeshTimeout) as exc:  # the mesh is attached all the same: say what is missing
+        answers = asked.values()
+        print(f"meshbook: the actors living on rank(s) {format_ranks(sorted(set(living) - set(answers)))} have no "
+              f"handle in this kernel: {exc}".splitlines()[0], file=sys.stderr)
+    for rank, actors in answers.items():
         for name, (cls, peer) in actors.items():
             found.setdefault(name, {})[rank] = (cls, peer)
     for name, where in sorted(found.items()):
