@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshbook.mesh.controller.core.output import LineMerger, OrderedCollector
+from meshbook.mesh.controller.core.render import LateOutput
 from meshbook.mesh.protocol.events import Output, Result
 from meshbook.mesh.rank.streams import RankStream
 
@@ -244,3 +247,24 @@ def test_a_rank_printing_other_lines_does_not_hold_back_a_line_it_never_prints()
         merger.poll()
     shown = "".join(text for _, text in written)
     assert "[0] line 9" in shown and "[0,1]" not in shown, shown
+
+
+def test_late_output_its_route_refuses_is_logged_not_raised_in_the_timer(capfd: pytest.CaptureFixture[str]) -> None:
+    """The timer writes a line that waited out the window; a route that fails then (the
+    kernel's socket gone at exit) costs that output, logged, and no thread dies of it."""
+    died: list[object] = []
+    before, threading.excepthook = threading.excepthook, died.append
+
+    def refuse(stream: str, text: str) -> None:
+        raise OSError("socket closed")
+
+    try:
+        late = LateOutput([0, 1], refuse)
+        late(Output(0, "stdout", "only rank 0\n"))  # waits for rank 1, then the timer writes it
+        deadline = time.monotonic() + 30
+        while "late output was lost" not in (said := capfd.readouterr().err):
+            assert time.monotonic() < deadline, said
+            time.sleep(0.1)
+    finally:
+        threading.excepthook = before
+    assert "late output was lost: OSError: socket closed" in said and died == []

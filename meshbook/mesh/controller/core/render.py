@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 from ...protocol.events import Display, Event, InputRequest, Output
 from .output import LineMerger, OrderedCollector
 from .prompts import PromptServer
+from .transport import log
 
 
 class Rendered(Protocol):
@@ -89,9 +90,15 @@ class LateOutput:
             self._timer.start()
 
     def _due(self, merger: LineMerger) -> None:
+        """The timer: write what waited out the window. A write that fails (the kernel's socket
+        gone at exit) is logged, as the run's own hand-off of late output is."""
         with self._lock:
             self._timer = None
-            merger.poll()
+            try:
+                merger.poll()
+            except Exception as exc:  # noqa: BLE001 - whatever the route raises
+                log(f"late output was lost: {type(exc).__name__}: {exc}")
+                return
             self._arm(merger)
 
 
