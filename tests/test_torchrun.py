@@ -115,22 +115,36 @@ def test_the_environment_follows_a_restarted_rank() -> None:
         assert after[0][:2] == ("0", "0") and after[1][:2] == ("1", "1") and after[0][2] == after[1][2]
 
 
+# gloo's teardown in torch itself sometimes aborts a worker at destroy_process_group() after the
+# script has finished (a C++ thread left joinable); it is torchrun's run, not meshbook's, that crashed
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def torchrun_losses(losses_file: Path) -> None:
+    """Run the script under real torchrun, which writes its losses. Retried only when torch's teardown aborted."""
+    env = dict(os.environ, LOSSES_FILE=str(losses_file), OMP_NUM_THREADS="1")
+    for attempt in range(3):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                     "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT)],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+        try:
+            output, _ = torchrun.communicate(timeout=240)
+        finally:  # torchrun's workers too, however it ended
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(torchrun.pid, signal.SIGKILL)
+        if torchrun.returncode == 0 or TEARDOWN_ABORT not in output or attempt == 2:
+            break
+        losses_file.unlink(missing_ok=True)
+    assert torchrun.returncode == 0, output[-3000:]
+
+
 def test_a_pasted_torchrun_script_gives_torchrun_s_losses(mesh: meshbook.Mesh, tmp_path: Path) -> None:
     losses_file = tmp_path / "torchrun.json"
-    env = dict(os.environ, LOSSES_FILE=str(losses_file), OMP_NUM_THREADS="1")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                 "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-    try:
-        output, _ = torchrun.communicate(timeout=240)
-    finally:  # torchrun's workers too, however it ended
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(torchrun.pid, signal.SIGKILL)
-    assert torchrun.returncode == 0, output[-3000:]
+    torchrun_losses(losses_file)
     expected = json.loads(losses_file.read_text())
     for cell in cells_of(SCRIPT):
         mesh.run(cell).result()
