@@ -47,7 +47,6 @@ from .proc import let_go_in_children
 #: The biggest request the lane carries, in bytes (under any system's datagram limit).
 LANE_MAX = 64 * 1024
 
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 #: What leads a datagram up: how many messages its process had sent through ZeroMQ before it.
 _BEFORE = struct.Struct("<Q")
 
@@ -119,7 +118,7 @@ class Inbox:
         request that arrives through ZeroMQ while this thread is between the two questions
         (descheduled) would be taken before the datagram sent ahead of it."""
         while True:
-            through_zmq = int(self._zmq.getsockopt(_EVENTS)) & _POLLIN
+            through_zmq = wire.readable(self._zmq)
             try:
                 data = self._lane.recv(LANE_MAX)
             except BlockingIOError:
@@ -128,7 +127,7 @@ class Inbox:
                 self.by_lane += 1
                 return [data]
             if through_zmq:
-                return wire.recv(self._zmq, _NOBLOCK)
+                return wire.recv(self._zmq, wire.NOBLOCK)
             self._poller.poll()
 
 

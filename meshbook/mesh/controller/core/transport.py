@@ -341,23 +341,18 @@ class Watch:
 
     def ready(self, timeout: float) -> set[zmq.Socket]:
         """The sockets with a message to receive, waiting up to ``timeout`` seconds for one."""
-        ready = {sock for sock in self._recheck if not sock.closed and _readable(sock)}
+        ready = {sock for sock in self._recheck if not sock.closed and wire.readable(sock)}
         self._recheck.clear()
         if ready:
             return ready
         # Asking a socket that fired but holds nothing re-arms its signal, as a drain does.
         return {sock for fd, _ in self._epoll.poll(timeout)
-                if fd in self._by_fd and _readable(sock := self._by_fd[fd])}
+                if fd in self._by_fd and wire.readable(sock := self._by_fd[fd])}
 
     def close(self) -> None:
         self._epoll.close()
 
 
-def _readable(sock: zmq.Socket) -> bool:
-    return bool(int(sock.getsockopt(_EVENTS)) & _POLLIN)
-
-
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # pyzmq's enum operators cost more than the call
 
 
 def log(text: str) -> None:
