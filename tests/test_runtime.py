@@ -209,6 +209,29 @@ def test_c_level_output_is_captured(mesh4: meshbook.Mesh) -> None:
     assert "from a subprocess\n" in text and "from C printf\n" in text
 
 
+def test_what_a_forked_child_prints_reaches_the_cell(mesh4: meshbook.Mesh) -> None:
+    # A DataLoader worker and a bare fork: the rank's sockets are not theirs, its pipes are.
+    run = mesh4.run("import os, sys, torch.utils.data as tud\n"
+                    "class Items(tud.Dataset):\n"
+                    "    def __len__(self): return 2\n"
+                    "    def __getitem__(self, i):\n"
+                    "        print(f'worker item {i}'); sys.stderr.write(f'worker warns {i}\\n'); return i\n"
+                    "print('partial before the fork', end='')\n"
+                    "seen = [int(b) for b in tud.DataLoader(Items(), num_workers=1)]\n"
+                    "pid = os.fork()\n"
+                    "if pid == 0:\n"
+                    "    print('from the child', end='')\n"
+                    "    sys.stdout.flush(); os._exit(0)\n"
+                    "os.waitpid(pid, 0)\n"
+                    "seen", ranks=[1, 2])
+    assert run.result(echo=False).unique() == [0, 1]
+    said = {stream: "".join(e.text for e in run.events() if isinstance(e, Output) and e.rank == 2 and
+                            e.stream == stream) for stream in ("stdout", "stderr")}
+    assert "worker item 0\nworker item 1\n" in said["stdout"] and "from the child" in said["stdout"]
+    assert "worker warns 0\nworker warns 1\n" in said["stderr"]
+    assert said["stdout"].count("partial before the fork") == 1  # the parent's partial line, not the child's too
+
+
 def test_late_output_of_a_background_thread_stays_with_its_run(mesh4: meshbook.Mesh) -> None:
     late: list[tuple[int, str]] = []
     arrived = threading.Event()

@@ -8,6 +8,10 @@ Two paths, both ending in the rank's single outbound socket:
   to the cell that started it, never to a later one.
 * **C-level writes** to fds 1 and 2 (C++ warnings, ``os.system``, NCCL/gloo logs) land in
   pipes that :class:`FdPump` reads on a thread and tags with the request running now.
+* **A forked child's Python writes** (a DataLoader worker, a ``multiprocessing`` pool, a bare
+  ``os.fork()``): the rank's sockets are not the child's to use, so in the child the streams
+  write to fds 1 and 2 instead, the pipes the rank's pump reads, and the lines reach the cell
+  that runs as they come.
 
 Before a request's result is sent, :meth:`FdPump.drain` and :meth:`RankStream.flush` push out
 everything written so far, so output always arrives before the result it belongs to.
@@ -24,7 +28,10 @@ import select
 import struct
 import termios
 import threading
+from functools import partial
 from typing import Callable
+
+from ..protocol.proc import let_go_in_children
 
 #: Called with (request id or None, stream name, text) to send output to the controller.
 Sink = Callable[["int | None", str, str], None]
@@ -67,6 +74,15 @@ class RankStream(io.TextIOBase):
         self._lock = threading.RLock()
         self._partial: dict[int | None, str] = {}
         self.buffer = RankBytes(self)
+        let_go_in_children(self, "write_to_fd")
+
+    def write_to_fd(self) -> None:
+        """In a child the rank forked: write what comes to the stream's fd (the rank's pipe,
+        which its pump reads), not through the rank's sockets. The parent's partial lines stay
+        the parent's, and a lock another thread held at the fork is not the child's to wait for."""
+        self._lock = threading.RLock()
+        self._partial = {}
+        self._sink = partial(_write_fd, self._fd)
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
@@ -174,6 +190,12 @@ class FdPump:
             for read in self._readers:
                 while _unread(read):
                     self._forward(read)
+
+
+def _write_fd(fd: int, request: int | None, stream: str, text: str) -> None:
+    data = text.encode("utf-8", "replace")
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _unread(fd: int) -> int:
