@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
 
@@ -119,6 +120,44 @@ def test_tracebacks_keep_the_cell_and_where_torch_raised_not_torch_wrappers(
     innermost = frames[-1].format().splitlines()[0].strip().rsplit("/", 1)[-1]
     assert re.fullmatch(torch_frame.format(r"\d+"), innermost), frames
     assert "c10d_logger" not in info.value.render() and "_call_impl" not in info.value.render()
+
+
+CHAINED = [
+    ("def inner():\n    return {}['k']\ntry:\n    inner()\nexcept KeyError as e:\n    raise ValueError('outer') from e",
+     "[0] ValueError: outer\n    cell line 6, in <module>\n      raise ValueError('outer') from e\n"
+     "  Raised from this exception (its direct cause):\n    KeyError: 'k'\n      cell line 4, in <module>\n"
+     "        inner()\n      cell line 2, in inner\n        return {}['k']"),
+    ("try:\n    1/0\nexcept Exception:\n    undefined",
+     "[0] NameError: name 'undefined' is not defined\n    cell line 4, in <module>\n      undefined\n"
+     "  Raised while handling this exception:\n    ZeroDivisionError: division by zero\n"
+     "      cell line 2, in <module>\n        1/0"),
+    ("try:\n    1/0\nexcept Exception:\n    raise KeyError('x') from None",
+     "[0] KeyError: 'x'\n    cell line 4, in <module>\n      raise KeyError('x') from None"),
+    ("e = ValueError('v')\ne.add_note('checked twice')\nraise e",
+     "[0] ValueError: v\n    cell line 3, in <module>\n      raise e\n  checked twice"),
+    ("def f(n):\n    return f(n + 1)\nf(0)",
+     "[0] RecursionError: maximum recursion depth exceeded\n    cell line 3, in <module>\n      f(0)\n"
+     + "    cell line 2, in f\n      return f(n + 1)\n" * 3 + "    [Previous line repeated {n} more times]"),
+]
+
+
+@pytest.mark.parametrize("code, told", CHAINED)
+def test_an_error_tells_what_python_tells_of_it(mesh4: meshbook.Mesh, code: str, told: str) -> None:
+    """Its cause, or the error it was raised while handling; its notes; a recursion counted."""
+    with pytest.raises(RemoteError) as info:
+        mesh4.run(code, ranks=[0]).result(echo=False)
+    assert re.fullmatch(re.escape(told).replace(re.escape("{n}"), r"\d+"), info.value.render()), info.value.render()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="ExceptionGroup is Python 3.11's")
+def test_an_exception_group_tells_each_exception_it_holds(mesh4: meshbook.Mesh) -> None:
+    with pytest.raises(RemoteError) as info:
+        mesh4.run("def fail():\n    raise TypeError('t1')\nerrors = []\ntry:\n    fail()\n"
+                  "except TypeError as e:\n    errors.append(e)\n"
+                  "raise ExceptionGroup('many', [ValueError('v1'), *errors])", ranks=[0]).result(echo=False)
+    assert info.value.render().endswith("  Sub-exception 1 of 2:\n    ValueError: v1\n  Sub-exception 2 of 2:\n"
+                                        "    TypeError: t1\n      cell line 5, in <module>\n        fail()\n"
+                                        "      cell line 2, in fail\n        raise TypeError('t1')")
 
 
 def test_first_line_shifts_reported_lines(mesh4: meshbook.Mesh) -> None:

@@ -21,6 +21,7 @@ torch's business, as meshbook's are its own.
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import inspect
 import io
@@ -30,6 +31,7 @@ import sys
 import tokenize
 import traceback
 from collections.abc import Iterable
+from dataclasses import replace
 from types import CodeType, FunctionType, TracebackType
 from typing import Any
 
@@ -180,8 +182,27 @@ def frames_of(tb: TracebackType | None) -> tuple[Frame, ...]:
     # Not even innermost: c10d's logging wrapper, where an interrupt held back during the
     # collective lands as it logs the collective's failure (its def line says nothing).
     frames = [f for f in frames if not short_path(f.filename).startswith(_LOGGER)]
-    return tuple(f for i, f in enumerate(frames)
-                 if not f.in_torch or (i == len(frames) - 1))
+    return _collapsed(tuple(f for i, f in enumerate(frames) if not f.in_torch or (i == len(frames) - 1)))
+
+
+def _collapsed(frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """A run of the same frame (a runaway recursion) shown :data:`SHOWN_REPEATS` times and
+    then counted, as Python's own traceback does, not a thousand times over."""
+    out: list[Frame] = []
+    for frame in frames:
+        if len(out) >= SHOWN_REPEATS and all(replace(f, repeated=0) == frame for f in out[-SHOWN_REPEATS:]):
+            out[-1] = replace(out[-1], repeated=out[-1].repeated + 1)
+        else:
+            out.append(frame)
+    return tuple(out)
+
+
+#: How often a repeated frame is shown before the rest are counted (Python's own number).
+SHOWN_REPEATS = 3
+#: ``BaseExceptionGroup`` where Python has it (3.11 on); nothing is one before.
+_GROUP: Any = getattr(builtins, "BaseExceptionGroup", ())
+#: How many earlier exceptions (``raise ... from``, or raised while handling) a failure tells.
+CHAIN_SHOWN = 5
 
 
 _LOGGER = "torch/distributed/c10d_logger.py"
@@ -199,11 +220,58 @@ def failure_from(rank: int, exc: BaseException) -> RankFailure:
         # The error is *in* the code, not raised by it: point at the offending line.
         frames = frames + (_frame(exc.filename, exc.lineno, "<module>", exc.text or ""),)
         message = exc.msg
-    detail = ""
+    detail = _notes(exc)
     if isinstance(exc, RemoteError):  # a call this rank made failed where it ran (an actor's endpoint)
         message = message.split("\n", 1)[0]  # its hint is in the report below
-        detail = "\n".join(["The call failed where it ran:", *("  " + line for line in exc.render().splitlines())])
-    return RankFailure(rank, _public_name(type(exc)), message, frames, detail=detail)
+        detail.extend(["The call failed where it ran:", *("  " + line for line in exc.render().splitlines())])
+    detail.extend(_grouped(exc))
+    detail.extend(_chain(exc))
+    return RankFailure(rank, _public_name(type(exc)), message, frames, detail="\n".join(detail))
+
+
+def _notes(exc: BaseException) -> list[str]:
+    """What ``add_note()`` added, as Python prints it: after the message."""
+    notes = getattr(exc, "__notes__", None)
+    return [str(note) for note in notes] if isinstance(notes, (list, tuple)) else []
+
+
+def _told(exc: BaseException) -> list[str]:
+    """An exception inside another's report: its message, then its frames, each indented."""
+    message = _message(exc)
+    lines = [f"  {_public_name(type(exc))}" + (f": {message}" if message else "")]
+    lines.extend("  " + line for f in frames_of(exc.__traceback__) for line in f.format().splitlines())
+    lines.extend("  " + line for line in _notes(exc))
+    return lines
+
+
+def _grouped(exc: BaseException) -> list[str]:
+    """The exceptions an ``ExceptionGroup`` holds, each told."""
+    inner: tuple[BaseException, ...] = getattr(exc, "exceptions", ()) if isinstance(exc, _GROUP) else ()
+    lines = []
+    for i, sub in enumerate(inner, 1):
+        lines.append(f"Sub-exception {i} of {len(inner)}:")
+        lines.extend(_told(sub))
+        lines.extend("  " + line for line in _grouped(sub))
+    return lines
+
+
+def _chain(exc: BaseException) -> list[str]:
+    """The exceptions before this one, nearest first, as Python tells them (its direct cause,
+    or the one it was raised while handling, unless ``from None`` hid it)."""
+    lines: list[str] = []
+    seen = {id(exc)}
+    while True:
+        cause = exc.__cause__
+        earlier = cause if cause is not None else (None if exc.__suppress_context__ else exc.__context__)
+        if earlier is None or id(earlier) in seen:
+            return lines
+        if len(seen) > CHAIN_SHOWN:
+            return [*lines, "(and earlier exceptions, left out)"]
+        seen.add(id(earlier))
+        lines.append("Raised from this exception (its direct cause):" if cause is not None else
+                     "Raised while handling this exception:")
+        lines.extend(_told(earlier))
+        exc = earlier
 
 
 def _public_name(cls: type) -> str:

@@ -139,6 +139,8 @@ class Frame:
     name: str
     line: str
     in_cell: bool = False
+    #: How many more times the same frame followed it (a runaway recursion), left out.
+    repeated: int = 0
 
     @property
     def where(self) -> str:
@@ -151,7 +153,8 @@ class Frame:
 
     def format(self) -> str:
         text = f"  {self.where}, in {self.name}"
-        return text + (f"\n    {self.line}" if self.line else "")
+        text += f"\n    {self.line}" if self.line else ""
+        return text + (f"\n  [Previous line repeated {self.repeated} more times]" if self.repeated else "")
 
 
 def short_path(filename: str) -> str:

@@ -366,7 +366,7 @@ class Worker:
             self.last_exception = exc
             reason = self.abort_reasons.pop(request, "")
             if reason:
-                failure = replace(failure, type_name="CollectiveAborted", message=reason)
+                failure = replace(failure, type_name="CollectiveAborted", message=reason, detail="")
             self._finish(request, failure=failure, reply=reply)
         else:
             if value is not None and _holds_dtensors(value):
