@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import numpy
 import pytest
 import torch
 from jupyter_kernels import Kernel
@@ -82,6 +83,28 @@ def test_tensors_that_print_alike_but_differ_are_not_shown_as_one_value() -> Non
         values.unique()
     same = meshbook.RankValues({r: torch.tensor([1.0, float("nan")]) for r in range(3)})
     assert repr(same) == "[0-2] tensor([1., nan])" and same.unique().shape == (2,)
+
+
+def test_tensors_inside_lists_and_dicts_that_print_alike_but_differ_are_shown_apart() -> None:
+    """``[p.data for p in model.parameters()]`` on each replica: a list of tensors prints its
+    tensors cut short, so replicas apart read as one; unique() must refuse them too."""
+    weights = torch.zeros(2000)
+    apart = weights.clone()
+    apart[1000] = 1.0
+    values = meshbook.RankValues({0: [weights], 1: [weights.clone()], 2: [apart], 3: {"w": weights}})
+    assert [ranks for ranks, _ in values.groups()] == [[0, 1], [2], [3]]
+    with pytest.raises(ValueError, match="ranks returned 3 different values"):
+        values.unique()
+    near = meshbook.RankValues({r: {"w": (torch.tensor([1.0 + r * 1e-6]), numpy.zeros(2) + r * 1e-9)}
+                                for r in range(3)})
+    assert [ranks for ranks, _ in near.groups()] == [[0], [1], [2]]
+    same = meshbook.RankValues({r: {"w": [torch.tensor([1.0, float("nan")])], "step": 3} for r in range(3)})
+    assert [ranks for ranks, _ in same.groups()] == [[0, 1, 2]]
+    assert same.unique()["step"] == 3
+    # compared as a whole, as a dict of them would be if a tensor's == were not elementwise
+    assert values == meshbook.RankValues({0: [weights], 1: [weights], 2: [apart], 3: {"w": weights}})
+    assert values != {0: [weights], 1: [weights], 2: [weights], 3: {"w": weights}}
+    assert same != {r: {"w": [torch.tensor([1.0, float("nan")])], "step": 4} for r in range(3)}
 
 
 def test_a_long_repr_is_cut_with_a_note() -> None:

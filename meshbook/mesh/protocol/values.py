@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import html
 import sys
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .limits import HTML_CHARS, capped
 from .text import format_ranks, group_by_text
@@ -98,11 +98,11 @@ class RankValues(Mapping[int, Any]):
         return "".join(f"<div><b>[{format_ranks(ranks)}]</b>{text}</div>" for ranks, text in group_by_text(texts))
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, RankValues):
-            return self._values == other._values
-        if isinstance(other, Mapping):
-            return self._values == dict(other)
-        return NotImplemented
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        theirs = other._values if isinstance(other, RankValues) else dict(other)
+        return self._values.keys() == theirs.keys() and all(
+            _alike(value, theirs[rank], _equal) for rank, value in self._values.items())
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -124,27 +124,14 @@ def _html_of(value: Any) -> str | None:
 
 
 def _equal_parts(ranks: list[int], values: Mapping[int, Any]) -> list[list[int]]:
-    """``ranks`` (whose values print alike) split by equal contents, where the values are
-    tensors or numpy arrays; NaN equals NaN."""
-    if len(ranks) == 1:
-        return [ranks]
-    first = values[ranks[0]]
-    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
-    if torch is not None and isinstance(first, torch.Tensor):
-        def same(a: Any, b: Any) -> bool:
-            return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
-                    and bool(torch.equal(a, b) or (a.is_floating_point() and torch.allclose(
-                        a, b, rtol=0.0, atol=0.0, equal_nan=True))))
-    elif numpy is not None and isinstance(first, numpy.ndarray):
-        def same(a: Any, b: Any) -> bool:
-            return bool(isinstance(b, numpy.ndarray) and a.shape == b.shape and a.dtype == b.dtype
-                        and numpy.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-    else:
+    """``ranks`` (whose values print alike) split by equal contents, where the values are or
+    hold tensors or numpy arrays (in lists, tuples and dicts): a tensor prints 4 decimals."""
+    if len(ranks) == 1 or not _holds_arrays(values[ranks[0]]):
         return [ranks]
     parts: list[list[int]] = []
     for rank in ranks:
         try:
-            part = next((p for p in parts if same(values[p[0]], values[rank])), None)
+            part = next((p for p in parts if _alike(values[p[0]], values[rank])), None)
         except Exception:  # noqa: BLE001 - tensors torch cannot compare (sparse, a device of their own)
             return [ranks]
         if part is None:
@@ -152,6 +139,61 @@ def _equal_parts(ranks: list[int], values: Mapping[int, Any]) -> list[list[int]]
         else:
             part.append(rank)
     return parts
+
+
+#: How many items of a list, tuple or dict are looked into for an array: a result of a
+#: million numbers is not walked to find none.
+LOOKED_INTO = 64
+
+
+def _holds_arrays(value: Any, depth: int = 4) -> bool:
+    """Is ``value`` a tensor or numpy array, or does it hold one (looking a few levels and
+    items deep)?"""
+    if _array_kind(value) is not None:
+        return True
+    items = value.values() if type(value) is dict else value if type(value) in (list, tuple) else ()
+    return depth > 0 and any(_holds_arrays(item, depth - 1) for item, _ in zip(items, range(LOOKED_INTO)))
+
+
+def _array_kind(value: Any) -> str | None:
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return "tensor"
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return "ndarray"
+    return None
+
+
+def _alike(a: Any, b: Any, leaf: Callable[[Any, Any], bool] = lambda a, b: True) -> bool:
+    """Equal numbers in their tensors and arrays (NaN equal to NaN), the same shape around
+    them, and ``leaf`` true of what is neither (by default: values that print alike went by
+    their print already)."""
+    kind = _array_kind(a)
+    if kind is not None:
+        return kind == _array_kind(b) and _same_numbers(kind, a, b)
+    if type(a) in (list, tuple):
+        return type(b) is type(a) and len(a) == len(b) and all(_alike(x, y, leaf) for x, y in zip(a, b))
+    if type(a) is dict:
+        return type(b) is dict and a.keys() == b.keys() and all(_alike(a[k], b[k], leaf) for k in a)
+    return leaf(a, b)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """``a == b``, where tensors and arrays compare as a whole (their ``==`` is elementwise)."""
+    return bool(a == b)
+
+
+def _same_numbers(kind: str, a: Any, b: Any) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if kind == "tensor":
+        import torch
+
+        return bool(torch.equal(a, b) or (a.is_floating_point() and torch.allclose(
+            a, b, rtol=0.0, atol=0.0, equal_nan=True)))
+    import numpy
+
+    return bool(numpy.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
 
 
 def _safe_repr(value: Any) -> str:
