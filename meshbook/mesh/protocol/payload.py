@@ -78,7 +78,7 @@ PIECE = 16 << 20
 #: pages and a descriptor with it. The size under which wire frames are copied too.
 COPY_BELOW = wire.ZERO_COPY_MIN
 
-_ALIGN = 64  # buffers start on cache-line boundaries, as allocators would place them
+_ALIGN = wire.ALIGNMENT  # buffers start on cache-line boundaries, as allocators would place them
 _TOKEN_BYTES = 16
 #: How deep into a value a pull that cannot pickle it looks for the part that does not.
 _PART_DEPTH = 4

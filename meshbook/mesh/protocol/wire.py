@@ -58,6 +58,8 @@ PROTOCOL = 5
 
 #: Frames at least this big travel without a copy (smaller ones are cheaper to copy).
 ZERO_COPY_MIN = 64 * 1024
+#: Where a tensor's memory starts, as torch's own allocator places it (a cache line).
+ALIGNMENT = 64
 
 
 _log = logging.getLogger(__name__)
@@ -94,7 +96,14 @@ def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...], requires_gr
             # Received frames are private heap memory that libzmq exposes read-only; aliasing
             # them is the point of zero-copy, and nothing else holds them.
             warnings.simplefilter("ignore")
-            tensor = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+            tensor = torch.frombuffer(view, dtype=torch.uint8)
+        if tensor.data_ptr() % ALIGNMENT:
+            # Where the message put it (an odd address, for a small one): computed on there,
+            # the same numbers gave other last bits than where torch allocates them (its
+            # matrix kernels go by alignment), so a rank's result depended on how its inputs
+            # travelled. A copy starts where torch's allocator starts one.
+            tensor = tensor.clone()
+        tensor = tensor.view(dtype).reshape(shape)
     if order is not None:  # laid out in memory in that order (channels_last...): as it was sent
         tensor = tensor.permute(sorted(range(len(order)), key=order.__getitem__))
     if parameter:
