@@ -160,6 +160,25 @@ def test_an_exception_group_tells_each_exception_it_holds(mesh4: meshbook.Mesh) 
                                         "      cell line 2, in fail\n        raise TypeError('t1')")
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Python prints an exception's notes from 3.11")
+def test_an_error_a_script_does_not_catch_shows_each_rank_s_report() -> None:
+    """Python prints str(error) and its notes: the notes hold what render() shows in a notebook."""
+    import subprocess
+    from pathlib import Path
+
+    script = ("import meshbook\nwith meshbook.start(2) as mesh:\n"
+              "    mesh.run('def helper(v):\\n    return 1 / v\\nhelper(rank - 1)').result()\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    told = done.stderr[done.stderr.index("Traceback"):]
+    assert told.endswith("RemoteError: 1 rank failed; first: [1] ZeroDivisionError: division by zero\n"
+                         "[1] ZeroDivisionError: division by zero\n    cell line 3, in <module>\n"
+                         "      helper(rank - 1)\n    cell line 2, in helper\n      return 1 / v\n"
+                         "[0] finished: their values are this error's .partial\n"), told
+    assert "follow.py" not in told  # meshbook's own frames end where the script called it
+
+
 def test_first_line_shifts_reported_lines(mesh4: meshbook.Mesh) -> None:
     with pytest.raises(RemoteError) as info:
         mesh4.run("x = 1\nraise ValueError(rank)", ranks=[0], first_line=2).result()

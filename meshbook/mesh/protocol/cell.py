@@ -220,7 +220,7 @@ def failure_from(rank: int, exc: BaseException) -> RankFailure:
         # The error is *in* the code, not raised by it: point at the offending line.
         frames = frames + (_frame(exc.filename, exc.lineno, "<module>", exc.text or ""),)
         message = exc.msg
-    detail = _notes(exc)
+    detail = [] if isinstance(exc, RemoteError) else _notes(exc)  # its notes are its report, told below
     if isinstance(exc, RemoteError):  # a call this rank made failed where it ran (an actor's endpoint)
         message = message.split("\n", 1)[0]  # its hint is in the report below
         detail.extend(["The call failed where it ran:", *("  " + line for line in exc.render().splitlines())])

@@ -268,9 +268,15 @@ class RemoteError(MeshError):
         lines = [f"{head}; first: [{format_ranks(self.groups[0][0])}] {first.headline}"]
         return "\n".join(lines + ([self.hint] if self.hint else []))
 
-    def render(self) -> str:
+    @property
+    def __notes__(self) -> list[str]:
+        """What Python prints after the message of one that is not caught (a script's): each
+        rank's report, which the message only sums up. (A notebook shows :meth:`render`.)"""
+        return [self.render(hint=False)]
+
+    def render(self, hint: bool = True) -> str:
         """The full grouped report: each distinct failure once, headed by its ranks; then the
-        ranks that finished, whose values are not lost."""
+        ranks that finished, whose values are not lost (and the hint, unless ``hint`` is False)."""
         out = []
         for ranks, _ in self.groups:
             failure = self.failures[ranks[0]]
@@ -281,7 +287,7 @@ class RemoteError(MeshError):
         if self.partial:
             out.append(f"[{format_ranks(sorted(self.partial))}] finished: their values are this error's .partial"
                        + (f" ({self.keeps})" if self.keeps else ""))
-        if self.hint:
+        if self.hint and hint:
             out.append(self.hint)
         return "\n".join(out)
 

@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from ...protocol import messages as msg
-from ...protocol.errors import MeshTimeout, RankFailure, RemoteError, check_seconds
+from ...protocol.errors import MeshError, MeshTimeout, RankFailure, RemoteError, check_seconds
 from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
 from ...protocol.text import format_ranks, group_by_text
 from ...protocol.topology import Topology
@@ -293,7 +293,10 @@ class Run:
             # A cell's way of waiting (hints, a second Ctrl-C frees ranks) is for the user's
             # thread; meshbook's own waits on its threads (a supervisor, Slurm's time-limit
             # hook) print the output and nothing more.
-            return self._follow(self, EventRenderer(self), timeout)
+            try:
+                return self._follow(self, EventRenderer(self), timeout)
+            except MeshError as exc:  # the same error, its frames in meshbook's following left out:
+                raise exc.with_traceback(None) from exc.__cause__  # a script's traceback ends here
         try:
             values = self._wait_and_echo(timeout, echo)
         except KeyboardInterrupt:
