@@ -72,7 +72,8 @@ def test_restarting_the_absent_rank_frees_the_others_with_their_variables(mesh: 
     wait_until(lambda: in_all_reduce(mesh, [0, 2, 3]))
     recovery = mesh.restart([1])
     assert recovery.restarted == [1] and recovery.kept == [0, 2, 3]
-    assert "rank 1 restarted: its variables are lost." in recovery.render()
+    assert ("rank 1 restarted: its variables are lost. Run the cells that set it up again there "
+            "(%%mesh --ranks 1, or ranks=[1] in mesh.run)") in recovery.render()
     with pytest.raises(RemoteError) as info:
         run.result(timeout=10, echo=False)
     assert info.value.failures[1].died == "SIGKILL"
@@ -171,6 +172,53 @@ def test_a_rank_that_finished_cleanly_without_joining_frees_the_others(mesh: mes
     assert all("rank 1 finished the cell without joining it" in f.message for f in failures.values())
     run.step_report()
     assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}
+
+
+def test_a_rank_that_left_a_device_mesh_of_the_cell_s_own_frees_the_others(mesh: meshbook.Mesh) -> None:
+    """The mesh has no dimensions; the cell lays out its own 2 x 2 DeviceMesh. Rank 3 finishes
+    without the all_reduce over its own tp group: rank 2 is freed as fast as over the mesh's
+    own groups (the group's members come from the rank, not from a dimension of the mesh)."""
+    mesh.run("from torch.distributed.device_mesh import init_device_mesh\n"
+             "own = init_device_mesh('cpu', (2, 2), mesh_dim_names=('rows', 'cols'))").result()
+    started = time.monotonic()
+    run = mesh.run("t = torch.ones(2)\nif rank != 3:\n    dist.all_reduce(t, group=own.get_group('cols'))\n'done'")
+    with pytest.raises(RemoteError) as info:
+        run.result(timeout=60, echo=False)
+    assert time.monotonic() - started < 20
+    failures = info.value.failures
+    assert sorted(failures) == [2] and failures[2].type_name == "CollectiveAborted"
+    assert "rank 3 finished the cell without joining it" in failures[2].message
+    run.step_report()
+    assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}
+
+
+def test_a_ctrl_c_while_a_cell_is_sent_stops_it_on_every_rank_and_leaves_none_waiting(mesh: meshbook.Mesh) -> None:
+    """The Ctrl-C lands while the cell is booked and sent (here: from a run listener, which
+    submit calls then). Raised there, it left the cell sent to some ranks only, and those
+    waited in its all_reduce for the others for good. It is held until every rank has the
+    cell, then stops it everywhere."""
+    import signal
+
+    fired: list[int] = []
+
+    def ctrl_c(run: meshbook.Run) -> None:
+        if not fired:
+            fired.append(run.id)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+
+    mesh.controller.add_run_listener(ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mesh.run("import time\ntime.sleep(0.5)\nt = torch.ones(1)\ndist.all_reduce(t)")
+    finally:
+        mesh.controller.remove_run_listener(ctrl_c)
+    (stopped,) = [r for r in mesh.controller.book.runs.values() if r.id == fired[0]] or [None]
+    if stopped is not None:  # still booked: it ends, interrupted on every rank it reached
+        with pytest.raises(RemoteError):
+            stopped.result(timeout=60, echo=False)
+        stopped.step_report()
+    total = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result(timeout=60, echo=False)
+    assert set(total.values()) == {4.0}
 
 
 def hint_until_timeout(mesh: meshbook.Mesh, run: meshbook.Run, capsys) -> str:

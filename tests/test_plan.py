@@ -303,6 +303,33 @@ def test_a_planner_process_that_dies_is_reported_and_nothing_is_left(mesh: meshb
     assert mesh.run("rank").result(echo=False) == {0: 0, 1: 1, 2: 2, 3: 3}
 
 
+@pytest.mark.parametrize("after", [0.0, 0.5, 1.5])
+def test_a_plan_interrupted_while_it_measures_the_ranks_leaves_every_rank_idle(mesh: meshbook.Mesh,
+                                                                              after: float) -> None:
+    """Stopped while the ranks measure (they make process groups as they go): an interrupt that
+    landed in one rank's Python while another waited in C for the group it joins left that one
+    waiting for good, and the next cell behind it. They finish measuring, and the mesh works."""
+    import signal
+    import threading
+    import time
+
+    def interrupt_once_measuring() -> None:
+        deadline = time.monotonic() + 120
+        while not any(r.what == "plan: measuring the ranks" for r in list(mesh.controller.book.runs.values())):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        time.sleep(after)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+
+    threading.Thread(target=interrupt_once_measuring, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        mesh.plan(BUILD, BATCH, checkpointing=("none",), only=lambda lay: lay.family == "FSDP+TP")
+    assert mesh.run("rank").result(timeout=120, echo=False) == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert [s.generation for s in mesh.status()] == [0] * 4  # none re-forked
+    assert planners_left() == []
+
+
 def test_a_plan_for_another_mesh_is_refused_with_what_would_match(mesh: meshbook.Mesh) -> None:
     with pytest.raises(MeshError, match="this layout is for 8 ranks and the mesh has 4: .* %mesh start -n 8"):
         mesh.parallelize(BUILD, Layout(dp_shard=8))
@@ -311,7 +338,9 @@ def test_a_plan_for_another_mesh_is_refused_with_what_would_match(mesh: meshbook
     named = meshbook.start(dims={"dp": 2}, name="named")
     try:
         with pytest.raises(MeshError, match=r"the mesh is laid out as dp=2, and no layout of this model has those "
-                                            r"dimensions .*: start the mesh without --dims \(meshbook.start\(2\)\)"):
+                                            r"dimensions .*: start it as --dims dp_shard=2 \(FSDP\) or --dims "
+                                            r"dp_replicate=2 \(DDP\) to plan those, or without --dims "
+                                            r"\(meshbook.start\(2\)\), where any layout fits"):
             named.plan(BUILD, BATCH)  # not a report whose best parallelize refuses
         with pytest.raises(MeshError, match="no layout of 2 ranks is possible for this model: only= left none"):
             named.plan(BUILD, BATCH, only=lambda lay: False)  # the reason, not the dims

@@ -129,3 +129,13 @@ def test_the_groups_fully_shard_keeps_are_found(pair: meshbook.Mesh) -> None:
     kept = pair.run("[torch_compat.fsdp2_groups(torch.nn.Linear(2, 2)),\n"
                     " [g is device_mesh.get_group() for g in torch_compat.fsdp2_groups(wrapped)]]").result()
     assert kept.unique() == [[], [True]]
+
+
+def test_the_ranks_of_each_group_by_the_name_its_flight_records_give_it(pair: meshbook.Mesh) -> None:
+    def named(worker: object) -> tuple[dict, list]:
+        return torch_compat.group_ranks(), [e["process_group"][0] for e in torch_compat.flight_records(done_too=True)]
+
+    pair.run("solo = dist.new_group([rank])\ndist.all_reduce(torch.ones(1), group=solo)").result()
+    for rank, (groups, recorded) in pair.call(named, control=True).result(timeout=10).items():
+        assert set(groups.values()) == {(0, 1), (rank,)}  # the world's, and its own
+        assert (rank,) in {groups.get(name) for name in recorded}  # the all_reduce over its own

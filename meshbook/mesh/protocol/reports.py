@@ -21,6 +21,8 @@ class Collective:
     group: str  # "default_pg", "mesh_tp", or a user group's name
     sizes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
+    #: The global ranks of its group, where the rank still had the group when asked.
+    members: tuple[int, ...] = ()
 
     @property
     def dim(self) -> str | None:

@@ -28,7 +28,15 @@ from ..protocol.reports import Collective, GroupPosition, Positions, RankSnapsho
 from ..protocol.wire import TooBig
 from .devices import on_device, walk
 from .groups import replica_prints, stale_objects
-from .torch_compat import abort_process_groups, backends, flight_records, is_default_group, issued, process_groups
+from .torch_compat import (
+    abort_process_groups,
+    backends,
+    flight_records,
+    group_ranks,
+    is_default_group,
+    issued,
+    process_groups,
+)
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -107,7 +115,9 @@ def snapshot(worker: "Worker") -> RankSnapshot:
 def pending_collectives() -> tuple[Collective, ...]:
     """Collectives enqueued but not completed, per torch's flight recorders (gloo's and
     NCCL's, merged; point-to-point operations left out), oldest first."""
-    return tuple(_collective(e) for e in flight_records() if not e.get("is_p2p"))
+    entries = [e for e in flight_records() if not e.get("is_p2p")]
+    members = group_ranks() if entries else {}
+    return tuple(_collective(e, members) for e in entries)
 
 
 @rank_op(channel=msg.CONTROL)
@@ -121,14 +131,15 @@ def collective_called(worker: "Worker", group: str, seq: int) -> Collective | No
     return next((c for c in map(_collective, calls) if c.group == group and c.seq == seq), None)
 
 
-def _collective(entry: dict[str, Any]) -> Collective:
+def _collective(entry: dict[str, Any], members: dict[str, tuple[int, ...]] | None = None) -> Collective:
     group = entry.get("process_group", ["", ""])
     return Collective(
         op=str(entry.get("profiling_name", "?")).split(":")[-1],
         seq=int(entry.get("collective_seq_id", 0)),
         group=group[1] if len(group) > 1 and group[1] else str(group[0]),
         sizes=tuple(tuple(s) for s in entry.get("input_sizes", [])),
-        dtypes=tuple(entry.get("input_dtypes", [])))
+        dtypes=tuple(entry.get("input_dtypes", [])),
+        members=(members or {}).get(str(group[0]), ()))
 
 
 # -- recovery (mesh/controller/recovery.py) -----------------------------------------------------

@@ -74,6 +74,15 @@ def process_groups() -> list[tuple[str, Any]]:
     return [(c10d._get_process_group_name(pg), pg) for pg in list(c10d._world.pg_map)]
 
 
+def group_ranks() -> dict[str, tuple[int, ...]]:
+    """The global ranks of each process group this rank belongs to, by the name its flight
+    records give it: a group of the rank's own (a stand-in DeviceMesh's) has no name the
+    controller could look up."""
+    import torch.distributed as dist
+
+    return {name: tuple(dist.get_process_group_ranks(pg)) for name, pg in process_groups()}
+
+
 def group_name(pg: Any) -> str:
     """A process group's name, the same on every member (torch names groups in creation order)."""
     from torch.distributed import distributed_c10d as c10d

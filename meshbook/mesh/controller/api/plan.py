@@ -67,10 +67,12 @@ DDP_NOTE = ("DDP rows are torch's FSDP-style replicate, what parallelize applies
             "built by hand keeps its own gradient buckets (bench/: within 10% of these rows)")
 
 
-def parse_batch(text: str | Sequence[int]) -> tuple[int, ...]:
-    """``"8x2048"`` or ``(8, 2048)`` -> ``(8, 2048)``: the global batch, then its other dims."""
+def parse_batch(text: str | int | Sequence[int]) -> tuple[int, ...]:
+    """``"8x2048"`` or ``(8, 2048)`` -> ``(8, 2048)``: the global batch, then its other dims
+    (``8`` or ``"8"``: the batch alone, as ``--batch 8`` says it)."""
+    parts = text.lower().split("x") if isinstance(text, str) else (text,) if isinstance(text, int) else text
     try:
-        shape = tuple(int(x) for x in (text.lower().split("x") if isinstance(text, str) else text))
+        shape = () if isinstance(text, bool) else tuple(int(x) for x in parts)
     except (TypeError, ValueError):
         shape = ()
     if not shape or any(n <= 0 for n in shape):
@@ -312,10 +314,21 @@ def _shape(dims: dict[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in dims.items())
 
 
+def _relaid(dims: dict[str, int], ranks: int) -> str:
+    """How to lay the mesh out so that it plans: without dimensions; for a plain ``dp`` (the
+    README's ``dp=2,tp=2``), also under the names a layout gives the same ranks."""
+    anywhere = f"without --dims (meshbook.start({ranks})), where any layout fits"
+    if "dp" not in dims:
+        return f"start the mesh {anywhere}"
+    sharded = _shape({("dp_shard" if k == "dp" else k): v for k, v in dims.items()})
+    replicated = _shape({("dp_replicate" if k == "dp" else k): v for k, v in dims.items()})
+    return f"start it as --dims {sharded} (FSDP) or --dims {replicated} (DDP) to plan those, or {anywhere}"
+
+
 class PlanOps:
     """What :class:`~meshbook.Mesh` can do to lay a model out: plan, then parallelize."""
 
-    def plan(self: MeshView, build: Callable[[], Any], batch: str | Sequence[int], *, optimizer: Any = "adamw",
+    def plan(self: MeshView, build: Callable[[], Any], batch: str | int | Sequence[int], *, optimizer: Any = "adamw",
              budget: str | int | None = None, only: Callable[[Layout], bool] | None = None,
              checkpointing: Sequence[str] = CHECKPOINTING, planners: int | None = None) -> PlanReport:
         """Predict per-rank peak memory and step time of every way to lay ``build()`` out on
@@ -353,9 +366,8 @@ class PlanOps:
             found.rejected = [r for r in found.rejected if only is None or only(r.layout)]
             if not layouts and dims is not None and any(asked(lay) for lay in found.valid):
                 raise MeshError(f"the mesh is laid out as {_shape(dims)}, and no layout of this model has those "
-                                f"dimensions (a layout's are dp_replicate, dp_shard, tp, pp): start the mesh "
-                                f"without --dims (meshbook.start({len(self.ranks)})), and plan there: any "
-                                f"layout fits it")
+                                f"dimensions (a layout's are dp_replicate, dp_shard, tp, pp): "
+                                f"{_relaid(dims, len(self.ranks))}")
             if not layouts:
                 reasons = "; ".join(sorted({r.reason for r in found.rejected}))[:600]
                 raise MeshError(f"no layout of {len(self.ranks)} ranks is possible for this model: "

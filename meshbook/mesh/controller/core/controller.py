@@ -314,7 +314,7 @@ class Controller:
             raw, buffers = wire.dumps(body)
         except Exception as exc:
             raise SendError(f"{what}: {wire.describe_unpicklable(body, exc)}; nothing was sent") from None
-        with self._lock:
+        with self._lock, _HELD_INTERRUPTS.hold() as held:
             # Again, under the lock that deaths and stops take: pickling a big argument takes
             # a while, and a run opened after a rank's death or the stop was booked would never
             # be failed by either (nor answered by the dead rank).
@@ -328,6 +328,9 @@ class Controller:
             # decides by their numbers whether an interrupt found one not started yet.
             frames = self.wire.pack({msg.KIND: kind, msg.ID: run.id}, raw_body=raw, buffers=buffers)
             sent = self._send_to_ranks(frames, ranks, channel, run.id)
+        if held.came:  # a Ctrl-C while it was booked and sent: it stops the run, everywhere
+            self.interrupt_run(run)
+            raise KeyboardInterrupt
         self.transport.wait_sent(sent, self._alive)
         return run
 
@@ -1130,6 +1133,54 @@ def _terminal_stdin() -> bool:
     import sys
 
     return sys.stdin is not None and sys.stdin.isatty()
+
+
+class _HeldInterrupts:
+    """Ctrl-C held back while a request is booked and sent (the main thread's; the others never
+    get ``KeyboardInterrupt``). Raised between any two steps there, it left a request booked and
+    never sent, or sent to some ranks only, and those waited in its collectives for the others
+    for good. Its handler is installed once and stays: it passes every signal on to the one it
+    found (IPython's, or Python's own), and installs itself again over one set later."""
+
+    def __init__(self) -> None:
+        self._holds: list[_Hold] = []  # the main thread's, innermost last
+        self._before: Any = None
+        self._handler = self._on_sigint  # one bound method, to know it again
+
+    def hold(self) -> "_Hold":
+        """A hold for one send: ``came`` says, after it, whether a Ctrl-C came meanwhile."""
+        return _Hold(self._holds if threading.current_thread() is threading.main_thread() else None, self._install)
+
+    def _install(self) -> None:
+        current = signal.getsignal(signal.SIGINT)
+        if current is not self._handler and callable(current):
+            self._before = current
+            signal.signal(signal.SIGINT, self._handler)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self._holds:
+            self._holds[-1].came = True
+            return
+        self._before(signum, frame)
+
+
+class _Hold:
+    def __init__(self, holds: list["_Hold"] | None, install: Callable[[], None]) -> None:
+        self.came = False
+        self._holds, self._install = holds, install
+
+    def __enter__(self) -> "_Hold":
+        if self._holds is not None:  # the main thread's
+            self._install()
+            self._holds.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._holds is not None:
+            self._holds.remove(self)
+
+
+_HELD_INTERRUPTS = _HeldInterrupts()
 
 
 def _add(listeners: list[Any], listener: Any) -> None:

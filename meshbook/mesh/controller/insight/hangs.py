@@ -105,6 +105,8 @@ def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, Ran
 
 def group_members(collective: Collective, rank: int, topology: Topology) -> list[int] | None:
     """Ranks of ``collective``'s process group, seen from ``rank`` (None if unknown)."""
+    if collective.members:  # as the rank found it (a group of its own: a stand-in DeviceMesh's)
+        return list(collective.members)
     if collective.group == "default_pg":
         return list(range(topology.world_size))
     if collective.dim in topology.names:

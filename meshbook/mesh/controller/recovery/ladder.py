@@ -60,7 +60,10 @@ class Recovery:
     def render(self) -> str:
         lines = []
         if self.restarted:
-            lines.append(f"{ranks_text(self.restarted)} restarted: {_their(self.restarted)} variables are lost.")
+            listed = ",".join(map(str, self.restarted))
+            lines.append(f"{ranks_text(self.restarted)} restarted: {_their(self.restarted)} variables are lost. "
+                         f"Run the cells that set {_them(self.restarted)} up again there (%%mesh --ranks {listed}, "
+                         f"or ranks=[{listed}] in mesh.run).")
         if self.aborted:
             lines.append(f"{ranks_text(self.aborted)} had {_their(self.aborted)} collective aborted "
                          f"(no process restarted).")
@@ -338,3 +341,7 @@ def free_stranded(controller: "Controller", ranks: list[int], reason: str, lost_
 
 def _their(ranks: list[int]) -> str:
     return "their" if len(ranks) > 1 else "its"
+
+
+def _them(ranks: list[int]) -> str:
+    return "them" if len(ranks) > 1 else "it"
