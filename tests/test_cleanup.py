@@ -81,7 +81,13 @@ def test_an_agent_that_dies_under_a_live_controller_is_explained_from_its_log() 
         assert agent.logs[0].startswith(mesh.controller.rundir) and not os.path.exists(agent.logs[1])
         with open(f"/proc/{agent.proc.pid}/fd/2", "a") as log:
             log.write("the agent's last words\n")
+        running = mesh.run("import time\ntime.sleep(30)")
         os.kill(agent.proc.pid, signal.SIGKILL)
+        with pytest.raises(meshbook.RemoteError) as info:
+            running.result(timeout=30, echo=False)
+        assert "ranks 0,1 died (host agent 0 died (killed by SIGKILL" in info.value.hint
+        assert ("and the mesh with them: nothing is left to fork them again. %mesh restart (no ranks) starts "
+                "the mesh again as it was started") in info.value.hint, info.value.hint  # not "restart 0,1"
         deadline = time.monotonic() + 10
         while (os.path.exists(mesh.controller.rundir) or not any(e.rank is None for e in heard)) \
                 and time.monotonic() < deadline:

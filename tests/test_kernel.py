@@ -131,6 +131,9 @@ def test_syntax_error_is_shown_before_anything_is_sent(kernel: Kernel) -> None:
     ("%%mesh --where nope=1\n1", "no dimension 'nope'"),
     ("%mesh start --dims dp=2,tp", "cannot read --dims"),
     ("%mesh start -n 2", "a mesh is already running"),
+    ("%mesh start 2", "a mesh is already running"),  # the count as -n gives it, as meshbook.start(2)
+    ("%mesh start 2 -n 3", "%mesh start 2 -n 3: give the number of ranks once"),
+    ("%mesh help frobnicate", "unknown command 'frobnicate'; commands: attach, "),
     ("%mesh frobnicate", "unknown command %mesh frobnicate"),
     ("%%mesh --ranks '0,2\n1", "No closing quotation (close the quote, or escape it with a backslash)"),
     ("%%mesh --where tp=0 --where tp=1\n1", "names 'tp' twice"),

@@ -179,6 +179,15 @@ def test_an_error_a_script_does_not_catch_shows_each_rank_s_report() -> None:
     assert "follow.py" not in told  # meshbook's own frames end where the script called it
 
 
+def test_a_frame_of_an_earlier_cell_names_its_cell(mesh4: meshbook.Mesh) -> None:
+    """As IPython's ``Cell In[3], line 12``: "cell line 2" read as line 2 of the cell that ran."""
+    mesh4.run("def helper(v):\n    return 1 / v", ranks=[0], name=3).result()
+    with pytest.raises(RemoteError) as info:
+        mesh4.run("x = 0\nhelper(x)", ranks=[0], name=4).result(echo=False)
+    assert info.value.render() == ("[0] ZeroDivisionError: division by zero\n    cell line 2, in <module>\n"
+                                   "      helper(x)\n    cell [3] line 2, in helper\n      return 1 / v")
+
+
 def test_first_line_shifts_reported_lines(mesh4: meshbook.Mesh) -> None:
     with pytest.raises(RemoteError) as info:
         mesh4.run("x = 1\nraise ValueError(rank)", ranks=[0], first_line=2).result()

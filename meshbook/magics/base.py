@@ -31,8 +31,16 @@ def command(fn: Command) -> Command:
     Applied first (innermost), so it still sees the one-line summary that ``%mesh?`` lists.
     """
     fn.mesh_command = fn.__name__.rstrip("_")  # type: ignore[attr-defined]
-    fn.mesh_summary = (fn.__doc__ or "").strip().splitlines()[0]  # type: ignore[attr-defined]
+    fn.mesh_summary = summary(fn.__doc__)  # type: ignore[attr-defined]
     return fn
+
+
+def summary(doc: str | None) -> str:
+    """A docstring's first sentence, its wrapped lines joined: what ``%mesh?`` lists (a first
+    line alone stopped mid-sentence: "restart ... or only some ranks: %mesh restart 1;")."""
+    paragraph = " ".join(line.strip() for line in (doc or "").strip().split("\n\n")[0].splitlines())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[:end + 1]
 
 
 def selection(what: str, where: bool = True) -> Callable[[Command], Command]:

@@ -178,12 +178,13 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
         if args.command:
             handler = self._commands().get(args.command)
             if handler is None:
-                raise UsageError(f"unknown command {args.command!r}")
+                raise UsageError(f"unknown command {args.command!r}; commands: {', '.join(sorted(self._commands()))}")
             print(_readable(handler.__doc__))
         else:
             print(_readable(type(self).mesh.__doc__))
 
     @magic_arguments(name="mesh start")
+    @argument("count", nargs="?", type=int, help="number of ranks, as -n gives it (%%mesh start 4)")
     @argument("-n", type=int, help="number of ranks (or give --dims)")
     @argument("--dims", "-d", help="named mesh dimensions, e.g. dp=2,tp=2 (product = ranks)")
     @argument("--backend", default="auto", help="auto (gloo on CPU, NCCL on GPUs), gloo, nccl")
@@ -208,7 +209,9 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
         %mesh start --slurm nodes=2,gpus-per-node=8,time=2:00:00 (a Slurm job; job=ID: your allocation)"""
         args = parse_argstring(self.start, line)
         launcher = launcher_from_args(args)  # the launchers' own options (add_start_arguments)
-        n = args.n
+        if args.count is not None and args.n is not None and args.count != args.n:
+            raise UsageError(f"%mesh start {args.count} -n {args.n}: give the number of ranks once")
+        n = args.n if args.n is not None else args.count
         if n is None and not args.dims:
             n = launcher.default_ranks()  # hosts x --per-host, Slurm's nodes x GPUs per node
         if n is None and not args.dims:

@@ -147,14 +147,27 @@ class Frame:
         """``cell line 3``, or a library file shortened to its package path."""
         return f"cell line {self.lineno}" if self.in_cell else f"{short_path(self.filename)}:{self.lineno}"
 
+    def place(self, home: str | None = None) -> str:
+        """:attr:`where`, naming the frame's cell when it is another than ``home``, the cell
+        that ran (a function an earlier cell defined), as IPython does: ``cell [3] line 12``.
+        Without, "cell line 12" read as a line of the cell in front of the reader."""
+        if self.in_cell and home is not None and self.filename != home:
+            return f"cell [{self.filename.strip('<>').rpartition(' ')[2]}] line {self.lineno}"
+        return self.where
+
     @property
     def in_torch(self) -> bool:
         return short_path(self.filename).startswith("torch/")
 
-    def format(self) -> str:
-        text = f"  {self.where}, in {self.name}"
+    def format(self, home: str | None = None) -> str:
+        text = f"  {self.place(home)}, in {self.name}"
         text += f"\n    {self.line}" if self.line else ""
         return text + (f"\n  [Previous line repeated {self.repeated} more times]" if self.repeated else "")
+
+
+def home_of(frames: Sequence[Frame]) -> str | None:
+    """The file of the cell that ran: the outermost of ``frames`` in cell code."""
+    return next((f.filename for f in frames if f.in_cell), None)
 
 
 def short_path(filename: str) -> str:
@@ -215,7 +228,8 @@ class RankFailure:
         parts = []
         if self.frames:
             parts.append("Traceback (most recent call last):")
-            parts.extend(f.format() for f in self.frames)
+            home = home_of(self.frames)
+            parts.extend(f.format(home) for f in self.frames)
         parts.append(self.headline)
         if self.detail:
             parts.append(self.detail)
@@ -282,7 +296,8 @@ class RemoteError(MeshError):
             failure = self.failures[ranks[0]]
             alike = len({self.failures[r].body() for r in ranks}) > 1  # told with the peers' addresses left out
             out.append(f"[{format_ranks(ranks)}] {_alike(failure.headline) if alike else failure.headline}")
-            out.extend("  " + line for f in failure.frames for line in f.format().splitlines())
+            home = home_of(failure.frames)
+            out.extend("  " + line for f in failure.frames for line in f.format(home).splitlines())
             out.extend("  " + line for line in (_alike(failure.detail) if alike else failure.detail).splitlines())
         if self.partial:
             out.append(f"[{format_ranks(sorted(self.partial))}] finished: their values are this error's .partial"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import Frame
+from .errors import Frame, home_of
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class RankSnapshot:
         frame = self.user_frame
         if frame is None:
             return "somewhere outside Python" if self.busy else "idle"
-        return frame.where + (f" ({frame.line})" if frame.line else "")
+        return frame.place(home_of(self.frames)) + (f" ({frame.line})" if frame.line else "")
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from ..protocol.cell import (
     register_source,
 )
 from ..protocol.config import HEARTBEAT_S
-from ..protocol.errors import BROKEN_GROUP, RankFailure, SendError, remaking, stale_names
+from ..protocol.errors import BROKEN_GROUP, RankFailure, SendError, home_of, remaking, stale_names
 from ..protocol.lane import Inbox, Uplink
 from ..protocol.limits import KeptOnRank
 from ..protocol.payload import Lent
@@ -720,7 +720,7 @@ def describe_outcome(failure: RankFailure | None) -> str:
     if failure is None:
         return "finished the cell"
     frame = next((f for f in reversed(failure.frames) if f.in_cell), None)
-    where = f" at {frame.where}" + (f" ({frame.line})" if frame.line else "") if frame else ""
+    where = f" at {frame.place(home_of(failure.frames))}" + (f" ({frame.line})" if frame.line else "") if frame else ""
     return f"stopped with {failure.type_name}{where}"
 
 

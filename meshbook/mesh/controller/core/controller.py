@@ -872,6 +872,9 @@ class Controller:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
         note = (f"{who} {'was' if len(ranks) == 1 else 'were'} re-forked {refork}: "
                 f"{'its' if len(ranks) == 1 else 'their'} variables are lost." if refork else
+                f"{who} died ({cause}), and the mesh with {'it' if len(ranks) == 1 else 'them'}: nothing is "
+                f"left to fork them again. %mesh restart (no ranks) starts the mesh again as it was "
+                f"started; in Python, meshbook.start(...)." if body.get("ends") else
                 f"{who} died ({cause}). %mesh restart {','.join(map(str, ranks))} (mesh.restart({ranks})) "
                 f"brings {'it' if len(ranks) == 1 else 'them'} back and re-creates the process group; "
                 f"the other ranks keep their variables.")
@@ -904,7 +907,7 @@ class Controller:
                 self._ranks_died(ranks, {"cause": agent.exit_reason()})
                 continue
             reason = f"host agent {host} died ({agent.exit_reason()})"
-            self._ranks_died(ranks, {"cause": reason})
+            self._ranks_died(ranks, {"cause": reason, "ends": True})
             self._end(reason)  # nothing on this host can fork them again
         self._report_stopped_alone()
         if self.remote and not self.stopped:

@@ -74,16 +74,18 @@ class Stacks:
         return self.render()
 
 
-def _render(node: _Node, depth: int, lines: list[str]) -> None:
+def _render(node: _Node, depth: int, lines: list[str], home: str | None = None) -> None:
+    """``home``: the cell the ranks run (the outermost frame in cell code above)."""
     for child in node.children.values():
         frame = child.frame
         assert frame is not None
         label = f"[{format_ranks(child.ranks)}]"
         indent = "  " * depth
-        lines.append(f"{label} {indent}{frame.where}, in {frame.name}")
+        ran = home if home is not None or not frame.in_cell else frame.filename
+        lines.append(f"{label} {indent}{frame.place(ran)}, in {frame.name}")
         if frame.line:
             lines.append(f"{' ' * len(label)} {indent}    {frame.line}")
-        _render(child, depth + 1, lines)
+        _render(child, depth + 1, lines, ran)
 
 
 def _merge_same_lines(lines: list[str]) -> str:
