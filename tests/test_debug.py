@@ -77,6 +77,10 @@ def test_restarting_the_absent_rank_frees_the_others_with_their_variables(mesh: 
     with pytest.raises(RemoteError) as info:
         run.result(timeout=10, echo=False)
     assert info.value.failures[1].died == "SIGKILL"
+    # Told why before rank 1 was killed: its closed connections said only gloo's "Connection
+    # closed by peer" on the ranks that waited for it, reported as merely interrupted.
+    assert recovery.aborted == [0, 2, 3] and recovery.interrupted == []
+    assert {info.value.failures[r].type_name for r in (0, 2, 3)} == {"CollectiveAborted"}
     vals = mesh.run("t = torch.ones(1); dist.all_reduce(t); (globals().get('keep'), t.item())").result()
     assert dict(vals) == {0: (0, 4.0), 1: (None, 4.0), 2: (200, 4.0), 3: (300, 4.0)}
     assert mesh.status()[1].lost_namespace and not mesh.status()[0].lost_namespace

@@ -178,27 +178,29 @@ def drop_queued(controller: "Controller") -> None:
 
 def _recover(controller: "Controller", restart: list[int], timeout: float, cause: str) -> Recovery:
     started = time.monotonic()
+    # What each rank that stays runs, asked of the ranks themselves as well as read from the
+    # book: an endpoint another rank's actor called is in no book of this controller. A rank
+    # that does not answer at once (its control thread cannot run) keeps the book's word.
+    # Whatever they run other than joining is aborted by what follows.
+    staying = [r for r in controller.live() if r not in restart]
+    running = _running(controller, staying)
+    interrupted = [r for r in staying if running.get(r, controller.current_request(r)) is not None]
+    reason = (f"meshbook aborted the collective it waited in, to free the ranks ({cause}); "
+              f"the process group was re-created")
+    doing = {r: running.get(r) or controller.current_request(r) for r in interrupted}
+    # Told first, before the kill: ranks that leave the old group, and the ranks killed, free a
+    # collective with a closed connection, which said only gloo's "Connection closed by peer".
+    in_python = _outside_collectives(controller, doing, reason)  # ranks that wait in no collective
     controller.kill(restart, why=f"by {cause}")
     restarted = controller.dead()
     generation = controller.new_generation()
     survivors = [r for r in controller.ranks if r not in restarted]
-    # What each runs, asked of the ranks themselves as well as read from the book: an endpoint
-    # another rank's actor called is in no book of this controller. A rank that does not answer
-    # at once (its control thread cannot run) keeps the book's word. Whatever they run other
-    # than joining is aborted by what follows.
-    running = _running(controller, survivors)
-    interrupted = [r for r in survivors if running.get(r, controller.current_request(r)) is not None]
-    reason = (f"meshbook aborted the collective it waited in, to free the ranks ({cause}); "
-              f"the process group was re-created")
-    in_python: set[int] = set()  # ranks that said they wait in no collective
+    interrupted = [r for r in interrupted if r in survivors]
     if interrupted:
-        doing = {r: running.get(r) or controller.current_request(r) for r in interrupted}
-        # Told first: ranks that leave the old group free a collective with a closed connection.
-        in_python = _outside_collectives(controller, doing, reason)
         # Then a Ctrl-C, a second one where the run was interrupted already: a rank running
         # Python stops and keeps its variables, where only the kill below would free it (the
         # abort frees collectives, not a sleep, a loop, or the cleanup of a first interrupt).
-        controller.interrupt_where({r: q for r, q in doing.items() if q is not None})
+        controller.interrupt_where({r: q for r, q in doing.items() if q is not None and r in survivors})
     # Re-forked first: a host re-formed elsewhere brings the store with it (across hosts).
     controller.respawn(restarted, generation)
     joined = controller.call(reinit, generation, controller.store_addr, ranks=survivors,
