@@ -259,8 +259,16 @@ def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:
         and "mesh.parallelize(build, Layout(...))" in str(refused.value), str(refused.value)
     with pytest.raises(MeshError, match="batch '8xq': give the global batch shape"):
         mesh.plan(BUILD, "8xq")
-    with pytest.raises(MeshError, match="no layout could be traced: .*"):  # one checkpointing: a str will do
+    with pytest.raises(MeshError, match="no layout could be traced: .*"  # one checkpointing: a str will do
+                                        r"\(it was fed token ids of the global shape 8: --batch is the batch"):
         mesh.plan(BUILD, (8,), only=lambda lay: lay.family == "FSDP", checkpointing="none")
+
+    def flat() -> torch.nn.Module:  # samples of 16 x 32 flattened: a batch of another shape fails in it
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Flatten(), torch.nn.Linear(16 * 64, 10))
+
+    with pytest.raises(MeshError, match=r"\(it was fed floats of the global shape 8x32: --batch 8 is the batch, "
+                                        r"then a sample's shape before the first Linear's 32 features"):
+        mesh.plan(flat, 8, only=lambda lay: lay.family == "DDP", checkpointing="none")
     with pytest.raises(MeshError, match="plan\\(\\) needs a function that builds the model, got a model "
                                         "Sequential: pass the function \\(or a lambda\\) that makes it"):
         mesh.plan(BUILD(), BATCH)  # a model is callable too: it was called with no input

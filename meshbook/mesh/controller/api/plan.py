@@ -105,10 +105,23 @@ class PlanReport:
             raise MeshError(self.nothing_fits())
         return chosen
 
+    def _fed(self) -> str:
+        """What the traces fed the model, where a batch of the wrong shape is the likely cause."""
+        shape = "x".join(map(str, self.batch))
+        if self.facts.vocab is not None:
+            return f" (it was fed token ids of the global shape {shape}: --batch is the batch, then a sample's shape)"
+        if self.facts.in_features is not None:
+            return (f" (it was fed floats of the global shape {shape}x{self.facts.in_features}: --batch {shape} is "
+                    f"the batch, then a sample's shape before the first Linear's {self.facts.in_features} "
+                    f"features, which are added; --batch {self.batch[0]} feeds it {self.batch[0]} samples of "
+                    f"{self.facts.in_features} features)")
+        return ""
+
     def nothing_fits(self) -> str:
         sized = [r for r in self.rows if r.status == "OOM"]
         if not sized:
-            return "no layout could be traced: " + "; ".join(sorted({r.reason for r in self.rows}))[:500]
+            return ("no layout could be traced: " + "; ".join(sorted({r.reason for r in self.rows}))[:500]
+                    + self._fed())
         overhead = self.probe.overhead
         if self.budget <= overhead:  # no lever below helps: the process alone is over the budget
             return (f"no plan fits in {format_bytes(self.budget)} per rank: a rank takes {format_bytes(overhead)} "
