@@ -248,3 +248,15 @@ def test_a_control_thread_failing_every_tick_logs_the_traceback_once_then_counts
         sys.__stderr__ = worker.stderr_was  # type: ignore[misc]
 
     mesh2.call(recover, ranks=[0], control=True).result(timeout=10)
+
+
+def test_ranks_that_die_one_after_the_other_are_told_in_one_note(capfd: pytest.CaptureFixture[str]) -> None:
+    """Every rank of the cell exits: the first death said rank 1 "ran beside it" and would be
+    freed, the freeing said it could not, and each death gave its own restart command."""
+    with meshbook.start(2) as mesh:
+        with pytest.raises(meshbook.RemoteError) as info:
+            mesh.run("import os, time\nif rank == 1:\n    time.sleep(0.3)\nos._exit(0)").result(timeout=30, echo=False)
+        assert info.value.hint == ("ranks 0,1 died (exit code 0). %mesh restart 0,1 (mesh.restart([0, 1])) brings "
+                                   "them back and re-creates the process group."), info.value.hint
+        time.sleep(0.5)  # what a freeing thread would have printed
+        assert "could not free" not in capfd.readouterr().err

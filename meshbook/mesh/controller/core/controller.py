@@ -44,7 +44,7 @@ from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Ou
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.payload import Landing
 from ...protocol.remote import encode_route
-from ...protocol.text import format_ranks
+from ...protocol.text import format_ranks, ranks_text
 from ...protocol.topology import Topology
 from ...protocol.versions import mismatch, versions
 from ...rank.ops import interrupt_request, ready_report, resume, supersede
@@ -869,23 +869,23 @@ class Controller:
                 self._deliver(death.running.get(told[0]), Output(told[0], stream, text))
         if not ranks:
             return
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
-        note = (f"{who} {'was' if len(ranks) == 1 else 'were'} re-forked {refork}: "
-                f"{'its' if len(ranks) == 1 else 'their'} variables are lost." if refork else
-                f"{who} died ({cause}), and the mesh with {'it' if len(ranks) == 1 else 'them'}: nothing is "
-                f"left to fork them again. %mesh restart (no ranks) starts the mesh again as it was "
-                f"started; in Python, meshbook.start(...)." if body.get("ends") else
-                f"{who} died ({cause}). %mesh restart {','.join(map(str, ranks))} (mesh.restart({ranks})) "
-                f"brings {'it' if len(ranks) == 1 else 'them'} back and re-creates the process group; "
-                f"the other ranks keep their variables.")
-        if death.stranded and not refork and not self.stopped and self.on_stranded is not None:
-            note += (f" Rank(s) {format_ranks(death.stranded)} ran beside it: meshbook freed them from "
-                     f"anything waiting on it.")
+        who = ranks_text(ranks)
+        freeing = bool(death.stranded) and not refork and not self.stopped and self.on_stranded is not None
+        if freeing:
             reason = f"meshbook aborted what this rank ran: {who} died ({cause})"
             threading.Thread(target=self.on_stranded, args=(death.stranded, reason, body.get("lost_hosts", [])),
                              daemon=True).start()
         for run in death.waiting:
-            run.notes.append(note)
+            if refork:
+                run.notes.append(f"{who} {'was' if len(ranks) == 1 else 'were'} re-forked {refork}: "
+                                 f"{'its' if len(ranks) == 1 else 'their'} variables are lost.")
+                continue
+            run.deaths.update(dict.fromkeys(ranks, cause))
+            if run.death_note in run.notes:  # one note for every rank of it that died, however told
+                run.notes.remove(run.death_note)
+            stranded = [r for r in death.stranded if r not in run.deaths] if freeing else []
+            run.death_note = _death_note(run.deaths, bool(body.get("ends")), stranded, bool(self.live()))
+            run.notes.append(run.death_note)
             for rank in ranks:
                 if rank in run.pending:
                     failure = (RankFailure(rank, "RankRestarted", f"rank {rank} was re-forked {refork}", died=cause)
@@ -1136,6 +1136,25 @@ def _terminal_stdin() -> bool:
     import sys
 
     return sys.stdin is not None and sys.stdin.isatty()
+
+
+def _death_note(deaths: dict[int, str], ends: bool, stranded: Sequence[int], others: bool) -> str:
+    """What a run says of its ranks that died (rank -> why), and of those meshbook freed
+    (``others``: ranks of the mesh live on)."""
+    dead = sorted(deaths)
+    causes = sorted(set(deaths.values()))
+    said = (f"{ranks_text(dead)} died ({causes[0]})" if len(causes) == 1 else
+            "; ".join(f"{ranks_text([r])} died ({deaths[r]})" for r in dead))
+    them = "it" if len(dead) == 1 else "them"
+    if ends:
+        return (f"{said}, and the mesh with {them}: nothing is left to fork {them} again. %mesh restart "
+                f"(no ranks) starts the mesh again as it was started; in Python, meshbook.start(...).")
+    note = (f"{said}. %mesh restart {','.join(map(str, dead))} (mesh.restart({dead})) brings {them} back and "
+            f"re-creates the process group" + ("; the other ranks keep their variables." if others else "."))
+    if stranded:
+        note += (f" Rank(s) {format_ranks(stranded)} ran beside {them}: meshbook freed them from anything "
+                 f"waiting on {them}.")
+    return note
 
 
 class _HeldInterrupts:

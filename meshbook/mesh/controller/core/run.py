@@ -86,6 +86,10 @@ class Run:
         self.step_check: StepReport | None = None
         #: What meshbook did about this run on its own (e.g. freeing ranks a dead rank stranded).
         self.notes: list[str] = []
+        #: Its ranks that died, and why, and the one note in ``notes`` that says them all
+        #: (``Controller._ranks_died``: deaths told one by one read as one).
+        self.deaths: dict[int, str] = {}
+        self.death_note = ""
         self.submitted_at = time.monotonic()
         #: When its first rank finished it, and when it was interrupted (the run watcher's
         #: clocks, see ``watch.py``), when the watcher last looked, and whether it looks now.

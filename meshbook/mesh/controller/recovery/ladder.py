@@ -335,8 +335,9 @@ def free_stranded(controller: "Controller", ranks: list[int], reason: str, lost_
     try:
         abort(controller, [r for r in ranks if controller.ranks[r].state == "busy"], reason, lost_hosts)
     except MeshError as exc:
-        if not controller.stopped:
-            print(f"meshbook: could not free rank(s) {format_ranks(ranks)}: {exc}", file=sys.__stderr__)
+        alive = controller.live(ranks)  # the others died too meanwhile: nothing is left to free
+        if alive and not controller.stopped:
+            print(f"meshbook: could not free rank(s) {format_ranks(alive)}: {exc}", file=sys.__stderr__)
     finally:
         controller.recovery_lock.release()
 
