@@ -260,3 +260,14 @@ def test_ranks_that_die_one_after_the_other_are_told_in_one_note(capfd: pytest.C
                                    "them back and re-creates the process group."), info.value.hint
         time.sleep(0.5)  # what a freeing thread would have printed
         assert "could not free" not in capfd.readouterr().err
+
+
+def test_an_idle_interrupt_under_python_s_own_handler_stops_nothing() -> None:
+    """A cell installed signal.default_int_handler (as scripts do): an interrupt while the rank
+    waited for its next request raised KeyboardInterrupt there, and the rank died of it."""
+    with meshbook.start(2) as mesh:
+        mesh.run("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\nkept = rank").result()
+        mesh.interrupt()
+        time.sleep(1.0)
+        assert [s.state for s in mesh.status()] == ["idle", "idle"]
+        assert mesh.run("kept").result(timeout=30) == {0: 0, 1: 1}

@@ -322,7 +322,13 @@ class Worker:
     def serve(self) -> None:
         requests = self._requests
         while True:
-            frames = requests.next()
+            try:
+                frames = requests.next()
+            except KeyboardInterrupt:
+                # Idle: an interrupt stops nothing here, as this rank's own handler decides. The
+                # user's code may have installed Python's (signal.default_int_handler), which
+                # raised it here, and the rank died of an interrupt while it waited.
+                continue
             try:
                 message = self.wire.unpack(frames)
             except wire.BadMessage:
