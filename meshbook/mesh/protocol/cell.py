@@ -27,6 +27,7 @@ import inspect
 import io
 import linecache
 import os
+import re
 import sys
 import tokenize
 import traceback
@@ -35,7 +36,7 @@ from dataclasses import replace
 from types import CodeType, FunctionType, TracebackType
 from typing import Any
 
-from .errors import CellSyntaxError, Frame, RankFailure, RemoteError, short_path
+from .errors import CellSyntaxError, Frame, RankFailure, RemoteError, home_of, short_path
 
 #: File names of submitted code start with this, so their frames are recognised as cell code.
 CELL_PREFIX = "<mesh cell "
@@ -206,6 +207,35 @@ CHAIN_SHOWN = 5
 
 
 _LOGGER = "torch/distributed/c10d_logger.py"
+
+
+_FAULT_FRAME = re.compile(r'  File "(.*)", line (\d+) in (.*)')
+
+
+def crash_report(dump: str) -> str:
+    """A rank's faulthandler dump as a user reads it: the fatal error, then the frames of the
+    thread that crashed outside meshbook, most recent call last as in a traceback (a frame of
+    a cell as ``cell line 3``). Every thread's stack, meshbook's own threads' included, and the
+    list of extension modules buried the one line that said where (45 lines for one segfault).
+    A dump without the crashing thread's stack is kept whole."""
+    lines = dump.strip().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread ")), None)
+    if start is None:
+        return dump.strip()
+    head = [line for line in lines[:next((i for i, line in enumerate(lines) if line.startswith("Thread ")), start)]
+            if line.strip()]
+    found = []
+    for line in lines[start + 1:]:
+        match = _FAULT_FRAME.fullmatch(line)
+        if match is None:
+            break
+        filename, lineno, name = match.groups()
+        if not is_internal(filename) and not filename.startswith("<frozen "):
+            found.append(_frame(filename, int(lineno), name, linecache.getline(filename, int(lineno))))
+    frames = _collapsed(tuple(reversed(found)))
+    home = home_of(frames)
+    told = ["The thread that crashed (most recent call last):", *(f.format(home) for f in frames)] if frames else []
+    return "\n".join([*head, *told])
 
 
 def _frame(filename: str, lineno: int, name: str, line: str) -> Frame:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 
 from ...protocol import bundle, wire
 from ...protocol import messages as msg
+from ...protocol.cell import crash_report
 from ...protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
 from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
 from ...protocol.limits import DEFAULT_MAX_BYTES
@@ -854,7 +855,7 @@ class Controller:
         twice (a lost host found by the receiver and by a thread waiting for a start) is
         booked once: ranks already dead are left out, under the lock."""
         cause = body["cause"]
-        detail = body.get("crash", "").strip()
+        detail = crash_report(body.get("crash", ""))
         with self._changed:
             told = ranks
             ranks = self.book.live(ranks)
