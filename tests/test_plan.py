@@ -245,8 +245,9 @@ def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:
     def broken():  # type: ignore[no-untyped-def]
         raise ValueError("no config")
 
-    with pytest.raises(MeshError, match="build\\(\\) failed on the meta device: ValueError: no config"):
-        mesh.plan(broken, BATCH)
+    with pytest.raises(MeshError, match=r"build\(\) failed on the meta device at line \d+, in broken: "
+                                        r"ValueError: no config"):
+        mesh.plan(broken, BATCH)  # where in the build: its own line
     with pytest.raises(MeshError, match="must return an nn.Module, not a int"):
         mesh.plan(lambda: 3, BATCH)
 
