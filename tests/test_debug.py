@@ -150,12 +150,8 @@ def test_ranks_waiting_on_peers_that_finished_the_cell_are_freed_at_once(mesh: m
     later cell's collective, or wait out the 300 s timeout (torchrun ends such a job in
     seconds). It is freed within a second or two, keeping its variables, and says why once."""
     mesh.run("kept = rank").result()
-    started = time.monotonic()
-    run = mesh.run("x = torch.ones(2)\nif rank != 1:\n    raise ValueError('boom')\ndist.all_reduce(x)")
-    with pytest.raises(RemoteError) as info:
-        run.result(timeout=60, echo=False)
-    assert time.monotonic() - started < 10
-    failures = info.value.failures
+    run, failures = failed_within(mesh, "x = torch.ones(2)\nif rank != 1:\n    raise ValueError('boom')\n"
+                                        "dist.all_reduce(x)", 10)
     assert {r: f.type_name for r, f in failures.items()} == {0: "ValueError", 1: "CollectiveAborted",
                                                             2: "ValueError", 3: "ValueError"}
     assert failures[1].message.startswith("meshbook aborted its all_reduce")
@@ -165,6 +161,16 @@ def test_ranks_waiting_on_peers_that_finished_the_cell_are_freed_at_once(mesh: m
     assert dict(mesh.run("kept").result()) == {0: 0, 1: 1, 2: 2, 3: 3}
     total = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result()
     assert set(total.values()) == {4.0}
+
+
+def failed_within(mesh: meshbook.Mesh, code: str, seconds: float) -> tuple[meshbook.Run, dict[int, Any]]:
+    """``code``'s run, which fails, and its failures by rank, once it ended within ``seconds``."""
+    started = time.monotonic()
+    run = mesh.run(code)
+    with pytest.raises(RemoteError) as info:
+        run.result(timeout=60, echo=False)
+    assert time.monotonic() - started < seconds
+    return run, info.value.failures
 
 
 def test_a_rank_that_finished_cleanly_without_joining_frees_the_others(mesh: meshbook.Mesh) -> None:
@@ -184,12 +190,8 @@ def test_a_rank_that_left_a_device_mesh_of_the_cell_s_own_frees_the_others(mesh:
     own groups (the group's members come from the rank, not from a dimension of the mesh)."""
     mesh.run("from torch.distributed.device_mesh import init_device_mesh\n"
              "own = init_device_mesh('cpu', (2, 2), mesh_dim_names=('rows', 'cols'))").result()
-    started = time.monotonic()
-    run = mesh.run("t = torch.ones(2)\nif rank != 3:\n    dist.all_reduce(t, group=own.get_group('cols'))\n'done'")
-    with pytest.raises(RemoteError) as info:
-        run.result(timeout=60, echo=False)
-    assert time.monotonic() - started < 20
-    failures = info.value.failures
+    run, failures = failed_within(mesh, "t = torch.ones(2)\nif rank != 3:\n"
+                                        "    dist.all_reduce(t, group=own.get_group('cols'))\n'done'", 20)
     assert sorted(failures) == [2] and failures[2].type_name == "CollectiveAborted"
     assert "rank 3 finished the cell without joining it" in failures[2].message
     run.step_report()
