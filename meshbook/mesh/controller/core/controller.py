@@ -880,13 +880,9 @@ class Controller:
             if refork:
                 run.notes.append(f"{who} {'was' if len(ranks) == 1 else 'were'} re-forked {refork}: "
                                  f"{'its' if len(ranks) == 1 else 'their'} variables are lost.")
-                continue
-            run.deaths.update(dict.fromkeys(ranks, cause))
-            if run.death_note in run.notes:  # one note for every rank of it that died, however told
-                run.notes.remove(run.death_note)
-            stranded = [r for r in death.stranded if r not in run.deaths] if freeing else []
-            run.death_note = _death_note(run.deaths, bool(body.get("ends")), stranded, bool(self.live()))
-            run.notes.append(run.death_note)
+            else:
+                self._note_deaths(run, ranks, cause, [r for r in death.stranded if freeing],
+                                  bool(body.get("ends")))
             for rank in ranks:
                 if rank in run.pending:
                     failure = (RankFailure(rank, "RankRestarted", f"rank {rank} was re-forked {refork}", died=cause)
@@ -896,6 +892,16 @@ class Controller:
         for listener in self.death_listeners:
             for rank in ranks:
                 listener(rank, cause)
+
+    def _note_deaths(self, run: Run, ranks: list[int], cause: str, stranded: list[int], ends: bool) -> None:
+        """``run``'s note of its ranks that died, ``ranks`` among them: one note for all, however
+        their deaths were told (one by one, as each process exited)."""
+        run.deaths.update(dict.fromkeys(ranks, cause))
+        if run.death_note in run.notes:
+            run.notes.remove(run.death_note)
+        run.death_note = _death_note(run.deaths, ends, [r for r in stranded if r not in run.deaths],
+                                     bool(self.live()))
+        run.notes.append(run.death_note)
 
     def _check_agents(self) -> None:
         """Agents gone: their ranks die (a death found twice, here and on another thread, is
