@@ -347,12 +347,15 @@ class Worker:
         self.running_user_code = message.kind != msg.CALL  # a cell, an applied function, an endpoint
         in_step = message.kind in msg.USER_KINDS  # read again with the body (a rank operation's says)
         try:
+            # Dropped if interrupted before it started, unless every rank must run it to its end
+            # (one of meshbook's operations: its body, cheap to read, says).
+            taken = self._take(request)
+            if not taken and message.kind != msg.CALL:
+                raise KeyboardInterrupt(NOTHING_RAN)
             if handler is None:
-                self._take(request)
                 raise ValueError(f"this rank has no handler for requests of kind {message.kind!r}")
             body = message.body()
-            # Dropped if interrupted before it started, unless every rank must run it to its end.
-            if not self._take(request) and not (message.kind == msg.CALL and _to_its_end(body)):
+            if not taken and not _to_its_end(body):
                 raise KeyboardInterrupt(NOTHING_RAN)
             in_step = msg.pairs_collectives(message.kind, body)
             if in_step and self.failed_before is not None:
