@@ -48,7 +48,8 @@ def rank_op(channel: str = msg.MAIN, collective: bool = False) -> Callable[[Op],
     """Declare an operation's channel once: ``CONTROL`` operations run on the rank's control
     thread and answer while its main thread is busy; ``MAIN`` ones run in request order.
     ``collective``: it issues collectives every rank must pair, as a cell's do, so it is kept
-    in step as a cell is (``messages.pairs_collectives``)."""
+    in step as a cell is (``messages.pairs_collectives``), and every rank runs it to its end,
+    interrupted or not (``Worker._call``)."""
     def declare(fn: Op) -> Op:
         fn.channel = channel  # type: ignore[attr-defined]
         fn.collective = collective  # type: ignore[attr-defined]

@@ -347,17 +347,17 @@ class Worker:
         self.running_user_code = message.kind != msg.CALL  # a cell, an applied function, an endpoint
         in_step = message.kind in msg.USER_KINDS  # read again with the body (a rank operation's says)
         try:
-            # Dropped if interrupted before it started, unless every rank must run it to its end
-            # (one of meshbook's operations: its body, cheap to read, says).
+            # Dropped if interrupted before it started, unless it is one of meshbook's collective
+            # operations, which every rank runs to its end (see _call; its body, cheap to read, says).
             taken = self._take(request)
             if not taken and message.kind != msg.CALL:
                 raise KeyboardInterrupt(NOTHING_RAN)
             if handler is None:
                 raise ValueError(f"this rank has no handler for requests of kind {message.kind!r}")
             body = message.body()
-            if not taken and not _to_its_end(body):
-                raise KeyboardInterrupt(NOTHING_RAN)
             in_step = msg.pairs_collectives(message.kind, body)
+            if not taken and not in_step:
+                raise KeyboardInterrupt(NOTHING_RAN)
             if in_step and self.failed_before is not None:
                 raise NotRun(self.not_run_because())
             self.stdin_available = bool(body.get("stdin"))
@@ -461,7 +461,12 @@ class Worker:
             return fn(*body["args"], **body["kwargs"])
 
     def _call(self, body: dict[str, Any], request: int) -> Any:
-        with self.shielded() if _to_its_end(body) else self.user_code():
+        # One of meshbook's operations that every rank runs together (plan's measuring,
+        # parallelize) makes process groups as it goes: an interrupt that stopped it on some
+        # ranks (in their Python, or before they started it) while others waited in C for a
+        # group they join left those waiting for good. Every rank runs it to its end,
+        # interrupted or not (a second interrupt of a cell still frees the ranks).
+        with self.shielded() if msg.pairs_collectives(msg.CALL, body) else self.user_code():
             return body["fn"](self, *body["args"], **body["kwargs"])
 
     def note_unknown(self, kind: str, channel: str) -> None:
@@ -771,15 +776,6 @@ def _holds_dtensors(value: Any) -> bool:
         return False
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
     return any(isinstance(item, dtensor) for item in items)
-
-
-def _to_its_end(body: dict[str, Any]) -> bool:
-    """One of meshbook's operations that every rank runs together (plan's measuring,
-    parallelize): it makes process groups as it goes, and an interrupt that stopped it on some
-    ranks (in their Python, or before they started it) while others waited in C for a group
-    they join left those waiting for good. Every rank runs it to its end, interrupted or not
-    (a second interrupt of a cell still frees the ranks)."""
-    return bool(getattr(body.get("fn"), "collective", False))
 
 
 def _out_of_memory(exc: BaseException) -> bool:
