@@ -195,12 +195,13 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
     restarted = controller.dead()
     generation = controller.new_generation()
     survivors = [r for r in controller.ranks if r not in restarted]
-    interrupted = [r for r in interrupted if r in survivors]
+    doing = {r: q for r, q in doing.items() if r in survivors}  # a rank may have died meanwhile
+    interrupted = list(doing)
     if interrupted:
         # Then a Ctrl-C, a second one where the run was interrupted already: a rank running
         # Python stops and keeps its variables, where only the kill below would free it (the
         # abort frees collectives, not a sleep, a loop, or the cleanup of a first interrupt).
-        controller.interrupt_where({r: q for r, q in doing.items() if q is not None and r in survivors})
+        controller.interrupt_where({r: q for r, q in doing.items() if q is not None})
     # Re-forked first: a host re-formed elsewhere brings the store with it (across hosts).
     controller.respawn(restarted, generation)
     joined = controller.call(reinit, generation, controller.store_addr, ranks=survivors,
