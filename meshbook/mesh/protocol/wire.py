@@ -86,8 +86,6 @@ def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...], requires_gr
                     parameter: bool, order: tuple[int, ...] | None = None) -> Any:
     import torch
 
-    if isinstance(buffer, bytes):  # in-band (no out-of-band buffers): never alias immutable bytes
-        buffer = bytearray(buffer)
     view = memoryview(buffer)
     if view.nbytes == 0:
         tensor = torch.empty(shape, dtype=dtype)
@@ -97,11 +95,12 @@ def _rebuild_tensor(buffer: Any, dtype: Any, shape: tuple[int, ...], requires_gr
             # them is the point of zero-copy, and nothing else holds them.
             warnings.simplefilter("ignore")
             tensor = torch.frombuffer(view, dtype=torch.uint8)
-        if tensor.data_ptr() % ALIGNMENT:
-            # Where the message put it (an odd address, for a small one): computed on there,
-            # the same numbers gave other last bits than where torch allocates them (its
-            # matrix kernels go by alignment), so a rank's result depended on how its inputs
-            # travelled. A copy starts where torch's allocator starts one.
+        # Copied where its bytes are in-band (immutable bytes are never aliased), and where the
+        # message put them elsewhere than torch's allocator starts a tensor (an odd address,
+        # for a small one): computed on there, the same numbers gave other last bits (its
+        # matrix kernels go by alignment), so a rank's result depended on how its inputs
+        # travelled. One copy, which starts where torch's allocator starts one.
+        if isinstance(buffer, bytes) or tensor.data_ptr() % ALIGNMENT:
             tensor = tensor.clone()
         tensor = tensor.view(dtype).reshape(shape)
     if order is not None:  # laid out in memory in that order (channels_last...): as it was sent
