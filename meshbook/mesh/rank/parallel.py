@@ -92,11 +92,13 @@ def make(factory: Callable[[], nn.Module]) -> nn.Module:
         with parameters_on_meta():
             model = factory()
     except Exception as exc:
+        where = ""
         frame = next((f for f in reversed(frames_of(exc.__traceback__)) if not f.in_torch), None)
-        # Sent by value, the build's code has no file here (cloudpickle's "<dynamic-code>"):
-        # its line, as numbered where it was defined, and its function say where.
-        where = (f" at line {frame.lineno}, in {frame.name}" if frame.filename.startswith("<") else
-                 f" at {frame.where}, in {frame.name}") + (f" ({frame.line})" if frame.line else "") if frame else ""
+        if frame is not None:
+            # Sent by value, the build's code has no file here (cloudpickle's "<dynamic-code>"):
+            # its line, as numbered where it was defined, and its function say where.
+            place = f"line {frame.lineno}" if frame.filename.startswith("<") else frame.where
+            where = f" at {place}, in {frame.name}" + (f" ({frame.line})" if frame.line else "")
         raise MeshError(f"build() failed on the meta device{where}: {type(exc).__name__}: {exc} "
                         "(build must construct the model without reading parameter values)") from exc
     if not isinstance(model, nn.Module):
