@@ -36,10 +36,7 @@ from dataclasses import replace
 from types import CodeType, FunctionType, TracebackType
 from typing import Any
 
-from .errors import CellSyntaxError, Frame, RankFailure, RemoteError, home_of, short_path
-
-#: File names of submitted code start with this, so their frames are recognised as cell code.
-CELL_PREFIX = "<mesh cell "
+from .errors import CELL_PREFIX, CellSyntaxError, Frame, RankFailure, RemoteError, home_of, short_path
 
 
 def cell_filename(request_id: int | str) -> str:

@@ -130,6 +130,11 @@ class CellSyntaxError(MeshError):
         return lines
 
 
+#: File names of submitted code start with this, so their frames are recognised as cell code
+#: (``<mesh cell 3>``: the cell the notebook numbers 3, see ``cell.cell_filename``).
+CELL_PREFIX = "<mesh cell "
+
+
 @dataclass(frozen=True)
 class Frame:
     """One traceback frame, with the submitted code's own line numbers."""
@@ -152,7 +157,7 @@ class Frame:
         that ran (a function an earlier cell defined), as IPython does: ``cell [3] line 12``.
         Without, "cell line 12" read as a line of the cell in front of the reader."""
         if self.in_cell and home is not None and self.filename != home:
-            return f"cell [{self.filename.strip('<>').rpartition(' ')[2]}] line {self.lineno}"
+            return f"cell [{self.filename[len(CELL_PREFIX):-1]}] line {self.lineno}"
         return self.where
 
     @property
