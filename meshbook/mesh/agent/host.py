@@ -43,6 +43,7 @@ from typing import IO, Any
 from ..protocol import config
 from ..protocol import messages as msg
 from ..protocol.bodies import AgentConfig, Bootstrap
+from ..protocol.cell import crash_report
 from ..protocol.lastwords import LastWords
 from ..protocol.proc import Liveness
 from ..protocol.remote import AGENT_READY
@@ -182,7 +183,7 @@ class Agent:
             if cause == "SIGKILL" and killed_by_oom(pid, proc.oom_kills, proc.started):
                 cause = "SIGKILL (killed by the OOM killer)"
             output = {name: _drain(fd) for name, fd in proc.pipes.items()}
-            crash = _read_and_remove(proc.crash_path)
+            crash = crash_report(_read_and_remove(proc.crash_path))  # here, where its files' lines are
             last = self.link.last_words(proc.last_words.read())  # before EXIT: what it said, first
             proc.last_words.close()
             del self.procs[proc.rank]
