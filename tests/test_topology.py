@@ -35,8 +35,16 @@ def test_resolve_stays_within_the_view() -> None:
     assert resolve(topo, None, {"tp": 1}, [0, 1, 2, 3]) == [1, 3]
     with pytest.raises(SelectionError, match="not in this view"):
         resolve(topo, [3], None, [0, 1])
-    with pytest.raises(SelectionError, match="no rank matches"):
+    with pytest.raises(SelectionError) as caught:
         resolve(topo, None, {"dp": 1}, [0, 1])
+    # said as the user writes it (not a dict), with where the ranks asked among are
+    assert str(caught.value) == ("no rank matches dp=1 among rank(s) 0,1 (rank 0 is at dp=0,tp=0; "
+                                 "rank 1 is at dp=0,tp=1)")
+    with pytest.raises(SelectionError, match=r"matches dp=0,tp=0,1 among rank\(s\) 3 \(rank 3 is at dp=1,tp=1\)$"):
+        resolve(topo, [3], {"dp": 0, "tp": "0-1"}, [0, 1, 2, 3])
+    wide = Topology.create(dims={"dp": 8, "tp": 1})
+    with pytest.raises(SelectionError, match=r"rank 3 is at dp=3,tp=0; and 2 more\)$"):
+        resolve(wide, "0-5", {"dp": 7}, list(range(8)))
 
 
 def test_ranks_of_any_whole_numbers_and_nothing_else() -> None:

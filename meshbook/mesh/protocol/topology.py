@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from .errors import MeshError, SelectionError
+from .text import format_ranks
 
 #: What a selection on one dimension may be: one index, several, or a range.
 DimSelector = Union[int, Iterable[int]]
@@ -191,7 +192,18 @@ def resolve(topology: Topology, ranks: Sequence[int] | str | int | None,
                              f"where={{'dp': 0}} or where={{'tp': '0-1'}}")
     if where:
         matching = set(topology.where(**where))
-        chosen = [r for r in chosen if r in matching]
+        among, chosen = chosen, [r for r in chosen if r in matching]
         if not chosen:
-            raise SelectionError(f"no rank matches {dict(where)} in this selection")
+            raise SelectionError(_none_match(topology, where, among))
     return chosen
+
+
+def _none_match(topology: Topology, where: Mapping[str, DimSelector], among: list[int]) -> str:
+    """Why a selection came out empty, in the words a user writes it (``dp=0``, not a dict),
+    with where the ranks it was asked among are."""
+    asked = ",".join(f"{name}={format_ranks(_rank_list(sel, name))}" for name, sel in where.items())
+    shown = among[:4]
+    places = "; ".join(f"rank {r} is at {','.join(f'{k}={v}' for k, v in topology.coords(r).items())}"
+                       for r in shown)
+    more = f"; and {len(among) - len(shown)} more" if len(among) > len(shown) else ""
+    return f"no rank matches {asked} among rank(s) {format_ranks(among)} ({places}{more})"
