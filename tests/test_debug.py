@@ -13,7 +13,7 @@ import cloudpickle
 import pytest
 
 import meshbook
-from meshbook import RemoteError
+from meshbook import MeshError, RemoteError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors below travel by value
 
@@ -49,6 +49,9 @@ def test_diagnosis_names_the_rank_that_never_joined_and_its_line(mesh: meshbook.
         r"rank 1 never reached it: at cell line 4 \(time\.sleep\(60\)\)", verdict), verdict
     stacks = mesh.stacks().render()
     assert "[0,2,3] cell line 6, in <module>\n            dist.all_reduce(t)" in stacks
+    # a slice by coordinates, as a cell selects: dp=0 is ranks 0 and 1
+    assert sorted(mesh.snapshots(where={"dp": 0})) == [0, 1]
+    assert "rank 1 never reached it" in " ".join(mesh.diagnose(where={"dp": 0}).verdict)
     assert "[1]" in stacks and "time.sleep(60)" in stacks and "torch/distributed/distributed_c10d.py" in stacks
 
     # interrupt: rank 1 stops (Python), 0,2,3 stay blocked in C; recovery frees them all
@@ -126,6 +129,8 @@ def test_dead_rank_is_shown_as_such_and_restart_brings_it_back(mesh: meshbook.Me
         mesh.run("import os\nos.kill(os.getpid(), 9)", ranks=[2]).result(timeout=30)
     assert mesh.snapshots([2])[2].dead == "SIGKILL"
     assert "[2] not running: SIGKILL" in mesh.stacks().render()
+    with pytest.raises(MeshError, match=r"rank 2 is dead \(SIGKILL\): its last exception died with it"):
+        mesh.debug(2)
     recovery = mesh.restart([2])
     assert recovery.restarted == [2]
     assert mesh.run("rank").result()[2] == 2

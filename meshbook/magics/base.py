@@ -43,17 +43,16 @@ def summary(doc: str | None) -> str:
     return paragraph if end < 0 else paragraph[:end + 1]
 
 
-def selection(what: str, where: bool = True) -> Callable[[Command], Command]:
-    """``--ranks`` (and ``--where``, unless ``where`` is False), for every command that picks
-    ranks by option (``what``: "to run on"), read with :func:`selected`. Each may come more
+def selection(what: str) -> Callable[[Command], Command]:
+    """``--ranks`` and ``--where``, for every command that picks ranks by option (``what``:
+    "to run on"), read with :func:`selected`. Each may come more
     than once, as a user adds a condition to a line: ranks add up, and every condition holds
     (``--where dp=0 --where tp=1`` is ``--where dp=0,tp=1``), where the last alone would
     silently pick other ranks."""
 
     def declare(fn: Command) -> Command:
-        if where:
-            fn = argument("--where", "-w", action="append",
-                          help="select ranks by mesh coordinates: dp=0 or dp=0,tp=0-1")(fn)
+        fn = argument("--where", "-w", action="append",
+                      help="select ranks by mesh coordinates: dp=0 or dp=0,tp=0-1")(fn)
         return argument("--ranks", "-r", action="append", help=f"ranks {what}: 0,2 or 0-3 (default: all)")(fn)
 
     return declare
@@ -84,7 +83,7 @@ def cell_number(shell: Any) -> int:
 def selected(args: argparse.Namespace) -> tuple[str | None, dict[str, list[int]] | None]:
     """The ranks and the conditions :func:`selection` declared, as the API takes them."""
     try:
-        where = parse_where(",".join(args.where)) if getattr(args, "where", None) else None
+        where = parse_where(",".join(args.where)) if args.where else None
     except MeshError as exc:
         raise UsageError(str(exc)) from None
     return (",".join(args.ranks) if args.ranks else None), where

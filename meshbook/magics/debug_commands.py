@@ -29,20 +29,20 @@ class DebugCommands:
     shell: Any
 
     @magic_arguments(name="mesh stacks")
-    @selection("to show", where=False)
+    @selection("to show")
     @command
     def stacks(self, line: str) -> None:
         """Show every rank's Python stack, merged into one call tree (taken while busy)."""
-        ranks, _ = selected(parse_argstring(self.stacks, line))
-        print(require_mesh().stacks(ranks).render())
+        ranks, where = selected(parse_argstring(self.stacks, line))
+        print(require_mesh().stacks(ranks, where=where).render())
 
     @magic_arguments(name="mesh diagnose")
-    @selection("to look at", where=False)
+    @selection("to look at")
     @command
     def diagnose(self, line: str) -> None:
         """Explain a hang: which ranks wait in which collective, and for whom."""
-        ranks, _ = selected(parse_argstring(self.diagnose, line))
-        print(require_mesh().diagnose(ranks).render())
+        ranks, where = selected(parse_argstring(self.diagnose, line))
+        print(require_mesh().diagnose(ranks, where=where).render())
 
     @magic_arguments(name="mesh interrupt")
     @argument("ranks", nargs="?", help="ranks to interrupt: 0,2 or 0-3 (default: all)")

@@ -38,11 +38,12 @@ class DebugOps:
         def select(self, ranks: Sequence[int] | str | int | None = None,
                    where: Mapping[str, DimSelector] | None = None) -> list[int]: ...
 
-    def snapshots(self, ranks: Sequence[int] | str | int | None = None,
+    def snapshots(self, ranks: Sequence[int] | str | int | None = None, *,
+                  where: Mapping[str, DimSelector] | None = None,
                   timeout: float = STACKS_TIMEOUT_S) -> dict[int, RankSnapshot]:
         """Each selected rank's stack and pending collectives, taken while it is busy."""
         ctl = self.controller
-        chosen = self.select(ranks)
+        chosen = self.select(ranks, where)
         out = {r: RankSnapshot(r, False, dead=ctl.ranks[r].cause or "dead") for r in ctl.dead(chosen)}
         live = [r for r in chosen if r not in out]
         if live:
@@ -61,13 +62,15 @@ class DebugOps:
                     out[rank] = RankSnapshot(rank, True, native=_main_thread(dump))
         return dict(sorted(out.items()))
 
-    def stacks(self, ranks: Sequence[int] | str | int | None = None) -> Stacks:
+    def stacks(self, ranks: Sequence[int] | str | int | None = None, *,
+               where: Mapping[str, DimSelector] | None = None) -> Stacks:
         """Every selected rank's Python stack, merged into one call tree."""
-        return Stacks(self.snapshots(ranks))
+        return Stacks(self.snapshots(ranks, where=where))
 
-    def diagnose(self, ranks: Sequence[int] | str | int | None = None) -> Diagnosis:
+    def diagnose(self, ranks: Sequence[int] | str | int | None = None, *,
+                 where: Mapping[str, DimSelector] | None = None) -> Diagnosis:
         """Which ranks wait in which collective, who they wait for, and where the others are."""
-        return diagnose(self.snapshots(ranks), self.topology, self.controller.nouns())
+        return diagnose(self.snapshots(ranks, where=where), self.topology, self.controller.nouns())
 
     def kill(self, ranks: Sequence[int] | str | int) -> None:
         """SIGKILL ranks (their variables are lost); ``restart`` brings them back. The dead
@@ -104,6 +107,10 @@ class DebugOps:
         """Post-mortem pdb on ``rank``'s last exception; prompts are answered by whoever
         renders the run (``result()`` asks on this process's stdin)."""
         (chosen,) = self.select([rank])
+        if self.controller.dead([chosen]):  # not the mesh's advice to restart it: that brings no exception back
+            raise MeshError(f"rank {chosen} is dead ({self.controller.ranks[chosen].cause or 'dead'}): its last "
+                            f"exception died with it, and there is nothing to debug. mesh.restart([{chosen}]) "
+                            f"(%mesh restart {chosen}) brings the rank back, without its variables")
         return self.controller.call(ops.post_mortem, ranks=[chosen], what=f"post-mortem of rank {rank}",
                                     stdin=self.controller.stdin_probe())
 
