@@ -149,6 +149,31 @@ def test_several_ranks_at_breakpoints_are_served_one_after_another(kernel: Kerne
     assert result_text(reply) == "[0] 0\n[1] 1"
 
 
+def test_each_rank_s_debugger_shows_where_it_stopped_when_its_turn_comes(kernel: Kernel) -> None:
+    """Not every rank's "> cell line 2" before the first prompt: rank 1's comes after rank 0's
+    session, right above rank 1's first prompt."""
+    reply, prompts = kernel.execute_with_input(
+        "%%mesh --ranks 0,1\nbreakpoint()\nrank", ["p rank * 100", "c", "p rank * 100", "c"])
+    assert reply.status == "ok", reply.error_text
+    first = int(prompts[0].split()[-1].rstrip(")"))
+    second = 1 - first
+    out = reply.stream()
+    assert out.index(f"[{first}] {first * 100}\n") < out.index(f"[{second}] -> rank") \
+        < out.index(f"[{second}] {second * 100}\n"), out
+
+
+def test_the_debugger_s_stack_starts_at_the_cell_and_q_stops_the_cell_there(kernel: Kernel) -> None:
+    reply, _ = kernel.execute_with_input(
+        "%%mesh --ranks 1\ndef step():\n    breakpoint()\n    return 1\nkept = 5\nstep()", ["where", "up", "up", "q"])
+    out = reply.stream()
+    assert "worker.py" not in out and "runpy" not in out, out
+    assert "[1] *** Oldest frame" in out, out  # the cell's own frame is as far up as it goes
+    assert reply.status == "error"
+    assert "[1] bdb.BdbQuit: quit in the debugger (q)" in reply.content["evalue"], reply.content["evalue"]
+    assert "bdb.py" not in reply.error_text and "cell line 6, in <module>" in reply.error_text, reply.error_text
+    assert result_text(kernel.ok("%%mesh --ranks 1\nkept")) == "[1] 5"
+
+
 def test_input_on_ranks_asks_the_notebook_one_rank_after_another(kernel: Kernel) -> None:
     reply, prompts = kernel.execute_with_input("%%mesh --ranks 1,3\nname = input('name? ')\nname.upper()",
                                                ["ada", "grace"])

@@ -21,6 +21,7 @@ torch's business, as meshbook's are its own.
 from __future__ import annotations
 
 import ast
+import bdb
 import builtins
 import functools
 import inspect
@@ -195,6 +196,8 @@ def _collapsed(frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
     return tuple(out)
 
 
+#: The standard library's debugger, whose frames a quit (``q``) is raised in.
+_DEBUGGER_FILES = (os.sep + "bdb.py", os.sep + "pdb.py")
 #: How often a repeated frame is shown before the rest are counted (Python's own number).
 SHOWN_REPEATS = 3
 #: ``BaseExceptionGroup`` where Python has it (3.11 on); nothing is one before.
@@ -247,6 +250,9 @@ def failure_from(rank: int, exc: BaseException) -> RankFailure:
         # The error is *in* the code, not raised by it: point at the offending line.
         frames = frames + (_frame(exc.filename, exc.lineno, "<module>", exc.text or ""),)
         message = exc.msg
+    if isinstance(exc, bdb.BdbQuit):  # q in the rank's debugger: where it was, not bdb's frames
+        frames = tuple(f for f in frames if not f.filename.endswith(_DEBUGGER_FILES))
+        message = "quit in the debugger (q): the code stopped there; the rank is idle, with its variables"
     detail = [] if isinstance(exc, RemoteError) else _notes(exc)  # its notes are its report, told below
     if isinstance(exc, RemoteError):  # a call this rank made failed where it ran (an actor's endpoint)
         message = message.split("\n", 1)[0]  # its hint is in the report below

@@ -68,11 +68,13 @@ class Error:
 class InputRequest:
     """A rank's debugger asks for a line of input (``prompt`` reads ``(Pdb rank 2)``); its
     answer names ``question`` (the rank's count of its questions), so one that comes late,
-    after its question was given up, is never taken for the next one's."""
+    after its question was given up, is never taken for the next one's. ``before`` is what the
+    debugger printed since its last prompt, shown right above this one when it is asked."""
 
     rank: int
     prompt: str
     question: int = 0
+    before: str = ""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ the mesh, and ``input()`` raises ``EOFError`` saying why, as it does without a t
 
 from __future__ import annotations
 
+import io
 import itertools
 import pdb
 import sys
@@ -28,18 +29,20 @@ if TYPE_CHECKING:
 
 
 class RemoteStdin:
-    """pdb's stdin on a rank: each ``readline`` is a prompt answered by the notebook."""
+    """pdb's stdin on a rank: each ``readline`` is a prompt answered by the notebook, which
+    shows what pdb printed since the last one (``held``) right above it."""
 
-    def __init__(self, worker: "RankContext") -> None:
+    def __init__(self, worker: "RankContext", held: io.StringIO) -> None:
         self.worker = worker
         self.prompt = f"(Pdb rank {worker.rank}) "
+        self.held = held
 
     def readline(self) -> str:
         worker = self.worker
         worker.stdout.flush()
         worker.stderr.flush()
         try:
-            line = ask_notebook(worker, worker.current_request(), self.prompt)
+            line = ask_notebook(worker, worker.current_request(), self.prompt, take(self.held))
         except KeyboardInterrupt:
             return "q\n"
         if line is None:  # the end of input: nobody waits for this cell any more
@@ -51,19 +54,33 @@ class RankPdb(pdb.Pdb):
     """pdb talking to the notebook; announces the end of its session (so the next rank can
     be served) when the user continues or quits, or when its request ends.
 
+    What pdb prints (where it stopped, ``p x``) travels with its next prompt, not on the rank's
+    output: with several ranks at a breakpoint, each one's "where it stopped" is shown when the
+    notebook comes to it, not all of them before the first prompt.
+
     Stepping never stops in meshbook's own frames (``skip``), and stepping past the end of the
     cell (or of the function ``apply`` called) ends the session, as the cell ends: it would
-    otherwise go on into the rank's worker and what that calls. A session still open when its
-    request ends ends with it (:meth:`close`): the rank's next request must neither stop in pdb
-    nor run traced."""
+    otherwise go on into the rank's worker and what that calls. Its stack (``where``, ``up``)
+    starts at the cell too. A session still open when its request ends ends with it
+    (:meth:`close`): the rank's next request must neither stop in pdb nor run traced."""
 
     def __init__(self, worker: "RankContext") -> None:
-        super().__init__(stdin=RemoteStdin(worker), stdout=sys.stdout, nosigint=True,  # type: ignore[arg-type]
+        self.held = io.StringIO()
+        super().__init__(stdin=RemoteStdin(worker, self.held), stdout=self.held, nosigint=True,  # type: ignore[arg-type]
                          skip=["meshbook.*"])
         self.use_rawinput = False
         self.prompt = ""  # the prompt travels with each input request instead
         self.worker = worker
         worker.debugger = self
+
+    def get_stack(self, f: Any, t: Any) -> tuple[list[tuple[Any, int]], int]:
+        """The stack from the cell (or the applied function, the endpoint) on: the rank's own
+        frames below it (its worker, its agent, runpy) are no place to go ``up`` to."""
+        stack, index = super().get_stack(f, t)
+        own = [i for i, (frame, _) in enumerate(stack[:index])
+               if self.is_skipped_module(frame.f_globals.get("__name__", ""))]
+        start = own[-1] + 1 if own else 0
+        return stack[start:], index - start
 
     def user_return(self, frame: Any, return_value: Any) -> None:
         caller = frame.f_back
@@ -88,6 +105,7 @@ class RankPdb(pdb.Pdb):
     def _session_over(self) -> None:
         if self.worker.debugger is self:
             self.worker.debugger = None
+        self.worker.stdout.write(take(self.held))  # what no prompt took along
         self.worker.stdout.flush()
         self.worker.emit(msg.DEBUG_END, self.worker.current_request(), None)
 
@@ -119,12 +137,21 @@ def input_hook(worker: "RankContext") -> Callable[..., str]:
 _questions = itertools.count(1)
 
 
-def ask_notebook(worker: "RankContext", request: int | None, prompt: str) -> str | None:
-    """Ask the notebook for a line (None: the end of input). An answer that comes after its
-    question was given up (interrupted) names that question, and is dropped here, where
-    draining the queue before asking would miss one still on its way."""
+def take(held: io.StringIO) -> str:
+    """What ``held`` holds, emptied."""
+    text = held.getvalue()
+    held.seek(0)
+    held.truncate()
+    return text
+
+
+def ask_notebook(worker: "RankContext", request: int | None, prompt: str, before: str = "") -> str | None:
+    """Ask the notebook for a line (None: the end of input), showing ``before`` (this rank's
+    output) right above the prompt. An answer that comes after its question was given up
+    (interrupted) names that question, and is dropped here, where draining the queue before
+    asking would miss one still on its way."""
     question = next(_questions)
-    worker.emit(msg.INPUT, request, {"prompt": prompt, "question": question})
+    worker.emit(msg.INPUT, request, {"prompt": prompt, "question": question, "before": before})
     while True:
         answers, line = worker.input_replies.get()
         if answers == question:

@@ -639,7 +639,8 @@ class Controller:
 
     def _on_input(self, message: wire.Message) -> None:
         body = message.body()
-        self._deliver(message.header[msg.ID], InputRequest(message.header[msg.RANK], body["prompt"], body["question"]))
+        self._deliver(message.header[msg.ID], InputRequest(message.header[msg.RANK], body["prompt"], body["question"],
+                                                                 body.get("before", "")))
 
     def _on_debug_end(self, message: wire.Message) -> None:
         self._deliver(message.header[msg.ID], DebugEnd(message.header[msg.RANK]))

@@ -17,13 +17,16 @@ from ...protocol.events import DebugEnd, Event, InputRequest
 class PromptServer:
     """Answers ranks' debugger prompts from the notebook, one rank's session at a time.
 
-    Fed every event of a run by whoever renders it; ``ask(prompt)`` reads a line from the
-    user (``input``), ``send(rank, text, question)`` delivers it to the rank.
+    Fed every event of a run by whoever renders it; ``show(rank, text)`` shows what the rank's
+    debugger printed before a prompt, when that prompt is asked; ``ask(prompt)`` reads a line
+    from the user (``input``), ``send(rank, text, question)`` delivers it to the rank.
     """
 
-    def __init__(self, ask: Callable[[str], str], send: Callable[[int, str, int], None]) -> None:
+    def __init__(self, ask: Callable[[str], str], send: Callable[[int, str, int], None],
+                 show: Callable[[int, str], None]) -> None:
         self._ask = ask
         self._send = send
+        self._show = show
         self._serving: int | None = None
         self._waiting: deque[InputRequest] = deque()
         #: A rank asked for input: the run has been in a debugger session.
@@ -47,6 +50,8 @@ class PromptServer:
             request = request or self._waiting[0]
             self._waiting.remove(request)
             self._serving = request.rank
+            if request.before:
+                self._show(request.rank, request.before)
             asked = time.monotonic()
             answer = self._ask(request.prompt)
             self.answering_s += time.monotonic() - asked

@@ -109,7 +109,7 @@ class EventRenderer:
                  show_display: Callable[[Display], None] = print_display, ordered: bool = False,
                  ask: Callable[[str], str] = input) -> None:
         self.writer = (OrderedCollector if ordered else LineMerger)(run.ranks, write)
-        self.prompts = PromptServer(ask, run.send_input)
+        self.prompts = PromptServer(ask, run.send_input, self._show_before_prompt)
         self._show_display = show_display
 
     def feed(self, events: list[Event]) -> None:
@@ -121,6 +121,11 @@ class EventRenderer:
             self.writer.feed_event(event)
             self.prompts.feed(event)
         self.writer.poll()
+
+    def _show_before_prompt(self, rank: int, text: str) -> None:
+        """What a rank's debugger printed since its last prompt, written as its output is."""
+        self.writer.feed_event(Output(rank, "stdout", text))
+        self.writer.flush()
 
     def next_deadline(self) -> float | None:
         """Seconds until a waiting line must be written (None: nothing waits)."""
