@@ -149,6 +149,22 @@ def test_an_error_tells_what_python_tells_of_it(mesh4: meshbook.Mesh, code: str,
     assert re.fullmatch(re.escape(told).replace(re.escape("{n}"), r"\d+"), info.value.render()), info.value.render()
 
 
+def test_a_clean_exit_ends_a_cell_as_it_ends_a_script_under_torchrun(mesh4: meshbook.Mesh) -> None:
+    """``sys.exit(main())`` ending a pasted script (main returns None), ``exit()``,
+    ``sys.exit(0)``: the cell ends there, cleanly; the rank stays up with its variables. Another
+    exit status is the failure it is under torchrun."""
+    script = ("import sys\ndef main():\n    global reached\n    reached = 1\n"
+              "if __name__ == '__main__':\n    sys.exit(main())\nreached = 2")
+    assert mesh4.run(script).result(echo=False) == {r: None for r in range(4)}
+    assert mesh4.run("exit()\nreached = 3").result(echo=False) == {r: None for r in range(4)}
+    assert mesh4.apply(sys.exit, 0).result(echo=False) == {r: None for r in range(4)}
+    with pytest.raises(RemoteError) as info:
+        mesh4.run("import sys\nsys.exit(rank + 1)", ranks=[0, 1]).result(echo=False)
+    assert {r: f"{f.type_name}: {f.message}" for r, f in info.value.failures.items()} == {
+        0: "SystemExit: 1", 1: "SystemExit: 2"}
+    assert mesh4.run("reached").result(echo=False).unique() == 1
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="ExceptionGroup is Python 3.11's")
 def test_an_exception_group_tells_each_exception_it_holds(mesh4: meshbook.Mesh) -> None:
     with pytest.raises(RemoteError) as info:

@@ -362,7 +362,7 @@ class Worker:
                 raise NotRun(self.not_run_because())
             self.stdin_available = bool(body.get("stdin"))
             self.result_limit = body.get("max_bytes")
-            value = handler(body, request)
+            value = _clean_exit_is_none(handler, body, request)
         except NotRun as exc:  # nothing ran: the failure it follows stays the rank's last (debug, diagnosis)
             self.running_user_code = False
             self._finish(request, failure=RankFailure(self.rank, NotRun.__name__, str(exc)), reply=reply)
@@ -936,6 +936,20 @@ def run_rank(cfg: RankConfig) -> None:
         traceback.print_exc(file=sys.__stderr__)
     finally:
         os._exit(code)
+
+
+def _clean_exit_is_none(handler: Callable[[dict[str, Any], int], Any], body: dict[str, Any],
+                        request: int) -> Any:
+    """Run ``handler``; a ``sys.exit(0)`` in it (``exit()``, or ``sys.exit(main())`` ending a
+    pasted script whose ``main`` returns None) ends it as it ends a script under torchrun:
+    cleanly, with no value. The rank stays up, with its variables. Another exit status is the
+    failure it is under torchrun, and is reported as one."""
+    try:
+        return handler(body, request)
+    except SystemExit as exc:
+        if exc.code is None or exc.code == 0:
+            return None
+        raise
 
 
 def _open_fds() -> list[int]:
