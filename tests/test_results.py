@@ -107,6 +107,28 @@ def test_tensors_inside_lists_and_dicts_that_print_alike_but_differ_are_shown_ap
     assert same != {r: {"w": [torch.tensor([1.0, float("nan")])], "step": 4} for r in range(3)}
 
 
+def test_equal_dicts_in_another_order_are_one_value() -> None:
+    """A dict built in another order on another rank (keys met in another order) is the same
+    value; shown as the lowest rank's prints."""
+    values = meshbook.RankValues({0: {"loss": 1.5, "step": 3}, 1: {"step": 3, "loss": 1.5},
+                                  2: [{"b": {"y": 1, "x": 2}}], 3: [{"b": {"x": 2, "y": 1}}], 4: {"step": 3}})
+    assert repr(values) == ("[0,1] {'loss': 1.5, 'step': 3}\n[2,3] [{'b': {'y': 1, 'x': 2}}]\n"
+                            "[4] {'step': 3}")
+    assert values[0:2].unique() == {"loss": 1.5, "step": 3}
+    # what prints alike is still told apart by type and contents
+    assert [ranks for ranks, _ in meshbook.RankValues({0: 1, 1: 1.0, 2: {1, 2}, 3: [1, 2]}).groups()] == [
+        [0], [1], [2], [3]]
+
+
+def test_values_are_sliced_by_rank_number() -> None:
+    values = meshbook.RankValues({r: r * 10 for r in range(4)})
+    assert values[1:3] == {1: 10, 2: 20} and isinstance(values[1:3], meshbook.RankValues)
+    assert values[-1:] == {3: 30} and values[::2] == {0: 0, 2: 20}
+    assert meshbook.RankValues({0: 0, 2: 20})[1:] == {2: 20}  # ranks that answered, by number
+    with pytest.raises(TypeError, match=r"by one rank \(vals\[2\]\) or a slice"):
+        values[[0, 1]]  # type: ignore[call-overload]
+
+
 def test_a_long_repr_is_cut_with_a_note() -> None:
     values = meshbook.RankValues({0: "y" * 50_000, 1: "y" * 50_000 + "z"})
     lines = repr(values).splitlines()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import html
 import sys
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, overload
 
 from .limits import HTML_CHARS, capped
 from .text import format_ranks, group_by_text
@@ -31,9 +31,22 @@ class RankValues(Mapping[int, Any]):
         self._values = {r: values[r] for r in sorted(values)}
         self._topology = topology
 
-    def __getitem__(self, rank: int) -> Any:
+    @overload
+    def __getitem__(self, rank: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, rank: slice) -> "RankValues": ...
+
+    def __getitem__(self, rank: int | slice) -> Any:
+        if isinstance(rank, slice):  # ranks by number, as range() counts them: vals[1:3] is ranks 1 and 2
+            chosen = range(*rank.indices(max(self._values, default=-1) + 1))
+            return RankValues({r: v for r, v in self._values.items() if r in chosen}, self._topology)
         try:
             return self._values[rank]
+        except TypeError:  # a list of ranks, say: unhashable
+            raise TypeError(f"values are looked up by one rank (vals[2]) or a slice of rank numbers "
+                            f"(vals[0:4]), not a {type(rank).__name__}; vals.where(dp=0) selects by "
+                            f"dimension") from None
         except KeyError:
             raise KeyError(f"no value for rank {rank}; ranks here: {format_ranks(self._values)}") from None
 
@@ -67,8 +80,12 @@ class RankValues(Mapping[int, Any]):
 
     def groups(self) -> list[tuple[list[int], str]]:
         """Ranks grouped by identical repr, ordered by their lowest rank; ranks whose arrays
-        print alike but hold other numbers (a tensor prints 4 decimals) are not one group."""
-        found = [(part, text) for ranks, text in group_by_text({r: _safe_repr(v) for r, v in self._values.items()})
+        print alike but hold other numbers (a tensor prints 4 decimals) are not one group, and
+        ranks whose dicts hold the same items in another order are (shown as the lowest rank's
+        prints)."""
+        texts = {r: _safe_repr(v) for r, v in self._values.items()}
+        found = [(part, texts[part[0]]) for ranks, _ in group_by_text(
+                     {r: _order_free_text(v, texts[r]) for r, v in self._values.items()})
                  for part in _equal_parts(ranks, self._values)]
         return sorted(found, key=lambda group: group[0][0])
 
@@ -153,6 +170,30 @@ def _holds_arrays(value: Any, depth: int = 4) -> bool:
         return True
     items = value.values() if type(value) is dict else value if type(value) in (list, tuple) else ()
     return depth > 0 and any(_holds_arrays(item, depth - 1) for item, _ in zip(items, range(LOOKED_INTO)))
+
+
+def _order_free_text(value: Any, text: str) -> str:
+    """What ranks are grouped by: ``text`` (the value's repr), or where the value is or holds a
+    dict, the repr with its items sorted: equal dicts built in another order print apart (a
+    set needs nothing: it arrives rebuilt in this process's order)."""
+    ordered = _order_free(value)
+    return text if ordered is value else _safe_repr(ordered)
+
+
+def _order_free(value: Any, depth: int = 4) -> Any:
+    """``value`` itself, or, where it is or holds (a few levels and items deep) a dict, a
+    stand-in with the dicts' items in sorted order, where they sort."""
+    kind = type(value)
+    if depth == 0 or kind not in (dict, list, tuple) or len(value) > LOOKED_INTO:
+        return value
+    if kind is dict:
+        items = [(k, _order_free(v, depth - 1)) for k, v in value.items()]
+        try:
+            return (dict, sorted(items, key=lambda item: item[0]))
+        except TypeError:  # keys of kinds that do not compare: as they are
+            return (dict, items)
+    items = [_order_free(item, depth - 1) for item in value]
+    return value if all(a is b for a, b in zip(items, value)) else (kind, items)
 
 
 def _array_kind(value: Any) -> str | None:
