@@ -617,7 +617,7 @@ def test_supervision_rank_death_respawn(two: tuple[meshbook.Mesh, meshbook.Mesh]
         watcher = trainers.spawn("watcher", Supervisor)
         sleepy = spare.spawn("sleepy", Policy, 2, supervisor=events.append)
         spare.spawn("watched", Policy, 2, supervisor=watcher)
-        pending = sleepy.nap.call(30)
+        pending = sleepy.slice(rank=1).nap.call(30)  # rank 0 free: the death alone ends the call
         asked = trainers.spawn("asker", Trainer, 2).slice(rank=0).ask.call_one(sleepy.slice(rank=1), 30)
         time.sleep(1.0)
         spare.kill([1])

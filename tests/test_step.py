@@ -184,6 +184,23 @@ def test_a_result_timeout_bounds_the_wait_for_the_step_check_too(pair: meshbook.
     assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
 
 
+def test_a_check_waiting_for_a_rank_busy_with_earlier_work_is_told_not_waited_for(pair: meshbook.Mesh) -> None:
+    """Rank 1 runs something long sent before; rank 0's cell fails, and its step check waits
+    for rank 1. The cell's error comes after a short grace with what the check waits for, not
+    after the check's 30 s (rank 1's work may run for hours)."""
+    busy = pair.run("import time\ntime.sleep(60)", ranks=[1])
+    failed = pair.run("raise ValueError('bad')", ranks=[0])
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        failed.result()
+    assert time.monotonic() - started < 20, "waited the check's 30 s for a rank busy with earlier work"
+    assert "it waits for rank(s) 1 to finish what they run" in info.value.hint, info.value.hint
+    busy.interrupt()
+    with pytest.raises(RemoteError, match="KeyboardInterrupt"):
+        busy.result(timeout=60, echo=False)
+    assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+
+
 def test_a_collective_that_timed_out_has_its_groups_re_created() -> None:
     """Both ranks issued one collective, so the counts agreed, but the timeout closed gloo's
     connections: every later collective failed with 'Connection closed by peer'."""

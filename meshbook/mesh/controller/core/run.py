@@ -36,6 +36,9 @@ _MISSING = object()
 BRIEF_CHARS = 60
 #: How long a run's result waits for the step check that follows an irregular end.
 STEP_CHECK_WAIT_S = 30.0
+#: How long it waits for a check that waits for ranks busy with earlier work: they may run for
+#: hours. The check goes on; what is sent next waits behind it, and says so.
+STEP_CHECK_BUSY_S = 3.0
 
 
 class StepReport(Protocol):
@@ -48,6 +51,17 @@ class StepReport(Protocol):
 
     @property
     def waiting_for(self) -> list[int]: ...
+
+
+def _checked_within(check: StepReport, timeout: float | None) -> bool:
+    """Did ``check`` end within ``timeout``? Given up after :data:`STEP_CHECK_BUSY_S` where
+    it still waits for ranks busy with earlier work; a check that re-creates the process
+    groups (no rank keeps it waiting) is progress, and is waited for."""
+    if check.wait(STEP_CHECK_BUSY_S if timeout is None else min(timeout, STEP_CHECK_BUSY_S)):
+        return True
+    if check.waiting_for:
+        return False
+    return check.wait(None if timeout is None else max(0.0, timeout - STEP_CHECK_BUSY_S))
 
 
 #: How ``result()`` follows a run when a mesh's API is there: ``follow(run, renderer, timeout)``
@@ -318,7 +332,7 @@ class Run:
         check = self.step_check
         if check is None:
             return ""
-        if not check.wait(timeout):
+        if not _checked_within(check, timeout):
             busy = check.waiting_for
             doing = (f"it waits for rank(s) {format_ranks(busy)} to finish what they run" if busy
                      else "it is re-creating the process groups")
