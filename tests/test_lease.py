@@ -408,6 +408,10 @@ def test_mesh_files_that_cannot_be_used_are_listed_with_why_and_kept(tmp_path, m
         listed = {r.id: r for r in meshbook.list_meshes()}
         assert set(listed) == {good, "badpid", "badkey", "cut"}, "a file was dropped that only its agent may drop"
         assert not listed[good].problem, "a pid that is not running here decides nothing"
+        shown = repr(meshbook.list_meshes())  # what a cell prints, and a saved notebook keeps
+        assert f"id={good!r}" in shown and "ranks=2" in shown
+        secrets = [record["key"], *record["server"].values(), *record["controller"].values()]
+        assert not [s for s in secrets if s in shown], "the mesh's keys were printed"
         assert "pid 'x' is not a number" in listed["badpid"].problem
         assert "ValueError" in listed["badkey"].problem and "JSONDecodeError" in listed["cut"].problem
         for broken in ("badkey", "cut"):

@@ -140,6 +140,14 @@ class MeshRecord:
         if self.launcher_state.get("dir"):
             shutil.rmtree(self.launcher_state["dir"], ignore_errors=True)
 
+    def __repr__(self) -> str:
+        """Its row, never its keys: ``meshbook.list_meshes()`` in a cell prints it, and a
+        notebook's outputs are saved and shared (the file itself is 0600 for them)."""
+        row = self.row()
+        del row["attached"]  # known to the listing, not to the record
+        return "MeshRecord(" + ", ".join(f"{name.replace(' ', '_')}={value!r}" for name, value in row.items()) + \
+            (f", problem={self.problem!r}" if self.problem else "") + ")"
+
     def row(self, attached_here: str = "") -> dict[str, Any]:
         """This mesh as a row of ``%mesh list`` (``attached_here``: its name in this process)."""
         if self.problem:
