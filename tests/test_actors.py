@@ -221,6 +221,39 @@ async def _awaited(future: meshbook.ActorFuture) -> object:
     return await future
 
 
+class Waiter(meshbook.Actor):
+    """``async def`` endpoints, as Monarch's actors are written."""
+
+    @meshbook.endpoint
+    async def later(self, x: int) -> int:
+        await asyncio.sleep(0.05)
+        return x * 10 + self.rank
+
+    @meshbook.endpoint
+    async def ask(self, other: Any) -> object:
+        return await other.slice(rank=0).later.call_one(7)  # another actor's, from this rank's loop
+
+
+def test_an_async_endpoint_is_awaited_on_its_rank(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
+    trainers, generators = two
+    waiter = generators.spawn("waiter", Waiter)
+    try:
+        assert dict(waiter.later.call(3).result(timeout=60)) == {0: 30, 1: 31}
+        asker = trainers.spawn("asker_async", Waiter)
+        assert dict(asker.ask.call(waiter).result(timeout=60)) == {0: 70, 1: 70}
+        trainers.run("del asker_async").result()
+    finally:
+        generators.run("del waiter").result()
+
+
+def test_a_generator_cannot_be_an_endpoint() -> None:
+    with pytest.raises(TypeError, match=r"Bad.items' is a generator: a call answers with one value"):
+        class Bad(meshbook.Actor):
+            @meshbook.endpoint
+            def items(self) -> Any:
+                yield 1
+
+
 def test_choose_picks_the_least_busy_rank(two: tuple[meshbook.Mesh, meshbook.Mesh]) -> None:
     _, generators = two
     napper = generators.spawn("napper", Policy, 2)

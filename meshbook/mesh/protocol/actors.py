@@ -21,6 +21,7 @@ over several hosts only has to report a network address there.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, Sequence
@@ -35,7 +36,11 @@ ENDPOINT_MARK = "__meshbook_endpoint__"
 
 
 def endpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Make an actor method callable from the notebook and from other actors."""
+    """Make an actor method callable from the notebook and from other actors. An ``async def``
+    one is awaited on its rank's event loop; a generator cannot be one (a call answers once)."""
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(f"@endpoint {getattr(fn, '__qualname__', fn)!r} is a generator: a call answers with "
+                        f"one value, so return them all (a list), or call it once per item")
     setattr(fn, ENDPOINT_MARK, True)
     return fn
 

@@ -26,6 +26,7 @@ never queued where nothing listens.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 import secrets
@@ -116,10 +117,13 @@ class ActorHost:
                 self._released[request] = self.worker.wire.pack(note)
 
     def _run(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``function(*args, **kwargs)`` as user code, its tensors moved to this rank's device."""
+        """``function(*args, **kwargs)`` as user code, its tensors moved to this rank's device;
+        an ``async def`` endpoint's coroutine is run to its end on the rank's event loop, as a
+        cell's top-level ``await`` is."""
         args, kwargs = on_device((args, kwargs), self.worker.device)
         with self.worker.user_code():
-            return function(*args, **kwargs)
+            value = function(*args, **kwargs)
+            return self.worker.run_awaitable(value) if inspect.iscoroutine(value) else value
 
     def spawn(self, body: dict[str, Any]) -> Peer:
         """Build this rank's instance of an actor; answer how other ranks reach it."""

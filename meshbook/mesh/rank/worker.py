@@ -441,12 +441,18 @@ class Worker:
         (an interrupt cancels what it awaits)."""
         if not is_async(code):
             return eval(code, ns)
+        return self.run_awaitable(eval(code, ns))
+
+    def run_awaitable(self, coroutine: Any) -> Any:
+        """Run ``coroutine`` to its end on the rank's event loop: one per rank, kept across
+        requests (what a cell's top-level ``await`` started stays on it); an interrupt cancels
+        what it awaits."""
         import asyncio
 
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             asyncio.set_event_loop(self._loop)
-        task = self._loop.create_task(eval(code, ns))
+        task = self._loop.create_task(coroutine)
         try:
             return self._loop.run_until_complete(task)
         finally:
