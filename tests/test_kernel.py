@@ -168,6 +168,26 @@ def test_restart_of_a_mesh_started_from_python_says_how(kernel: Kernel) -> None:
         kernel.ok("%mesh use mesh\napi.stop()")
 
 
+def test_a_whole_mesh_restart_says_where_the_new_mesh_is(kernel: Kernel) -> None:
+    """A handle taken before (``mesh = meshbook.current()``, as the tutorials do) said "stopped
+    by the user; start a new one", and a kept mesh's new id went unsaid."""
+    kernel.ok("%mesh start -n 1 --name again --keep 5m\nbefore = meshbook.current()")
+    try:
+        old_id = kernel.value("before.controller.lease.id")
+        out = kernel.ok("%mesh restart").stream()
+        new_id = kernel.value("meshbook.current().controller.lease.id")
+        assert new_id != old_id
+        assert out == (f"restarted mesh 'again': 1 ranks (world=1, cpu); kept as {new_id} (not {old_id} any more): "
+                       f"after a kernel restart, %mesh attach {new_id}. Handles to the old mesh stopped with it: "
+                       f"mesh = meshbook.current() takes the new one\n"), out
+        stale = kernel.execute("before.run('1').result()")
+        assert stale.content["ename"] == "MeshStoppedError"
+        assert stale.content["evalue"] == ("the mesh is stopped (replaced by a new mesh (%mesh restart)); take the "
+                                           "new one: mesh = meshbook.current()")
+    finally:
+        kernel.ok("%mesh stop again\n%mesh use mesh")
+
+
 def test_a_forced_start_says_which_mesh_it_stopped(kernel: Kernel) -> None:
     kernel.ok("%mesh start -n 1 --name side")
     try:

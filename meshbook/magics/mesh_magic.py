@@ -314,10 +314,15 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
                              f"its ranks instead (fresh namespaces), %mesh restart {every}")
         if options is None:
             raise UsageError("nothing to restart: start a mesh with %mesh start first")
+        old = mesh.controller.lease if mesh is not None else None
         if mesh is not None:
-            mesh.stop()
+            mesh.stop(replaced=True)
         mesh = start(**options)
-        print(f"restarted {describe(mesh)}")
+        lease = mesh.controller.lease
+        kept = f"; kept as {lease.id}" + (f" (not {old.id} any more)" if old is not None else "") + \
+            f": after a kernel restart, %mesh attach {lease.id}" if lease is not None else ""
+        print(f"restarted {describe(mesh)}{kept}. Handles to the old mesh stopped with it: "
+              f"mesh = meshbook.current() takes the new one")
 
     @magic_arguments(name="mesh status")
     @command

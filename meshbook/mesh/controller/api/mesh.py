@@ -39,7 +39,7 @@ from ...protocol.versions import versions
 from ...rank import ops
 from .. import recovery
 from ..core.book import RankState
-from ..core.controller import USER_STOP, Controller
+from ..core.controller import REPLACED, USER_STOP, Controller
 from ..core.render import EventRenderer
 from ..core.run import Run
 from ..insight.memory import MemoryReport, memory_report
@@ -484,9 +484,10 @@ class Mesh(DebugOps, DataOps, PlanOps):
         dead among them are skipped; a :class:`MeshError` if every one is dead."""
         self.controller.interrupt(self.living(ranks, "interrupt"))
 
-    def stop(self) -> None:
-        """Stop the whole mesh (every rank and agent), not only this view's ranks."""
-        self.controller.stop()
+    def stop(self, *, replaced: bool = False) -> None:
+        """Stop the whole mesh (every rank and agent), not only this view's ranks. ``replaced``:
+        a new mesh takes its place (``%mesh restart``), and its handles say to take that one."""
+        self.controller.stop(REPLACED if replaced else USER_STOP)
 
     def __enter__(self) -> "Mesh":
         return self

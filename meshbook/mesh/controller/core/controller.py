@@ -62,6 +62,9 @@ from .transport import Sent, Transport, log
 
 #: Why a mesh stopped when the user stopped it (any other reason: it ended on its own).
 USER_STOP = "stopped by the user"
+#: Why a mesh stopped when ``%mesh restart`` started a new one in its place: its handles say
+#: where the new one is, not to start one.
+REPLACED = "replaced by a new mesh (%mesh restart)"
 #: How many rank lists' routes are kept (see ``Controller._routes``); more are grouped anew.
 ROUTES_KEPT = 64
 #: How long a run answered by every rank waits for the other members of the collectives it
@@ -543,8 +546,9 @@ class Controller:
         if self.stopped and self.detached:
             raise MeshStoppedError(f"this kernel let go of the mesh, which runs on: {self.stop_reason}")
         if self.stopped:
-            raise MeshStoppedError(f"the mesh is stopped ({self.stop_reason}); start a new one "
-                                   f"with meshbook.start(...)")
+            advice = ("take the new one: mesh = meshbook.current()" if self.stop_reason == REPLACED
+                      else "start a new one with meshbook.start(...)")
+            raise MeshStoppedError(f"the mesh is stopped ({self.stop_reason}); {advice}")
         dead = self.book.dead(ranks)
         if dead:
             causes = "; ".join(f"rank {s.rank}: {s.cause}" for s in dead)
