@@ -61,6 +61,17 @@ def test_a_progress_line_updates_in_place_and_labelled(kernel: Kernel) -> None:
     assert text.endswith("] step 2/3 done\n") and text.count("\n") == 1, repr(text)
 
 
+def test_a_line_printed_in_pieces_shows_while_the_rank_works(kernel: Kernel) -> None:
+    """``print('.', end='', flush=True)`` while working: the dots show as they come, as in a
+    local cell, not all at once when the line ends."""
+    reply = kernel.ok("%%mesh --ranks 0\nimport time\nprint('working', end='', flush=True)\n"
+                      "for i in range(4):\n    time.sleep(0.6)\n    print('.', end='', flush=True)\nprint(' done')")
+    streams = [(t, m["content"]["text"]) for t, m in reply.outputs if m["msg_type"] == "stream"]
+    assert len(streams) >= 3 and reply.replied_at - streams[0][0] > 1.0, streams  # streamed while it ran
+    assert streams[0][1].startswith("[0] working"), streams
+    assert reply.stream().endswith("[0] working.... done\n"), repr(reply.stream())  # each over the last
+
+
 def test_cells_read_like_ipython_cells(kernel: Kernel) -> None:
     """A trailing ; hides the value; a top-level await runs on the rank's event loop (kept from
     cell to cell); a magic or shell command says it runs in the notebook, not on the ranks."""

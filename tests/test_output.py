@@ -162,6 +162,28 @@ def test_a_progress_line_shows_at_once_and_each_update_overwrites_it() -> None:
     assert written[4:] == [("stdout", "[0,1] next\n")]  # nothing to overwrite any more
 
 
+def test_a_line_left_unfinished_shows_live_after_a_moment() -> None:
+    """Dots printed with ``end=''`` while a rank works show as they come (after PARTIAL_S:
+    a line written in pieces a moment apart does not flicker), then the whole line over them."""
+    written, write = collect()
+    clock = Clock()
+    merger = LineMerger([0, 1], write, clock=clock)
+    merger.feed_event(Output(0, "stdout", "epoch 1: "))
+    merger.poll()
+    assert written == [] and merger.next_deadline() == pytest.approx(0.5)
+    clock.now = 0.5
+    merger.poll()
+    assert written == [("stdout", "[0] epoch 1: ")]
+    merger.feed_event(Output(0, "stdout", "."))  # showing already: at once
+    merger.poll()
+    assert written[1:] == [("stdout", "\r[0] epoch 1: .")]
+    assert merger.next_deadline() is None  # nothing to wake up for
+    merger.feed_event(Output(0, "stdout", " done\n"))
+    merger.feed_event(Output(1, "stdout", "epoch 1: . done\n"))
+    merger.poll()
+    assert written[2:] == [("stdout", "\r[0,1] epoch 1: . done\n")]
+
+
 def test_the_ordered_collector_keeps_what_a_progress_line_shows_in_the_end() -> None:
     written, write = collect()
     collector = OrderedCollector([0], write)

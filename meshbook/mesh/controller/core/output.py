@@ -11,7 +11,9 @@ one shows after every line the rank printed before (ranks 0,1 printing ``A B`` a
 contributes to two separate lines. A progress line (``\r``, as tqdm writes) shows at once, labelled, and each
 update overwrites it (``\r[0] 50%|...``), as in a terminal, the lowest rank's while several ranks have
 one going; a line is what it shows in the end
-(its text after its last ``\r``). Per-rank lines written together are sorted by rank between the merged lines around
+(its text after its last ``\r``). A line a rank leaves unfinished for ``PARTIAL_S`` (dots
+printed with ``end="", flush=True`` while it works) shows the same way, live, until it ends:
+sooner, output written in pieces would flicker. Per-rank lines written together are sorted by rank between the merged lines around
 them (``[0] loss 1.2``, ``[1] loss 1.3``, ... whatever order they arrived in).
 
 :class:`OrderedCollector` buffers instead and writes each rank's output in rank order when the
@@ -40,6 +42,8 @@ Write = Callable[[str, str], None]
 #: line; at most ``MERGE_CAP_S``.
 MERGE_WINDOW_S = 1.0
 MERGE_CAP_S = 10.0
+#: How long a rank's unfinished line (no ``\r``, no newline yet) waits before it shows live.
+PARTIAL_S = 0.5
 
 
 @dataclass
@@ -55,28 +59,53 @@ class _Line:
 class _Splitter:
     """Cuts each rank's stream into complete lines; the unfinished tail waits."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         self._partial: dict[tuple[int, str], str] = defaultdict(str)
+        self._since: dict[tuple[int, str], float] = {}  # when each unfinished tail began
+        self._clock = clock
 
     def lines(self, rank: int, stream: str, text: str) -> list[str]:
         """The lines ``text`` completes, each as it shows in the end (:func:`shown`)."""
-        pending = self._partial[(rank, stream)] + text
-        *complete, self._partial[(rank, stream)] = pending.split("\n")
+        key = (rank, stream)
+        pending = self._partial[key] + text
+        *complete, self._partial[key] = pending.split("\n")
+        if not self._partial[key]:
+            self._since.pop(key, None)
+        elif complete or key not in self._since:
+            self._since[key] = self._clock()
         return [shown(line) for line in complete]
 
+    def _live(self, key: tuple[int, str], now: float) -> bool:
+        """Does the unfinished tail show: a progress line (it has a ``\r``), or one left
+        unfinished for :data:`PARTIAL_S`?"""
+        tail = self._partial.get(key, "")
+        return "\r" in tail or bool(tail) and now - self._since[key] >= PARTIAL_S
+
     def progress(self, rank: int, stream: str) -> str:
-        """What the unfinished tail shows now, if it is a progress line (it has a ``\r``)."""
-        tail = self._partial[(rank, stream)]
-        return shown(tail) if "\r" in tail else ""
+        """What the unfinished tail shows now, if it shows (:meth:`_live`)."""
+        key = (rank, stream)
+        return shown(self._partial[key]) if self._live(key, self._clock()) else ""
 
     def first_in_progress(self, stream: str) -> int | None:
-        """The lowest rank whose unfinished tail on ``stream`` is a progress line."""
-        return min((rank for (rank, on), tail in self._partial.items() if on == stream and "\r" in tail),
+        """The lowest rank whose unfinished tail on ``stream`` shows."""
+        now = self._clock()
+        return min((rank for (rank, on) in self._partial if on == stream and self._live((rank, on), now)),
                    default=None)
+
+    def next_shown(self) -> float | None:
+        """When the next unfinished line that does not show yet will (None: none waits)."""
+        now = self._clock()
+        return min((since + PARTIAL_S for key, since in self._since.items()
+                    if since + PARTIAL_S > now and "\r" not in self._partial[key]), default=None)
+
+    def streams(self) -> set[str]:
+        """The streams a rank left a line unfinished on."""
+        return {stream for (_, stream), tail in self._partial.items() if tail}
 
     def tails(self) -> list[tuple[int, str, str]]:
         out = [(rank, stream, text) for (rank, stream), text in self._partial.items() if text]
         self._partial.clear()
+        self._since.clear()
         return out
 
 
@@ -89,7 +118,7 @@ class LineMerger:
         self._write = write
         self._window = window
         self._clock = clock
-        self._splitter = _Splitter()
+        self._splitter = _Splitter(clock)
         self._printed: dict[tuple[int, str], int] = defaultdict(int)  # lines per (rank, stream)
         self._lines: dict[int, _Line] = {}  # waiting, by serial (insertion order = display order)
         self._alike: dict[tuple[str, str], list[_Line]] = defaultdict(list)  # waiting, by text
@@ -99,6 +128,8 @@ class LineMerger:
         #: Streams whose last write is a progress line, not ended, and its length: the next
         #: write overwrites it (blanking what a shorter one would leave of it).
         self._progress: dict[str, int] = {}
+        #: What each stream's progress line shows now (not written again unchanged).
+        self._live: dict[str, str] = {}
         #: When each rank last joined a line another rank printed first (it is catching up).
         self._joined: dict[int, float] = {}
         self._everyone = frozenset(self._running)
@@ -107,11 +138,7 @@ class LineMerger:
         if isinstance(event, Output):
             for line in self._splitter.lines(event.rank, event.stream, event.text):
                 self._add(event.rank, event.stream, line)
-            progress = self._splitter.progress(event.rank, event.stream)
-            # One live bar, the lowest rank's: bars of several ranks updating one line took
-            # turns there (tqdm on every rank flickered between them). Each shows as it ends.
-            if progress and event.rank == self._splitter.first_in_progress(event.stream):
-                self._show(event.stream, f"[{event.rank}] {progress}", ended=False)
+            self._show_progress(event.stream, event.rank)
         elif isinstance(event, (Result, Error)):
             self._running.discard(event.rank)
         elif isinstance(event, Results):
@@ -133,9 +160,26 @@ class LineMerger:
         self._printed[(rank, stream)] += 1
         self._newest[(rank, stream)] = entry.serial
 
+    def _show_progress(self, stream: str, updated: int | None = None) -> None:
+        """One live line per stream, the lowest rank's: bars of several ranks updating one line
+        took turns there (tqdm on every rank flickered between them). Each shows as it ends.
+        ``updated``: only if that rank's is the one shown (its output just came)."""
+        rank = self._splitter.first_in_progress(stream)
+        if rank is None or updated not in (None, rank):
+            return
+        text = f"[{rank}] {self._splitter.progress(rank, stream)}"
+        if text != self._live.get(stream) or stream not in self._progress:
+            self._show(stream, text, ended=False)
+            self._live[stream] = text
+
     def poll(self) -> None:
         """Write every line that is complete or has waited long enough, each after the lines
-        its ranks printed before it."""
+        its ranks printed before it, then the unfinished lines that show by now."""
+        self._emit_due()
+        for stream in self._splitter.streams():
+            self._show_progress(stream)
+
+    def _emit_due(self) -> None:
         now = self._clock()
         ready: list[_Line] = []
         held: set[int] = set()  # ranks with an earlier line still waiting
@@ -160,10 +204,12 @@ class LineMerger:
         return min(entry.first_seen + MERGE_CAP_S, max(entry.first_seen, catching_up) + self._window)
 
     def next_deadline(self) -> float | None:
-        """Seconds until the oldest waiting line must be written (None: nothing waits)."""
-        for entry in self._lines.values():
-            return max(0.0, self._due(entry) - self._clock())
-        return None
+        """Seconds until the oldest waiting line must be written, or an unfinished one shows
+        (None: nothing waits)."""
+        due = [self._due(entry) for entry in itertools.islice(self._lines.values(), 1)]
+        shown_at = self._splitter.next_shown()
+        due += [shown_at] if shown_at is not None else []
+        return max(0.0, min(due) - self._clock()) if due else None
 
     def flush(self) -> None:
         """Write everything waiting now (before a display, say), keeping unfinished lines."""
