@@ -13,8 +13,9 @@ update overwrites it (``\r[0] 50%|...``), as in a terminal, the lowest rank's wh
 one going; a line is what it shows in the end
 (its text after its last ``\r``). A line a rank leaves unfinished for ``PARTIAL_S`` (dots
 printed with ``end="", flush=True`` while it works) shows the same way, live, until it ends:
-sooner, output written in pieces would flicker. Per-rank lines written together are sorted by rank between the merged lines around
-them (``[0] loss 1.2``, ``[1] loss 1.3``, ... whatever order they arrived in).
+sooner, output written in pieces would flicker. Per-rank lines written together are sorted by
+rank between the merged lines around them (``[0] loss 1.2``, ``[1] loss 1.3``, ... whatever
+order they arrived in).
 
 :class:`OrderedCollector` buffers instead and writes each rank's output in rank order when the
 run ends (ranks with identical output shown once): deterministic, for tests and docs.
