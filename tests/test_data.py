@@ -598,6 +598,9 @@ def test_a_name_missing_on_some_ranks_is_named(mesh4: meshbook.Mesh) -> None:
         mesh4.pull("only_some")
     with pytest.raises(MissingNameError, match=message):
         mesh4.ref("only_some")
+    for refused in (mesh4.pull, mesh4.ref):  # no variable can have it: not "not defined on rank(s) 0-3"
+        with pytest.raises(MeshError, match=r"'not-a-name' is not a valid variable name \(letters, digits and _"):
+            refused("not-a-name")
     with pytest.raises(MissingNameError, match="on rank\\(s\\) 0-3; define it there"):
         mesh4.pull("nowhere")
     assert dict(mesh4.pull("only_some", ranks=[0, 1])) == {0: 1, 1: 1}

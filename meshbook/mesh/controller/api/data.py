@@ -273,6 +273,8 @@ def _infos(mesh: MeshView, name: str, ranks: list[int], timeout: float | None = 
     """Every rank's metadata for ``name``; :class:`MissingNameError` naming the ranks without it."""
     if not isinstance(name, str):
         raise MeshError(f"variable names are strings, not {type(name).__name__}")
+    if not name.isidentifier():  # never a variable: not "not defined on rank(s) 0,1"
+        raise MeshError(f"{name!r} is not a valid variable name (letters, digits and _, e.g. 'loss')")
     found = mesh.call(ops.info, name, ranks=ranks, what=f"info({name!r})")
     infos = found.result(timeout=timeout, echo=False)
     missing = [r for r, info in infos.items() if info is None]
