@@ -124,6 +124,14 @@ def test_rank_holding_the_gil_in_c_is_dumped_from_outside(mesh: meshbook.Mesh) -
     run.result(timeout=30, echo=False)
 
 
+def test_restart_without_ranks_restarts_every_rank_of_the_view() -> None:
+    """As %mesh restart does with no ranks (it raised a TypeError: ranks was required)."""
+    with meshbook.start(2) as fresh:
+        fresh.run("x = 1").result()
+        assert fresh.restart().restarted == [0, 1]
+        assert fresh.run("'x' in globals()").result().unique() is False
+
+
 def test_dead_rank_is_shown_as_such_and_restart_brings_it_back(mesh: meshbook.Mesh) -> None:
     with pytest.raises(RemoteError, match="rank 2 died: SIGKILL"):
         mesh.run("import os\nos.kill(os.getpid(), 9)", ranks=[2]).result(timeout=30)

@@ -88,9 +88,11 @@ class DebugOps:
                             f"(%mesh restart {text}) brings them back")
         return live
 
-    def restart(self, ranks: Sequence[int] | str | int, timeout: float = 120.0, on: str | None = None) -> Recovery:
-        """Re-fork ``ranks`` under the same rank ids and re-create the process group on all
-        ranks; every other rank keeps its variables. Frees ranks stuck waiting for them.
+    def restart(self, ranks: Sequence[int] | str | int | None = None, timeout: float = 120.0,
+                on: str | None = None) -> Recovery:
+        """Re-fork ``ranks`` (by default every rank of this view: fresh namespaces) under the
+        same rank ids and re-create the process group on all ranks; every other rank keeps its
+        variables. Frees ranks stuck waiting for them.
 
         Ranks of a lost host get a new agent on that host, or on host ``on`` (ssh launcher)."""
         chosen = self.select(ranks)
