@@ -38,6 +38,9 @@ def test_who_shows_a_dtensor_once_for_all_ranks(kernel: Kernel) -> None:
     assert rows["step"].split() == ["step", "int", "0-3"]
     assert "total per rank: [0-3] 64 B" in table
     assert "0,1" in kernel.ok("%mesh who --where dp=0").stream()
+    pulled = kernel.ok("%mesh pull w --ranks 0 --out shard")  # a note of the cell's, not a line of meshbook's
+    assert pulled.stream("stderr") == ("note: 'w' is a DTensor: each rank's value is its local shard, not the whole "
+                                       "tensor; mesh.ref('w').full_tensor() gives the whole\n"), pulled.stream("stderr")
 
 
 def test_push_reads_the_notebook_and_pull_brings_values_back(kernel: Kernel) -> None:

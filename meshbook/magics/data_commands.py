@@ -11,6 +11,8 @@ A mixin of :class:`~meshbook.magics.mesh_magic.MeshMagics`; each command is a th
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -59,8 +61,11 @@ class DataCommands:
         """Bring a variable back from the ranks, as per-rank values (tensors on the CPU)."""
         args = parse_argstring(self.pull, line)
         out, (ranks, where) = out_name(args), selected(args)
-        values = require_mesh().pull(args.name, ranks, where=where,
-                                     max_bytes=parse_size(args.max_bytes))
+        with warnings.catch_warnings(record=True) as said:  # a note for the cell, not a line of meshbook's
+            warnings.simplefilter("always")
+            values = require_mesh().pull(args.name, ranks, where=where, max_bytes=parse_size(args.max_bytes))
+        for warning in said:
+            print(f"note: {warning.message}", file=sys.stderr)
         if out is None:
             return values
         # Not returned as well: IPython's Out[n] and _ would hold the values (and their
