@@ -52,6 +52,9 @@ def test_a_kept_mesh_survives_its_kernel_and_a_new_kernel_attaches_it(how: str) 
         assert "lease left" in listed and any(mesh_id in line and "localhost" in line
                                               for line in listed.splitlines()), listed
         assert second.value(f"[r.lease_left() > 0 for r in meshbook.list_meshes() if r.id == {mesh_id!r}]") == [True]
+        refused = second.execute(f"%mesh stop {mesh_id}")  # not "no mesh named ... is running"
+        assert refused.content["evalue"] == f"{mesh_id} is a kept mesh this kernel has not attached: " \
+            f"%mesh attach {mesh_id}, then %mesh stop", refused.content
         attached = second.ok(f"%mesh attach {mesh_id}").stream()
         assert "attached" in attached and "2 ranks (world=2, cpu)" in attached, attached
         status = second.ok("%mesh status").stream()
@@ -418,6 +421,8 @@ def test_mesh_files_that_cannot_be_used_are_listed_with_why_and_kept(tmp_path, m
             with pytest.raises(meshbook.MeshError, match=f"kept mesh {broken}: its file .* cannot be used"):
                 meshbook.attach(broken)
         assert listed["cut"].row()["attached"].startswith("unusable: its file")
+        with pytest.raises(meshbook.MeshError, match=rf"\(meshes that can be attached: {good}\)"):
+            meshbook.attach("nosuch")  # not the files that cannot be
     finally:
         mesh.stop()
     assert not os.path.exists(_mesh_file(good))

@@ -18,6 +18,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..mesh import (
     CellSyntaxError,
+    Mesh,
     MeshError,
     MeshTimeout,
     RankValues,
@@ -267,7 +268,7 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
         """Stop the mesh: every rank and its host agent exit; namespaces are lost."""
         args = parse_argstring(self.stop, line)
         chosen = list(meshes().values()) if args.every else \
-            [require_mesh(args.name)] if args.name else [m for m in [running_mesh()] if m is not None]
+            [_running_or_kept(args.name)] if args.name else [m for m in [running_mesh()] if m is not None]
         if not chosen:
             left = meshes()
             print(f"the current mesh is stopped; running: {', '.join(left)} (%mesh stop NAME, or --all)"
@@ -382,6 +383,18 @@ class MeshMagics(DebugCommands, WidgetCommands, DataCommands, PlanCommands, Magi
     def unload(self) -> None:
         if self._auto:
             self.off("")
+
+
+def _running_or_kept(name: str) -> Mesh:
+    """The running mesh ``name``; for the id of a kept mesh this kernel has not attached, a
+    UsageError saying how to stop it (it said that no mesh of that name ran)."""
+    try:
+        return require_mesh(name)
+    except UsageError:
+        if any(record.id == name and not record.problem for record in list_meshes()):
+            raise UsageError(f"{name} is a kept mesh this kernel has not attached: %mesh attach {name}, "
+                             f"then %mesh stop") from None
+        raise
 
 
 def _auto_mesh(lines: list[str]) -> list[str]:

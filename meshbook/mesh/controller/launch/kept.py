@@ -135,7 +135,7 @@ def find(mesh_id: str) -> MeshRecord:
     found = list_meshes()
     record = next((r for r in found if r.id == mesh_id), None)
     if record is None:
-        ids = ", ".join(r.id for r in found) or "none"
+        ids = ", ".join(r.id for r in found if not r.problem) or "none"
         raise MeshError(f"no kept mesh {mesh_id!r} (meshes that can be attached: {ids}); its lease "
                         f"may have run out. %mesh list (meshbook.list_meshes()) shows them")
     if record.problem:
