@@ -27,6 +27,11 @@ def test_a_mesh_error_from_the_python_api_shows_the_cell_and_the_message_only(ke
     assert "line 3" in shown and "mesh.run('rank', ranks=[9])" in shown, shown
     assert shown.splitlines()[-1].startswith("SelectionError: "), shown
     assert kernel.ok("%%mesh\nrank").of_type("execute_result")  # nothing wedged
+    # nor the frames of what meshbook called (contextlib's, as a push packs its values)
+    reply = kernel.execute("import threading\nmesh.push(lock=threading.Lock())")
+    shown = "\n".join(reply.content["traceback"])
+    assert reply.content["ename"] == "SendError" and "contextlib" not in shown, shown
+    assert "mesh.push(lock=threading.Lock())" in shown, shown
 
 
 def test_help_is_real(kernel: Kernel) -> None:

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 from .text import format_ranks, group_by_text, parse_size
 
 #: meshbook's own files, and IPython's (the frame that runs a cell): not the user's frames.
-_NOT_THE_USERS = (os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
-                  os.sep + "IPython" + os.sep)
+_MESHBOOK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_IPYTHON = os.sep + "IPython" + os.sep
 
 
 class MeshError(Exception):
@@ -28,9 +28,14 @@ class MeshError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         """What IPython shows of it in a notebook: the cell's own frames and the message, not
-        meshbook's frames inside the call (the message says what to do; they only bury it)."""
-        frames = [f for f in traceback.extract_tb(self.__traceback__)
-                  if not any(part in f.filename for part in _NOT_THE_USERS)]
+        meshbook's frames inside the call, nor what they called (contextlib's, say): the
+        message says what to do, and they only bury it."""
+        frames = []
+        for frame in traceback.extract_tb(self.__traceback__):
+            if frame.filename.startswith(_MESHBOOK):
+                break
+            if _IPYTHON not in frame.filename:
+                frames.append(frame)
         lines = [line for text in traceback.format_list(frames) for line in text.rstrip("\n").splitlines()]
         return [*lines, f"{type(self).__name__}: {self}"]
 
