@@ -189,9 +189,10 @@ def test_a_whole_mesh_restart_says_where_the_new_mesh_is(kernel: Kernel) -> None
     by the user; start a new one", and a kept mesh's new id went unsaid."""
     kernel.ok("%mesh start -n 1 --name again --keep 5m\nbefore = meshbook.current()")
     try:
-        old_id = kernel.value("before.controller.lease.id")
+        old_id = kernel.value("before.kept_id")
+        assert kernel.value("repr(before)") == f"<Mesh 'again' world=1, kept as {old_id}: running>"
         out = kernel.ok("%mesh restart").stream()
-        new_id = kernel.value("meshbook.current().controller.lease.id")
+        new_id = kernel.value("meshbook.current().kept_id")
         assert new_id != old_id
         assert out == (f"restarted mesh 'again': 1 ranks (world=1, cpu); kept as {new_id} (not {old_id} any more): "
                        f"after a kernel restart, %mesh attach {new_id}. Handles to the old mesh stopped with it: "

@@ -308,6 +308,13 @@ class Mesh(DebugOps, DataOps, PlanOps):
         return self.controller.name
 
     @property
+    def kept_id(self) -> str | None:
+        """The id a kept mesh (``start(..., keep=...)``) is attached by after a kernel restart
+        (``meshbook.attach(id)``, ``%mesh attach ID``); None for a mesh that is not kept."""
+        lease = self.controller.lease
+        return lease.id if lease is not None else None
+
+    @property
     def ranks(self) -> list[int]:
         return list(self._ranks)
 
@@ -499,7 +506,8 @@ class Mesh(DebugOps, DataOps, PlanOps):
         state = "stopped" if self.stopped else "running"
         view = "" if len(self._ranks) == self.world_size else f", ranks {self._ranks}"
         named = "" if self.name == "mesh" else f"{self.name!r} "
-        return f"<Mesh {named}{self.topology.describe()}{view}: {state}>"
+        kept = f", kept as {self.kept_id}" if self.kept_id is not None else ""
+        return f"<Mesh {named}{self.topology.describe()}{view}{kept}: {state}>"
 
 
 def _describe_code(code: str) -> str:

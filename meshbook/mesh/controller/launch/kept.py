@@ -136,8 +136,8 @@ def find(mesh_id: str) -> MeshRecord:
     record = next((r for r in found if r.id == mesh_id), None)
     if record is None:
         ids = ", ".join(r.id for r in found if not r.problem) or "none"
-        raise MeshError(f"no kept mesh {mesh_id!r} (meshes that can be attached: {ids}); its lease "
-                        f"may have run out. %mesh list (meshbook.list_meshes()) shows them")
+        raise MeshError(f"no kept mesh {mesh_id!r} (meshes that can be attached: {ids}): it was stopped, "
+                        f"or its lease ran out. %mesh list (meshbook.list_meshes()) shows them")
     if record.problem:
         raise MeshError(f"kept mesh {mesh_id}: {record.problem}. The mesh may still run (its agent "
                         f"removes the file when it ends); it cannot be attached without a sound file")
