@@ -104,7 +104,7 @@ def test_timeout_ends_the_cell_with_a_diagnosis_then_restart_one_rank(kernel: Ke
     assert "rank 1 never reached it: at cell line 5 (time.sleep(60))" in reply.content["evalue"]
     stacks = kernel.ok("%mesh stacks").stream()
     assert "[0,2,3] cell line 7, in <module>" in stacks and "[1] cell line 5" in stacks
-    one = kernel.ok("%mesh stacks --where world=1").stream()  # selected as %%mesh selects
+    one = kernel.ok("%mesh stacks --where dp=0,tp=1").stream()  # rank 1, selected as %%mesh selects
     assert "[1] cell line 5" in one and "[0,2,3]" not in one, one
     verdict = kernel.ok("%mesh diagnose").stream()
     assert verdict.startswith("ranks 0,2,3 wait in all_reduce")
