@@ -274,8 +274,8 @@ def test_display_on_a_rank_reaches_the_cell(kernel: Kernel) -> None:
     reply = kernel.ok("%%mesh --ranks 2\nclass R:\n    def _repr_html_(self):\n"
                       "        return '<i>hi</i>'\ndisplay(R())")
     (shown,) = reply.of_type("display_data")
-    assert shown["content"]["data"]["text/html"] == "<i>hi</i>"
-    assert shown["content"]["metadata"]["meshbook"]["rank"] == 2
+    assert shown["content"]["data"]["text/html"] == "<div><b>[2]</b><i>hi</i></div>"  # labelled as lines are
+    assert shown["content"]["metadata"]["meshbook"]["ranks"] == [2]
     # A final expression with an HTML form renders so, per group of ranks; the text stays beside it
     result = kernel.ok("%%mesh --ranks 1,2\nfrom IPython.display import HTML\nHTML(f'<b>{rank % 2}</b>')")
     (data,) = [m["content"]["data"] for m in result.of_type("execute_result")]
@@ -283,8 +283,22 @@ def test_display_on_a_rank_reaches_the_cell(kernel: Kernel) -> None:
     assert data["text/plain"] == "[1,2] <IPython.core.display.HTML object>"
     # IPython's own display(), imported as users do, reaches the notebook too (it printed a repr)
     reply = kernel.ok("%%mesh --ranks 1,3\nfrom IPython.display import display, HTML\ndisplay(HTML(f'<b>{rank}</b>'))")
-    assert sorted(m["content"]["data"]["text/html"] for m in reply.of_type("display_data")) == ["<b>1</b>", "<b>3</b>"]
+    assert [m["content"]["data"]["text/html"] for m in reply.of_type("display_data")] == [
+        "<div><b>[1]</b><b>1</b></div>", "<div><b>[3]</b><b>3</b></div>"]
     assert reply.stream() == ""
+    # the same display of several ranks shows once, between the lines printed around it
+    reply = kernel.ok("%%mesh\nfrom IPython.display import display, HTML, Image\nprint('before')\n"
+                      "display(HTML('<b>same</b>'))\nprint('after')")
+    (shown,) = reply.of_type("display_data")
+    assert shown["content"]["data"]["text/html"] == "<div><b>[0-3]</b><b>same</b></div>"
+    kinds = [m["msg_type"] for _, m in reply.outputs if m["msg_type"] in ("stream", "display_data")]
+    assert kinds == ["stream", "display_data", "stream"] and reply.stream() == "[0-3] before\n[0-3] after\n", \
+        (kinds, reply.stream())
+    # a bundle shown as neither HTML nor text (an image) gets its label as a line before it
+    png = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==")
+    reply = kernel.ok(f"%%mesh --ranks 0,1\nimport base64\nfrom IPython.display import display, Image\n"
+                      f"display(Image(base64.b64decode('{png}')))")
+    assert reply.stream() == "[0,1]\n" and len(reply.of_type("display_data")) == 1, reply.stream()
 
 
 def test_status_and_auto_mode(kernel: Kernel) -> None:

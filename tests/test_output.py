@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from meshbook.mesh.controller.core.output import LineMerger, OrderedCollector
 from meshbook.mesh.controller.core.render import LateOutput
-from meshbook.mesh.protocol.events import Output, Result
+from meshbook.mesh.protocol.events import Display, Output, Result
 from meshbook.mesh.rank.streams import RankStream
 
 
@@ -182,6 +182,33 @@ def test_a_line_left_unfinished_shows_live_after_a_moment() -> None:
     merger.feed_event(Output(1, "stdout", "epoch 1: . done\n"))
     merger.poll()
     assert written[2:] == [("stdout", "\r[0,1] epoch 1: . done\n")]
+
+
+def test_the_same_display_of_several_ranks_shows_once_in_its_place_among_the_lines() -> None:
+    written, write = collect()
+    shown: list[tuple[list[int], dict]] = []
+    merger = LineMerger([0, 1], write, clock=Clock(), show=lambda ranks, data: shown.append((ranks, data)) or
+                        written.append(("display", str(ranks))))
+    steps = [lambda r: Output(r, "stdout", "before\n"),
+             lambda r: Display(r, {"text/plain": "plot", "text/html": "<b>plot</b>"}),
+             lambda r: Display(r, {"text/plain": f"mine {r}"}),
+             lambda r: Output(r, "stdout", "after\n")]
+    for step in steps:  # the ranks run side by side
+        for rank in (0, 1):
+            merger.feed_event(step(rank))
+    merger.poll()
+    assert written == [("stdout", "[0,1] before\n"), ("display", "[0, 1]"), ("display", "[0]"), ("display", "[1]"),
+                       ("stdout", "[0,1] after\n")]
+    assert shown[0] == ([0, 1], {"text/plain": "plot", "text/html": "<b>plot</b>"})
+
+
+def test_a_script_shows_a_display_as_its_labelled_text() -> None:
+    written, write = collect()
+    merger = LineMerger([0, 1], write, clock=Clock())
+    for rank in (0, 1):
+        merger.feed_event(Display(rank, {"text/plain": "<Figure>", "image/png": "..."}))
+    merger.poll()
+    assert written == [("stdout", "[0,1] <Figure>\n")]
 
 
 def test_the_ordered_collector_keeps_what_a_progress_line_shows_in_the_end() -> None:

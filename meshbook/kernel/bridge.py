@@ -15,12 +15,12 @@ from functools import partial
 from typing import Any
 
 from ..mesh import (
-    Display,
     LateOutput,
     Mesh,
     Run,
     add_start_listener,
     current,
+    labelled_display,
     remove_start_listener,
 )
 
@@ -45,12 +45,16 @@ class KernelBridge:
             late = LateOutput(run.ranks, partial(self.publish_text, parent), partial(self.publish_display, parent))
             run.on_late_output, run.on_late_end = late, late.end
 
-    def publish_display(self, parent: dict[str, Any], event: Display) -> None:
-        """A rank's late ``display()`` in the cell whose ``parent`` header is given (any thread)."""
+    def publish_display(self, parent: dict[str, Any], ranks: list[int], data: dict[str, Any]) -> None:
+        """The ranks' late ``display()`` in the cell whose ``parent`` header is given (any
+        thread), labelled as their lines are."""
         kernel = self.kernel
         assert kernel is not None  # attach() hooks this up only in a kernel
+        label, shown = labelled_display(ranks, data)
+        if label:
+            self.publish_text(parent, "stdout", label)
         kernel.session.send(kernel.iopub_socket, "display_data",
-                            {"data": event.data, "metadata": {"meshbook": {"rank": event.rank}},
+                            {"data": shown, "metadata": {"meshbook": {"ranks": ranks}},
                              "transient": {}}, parent=parent)
 
     def publish_text(self, parent: dict[str, Any], stream: str, text: str) -> None:

@@ -13,10 +13,9 @@ cell's live status view is updated as the run goes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from ..mesh import (
-    Display,
     EventRenderer,
     FollowOptions,
     Mesh,
@@ -25,6 +24,7 @@ from ..mesh import (
     Run,
     View,
     follow,
+    labelled_display,
     write_stream,
 )
 
@@ -39,10 +39,14 @@ class RenderOptions:
     late_values: Callable[[RankValues], str] | None = None
 
 
-def publish_display(event: Display) -> None:
+def publish_display(ranks: list[int], data: dict[str, Any]) -> None:
+    """The ranks' display in the cell, labelled as their lines are."""
     from IPython.display import publish_display_data
 
-    publish_display_data(event.data, metadata={"meshbook": {"rank": event.rank}})
+    label, shown = labelled_display(ranks, data)
+    if label:
+        write_stream("stdout", label)
+    publish_display_data(shown, metadata={"meshbook": {"ranks": ranks}})
 
 
 def show_run(run: Run, options: RenderOptions, mesh: Mesh, view: View | None = None) -> RankValues:

@@ -40,7 +40,7 @@ _WHERE = {
     # for the notebook face
     "add_start_listener": "controller.api.mesh", "remove_start_listener": "controller.api.mesh",
     "EventRenderer": "controller.core.render", "write_stream": "controller.core.render",
-    "LateOutput": "controller.core.render",
+    "LateOutput": "controller.core.render", "labelled_display": "controller.core.render",
     "follow": "controller.api.follow", "FollowOptions": "controller.api.follow", "View": "controller.api.follow",
     "MemoryRow": "controller.insight.memory",
     "StragglerReport": "controller.insight.stragglers", "DURATION_FACTOR": "controller.insight.stragglers",
@@ -62,7 +62,7 @@ __all__ = [
     "MeshError", "RemoteError", "SelectionError", "MeshStoppedError", "MeshTimeout",
     "SendError", "CellSyntaxError",
     "RemoteRef", "Namespaces", "VarInfo", "MissingNameError", "TooLargeError", "ShapeError", "check_seconds",
-    "add_start_listener", "remove_start_listener", "EventRenderer", "write_stream", "LateOutput",
+    "add_start_listener", "remove_start_listener", "EventRenderer", "write_stream", "LateOutput", "labelled_display",
     "follow", "FollowOptions", "View", "add_start_arguments", "launcher_from_args", "launchers",
     "MemoryRow", "StragglerReport", "DURATION_FACTOR", "slow_by_duration", "DEFAULT_MAX_BYTES",
     "parse_dims", "parse_where", "format_ranks", "group_by_text", "format_bytes", "status_table", "parse_size",

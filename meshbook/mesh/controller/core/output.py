@@ -13,7 +13,9 @@ update overwrites it (``\r[0] 50%|...``), as in a terminal, the lowest rank's wh
 one going; a line is what it shows in the end
 (its text after its last ``\r``). A line a rank leaves unfinished for ``PARTIAL_S`` (dots
 printed with ``end="", flush=True`` while it works) shows the same way, live, until it ends:
-sooner, output written in pieces would flicker. Per-rank lines written together are sorted by
+sooner, output written in pieces would flicker. A rank's ``display()`` takes its place among its
+lines, and the same display from several ranks (same data) shows once, ``show(ranks, data)``
+(each labelled by its caller), as lines merge. Per-rank lines written together are sorted by
 rank between the merged lines around them (``[0] loss 1.2``, ``[1] loss 1.3``, ... whatever
 order they arrived in).
 
@@ -27,15 +29,20 @@ Both take events from :class:`~meshbook.mesh.controller.core.run.Run` and write 
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
-from ...protocol.events import Error, Event, Output, Result, Results
+from ...protocol.events import Display, Error, Event, Output, Result, Results
 from ...protocol.text import format_ranks, group_by_text
 
 Write = Callable[[str, str], None]
+#: Shows one display of the ranks given: its data, a MIME bundle.
+Show = Callable[[list[int], dict[str, Any]], None]
+#: The stream a rank's displays wait on, beside its lines (never written as text).
+DISPLAYS = "display"
 
 #: How long a line waits for the other ranks to print it too: from when it came, or, while
 #: a rank that has not reached it keeps printing the lines the others printed before it (it
@@ -55,6 +62,7 @@ class _Line:
     position: int  # how many lines of its stream its first rank had printed before it
     serial: int  # where it shows: lines show in the order of their serials
     ranks: set[int] = field(default_factory=set)
+    data: dict[str, Any] | None = None  # a display's MIME bundle (its text is the bundle's key)
 
 
 class _Splitter:
@@ -114,9 +122,10 @@ class LineMerger:
     """Streams output, merging identical lines across ranks."""
 
     def __init__(self, ranks: Iterable[int], write: Write, window: float = MERGE_WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, show: Show | None = None) -> None:
         self._running = set(ranks)
         self._write = write
+        self._show_display = show or self._display_as_text
         self._window = window
         self._clock = clock
         self._splitter = _Splitter(clock)
@@ -140,19 +149,21 @@ class LineMerger:
             for line in self._splitter.lines(event.rank, event.stream, event.text):
                 self._add(event.rank, event.stream, line)
             self._show_progress(event.stream, event.rank)
+        elif isinstance(event, Display):
+            self._add(event.rank, DISPLAYS, json.dumps(event.data, sort_keys=True, default=repr), event.data)
         elif isinstance(event, (Result, Error)):
             self._running.discard(event.rank)
         elif isinstance(event, Results):
             self._running.difference_update(event.ranks)
 
-    def _add(self, rank: int, stream: str, line: str) -> None:
+    def _add(self, rank: int, stream: str, line: str, data: dict[str, Any] | None = None) -> None:
         """Join the first waiting line of this text that shows after the rank's newest one (a
         rank that printed it already is in none of those), or wait as a new one."""
         newest = self._newest.get((rank, stream), -1)
         alike = self._alike[(stream, line)]
         entry = next((e for e in alike if e.serial > newest), None)
         if entry is None:
-            entry = _Line(stream, line, self._clock(), self._printed[(rank, stream)], next(self._serials))
+            entry = _Line(stream, line, self._clock(), self._printed[(rank, stream)], next(self._serials), data=data)
             self._lines[entry.serial] = entry
             alike.append(entry)
         else:
@@ -231,13 +242,25 @@ class LineMerger:
             if not alike:
                 del self._alike[(entry.stream, entry.text)]
         for entry in _by_rank(lines):
+            if entry.data is not None:
+                self._flush_chunks(chunks)
+                self._progress.pop("stdout", None)  # output after a display starts below it
+                self._show_display(sorted(entry.ranks), entry.data)
+                continue
             text = f"[{format_ranks(entry.ranks)}] {entry.text}\n"
             if chunks and chunks[-1][0] == entry.stream:
                 chunks[-1] = (entry.stream, chunks[-1][1] + text)
             else:
                 chunks.append((entry.stream, text))
+        self._flush_chunks(chunks)
+
+    def _flush_chunks(self, chunks: list[tuple[str, str]]) -> None:
         for stream, text in chunks:
             self._show(stream, text, ended=True)
+        chunks.clear()
+
+    def _display_as_text(self, ranks: list[int], data: dict[str, Any]) -> None:
+        self._show("stdout", display_text(ranks, data), ended=True)
 
     def _show(self, stream: str, text: str, ended: bool) -> None:
         """Write ``text``, over the progress line the stream shows (if any)."""
@@ -248,6 +271,11 @@ class LineMerger:
         if not ended:
             self._progress[stream] = len(text.rsplit("\r", 1)[-1])
         self._write(stream, text)
+
+
+def display_text(ranks: list[int], data: dict[str, Any]) -> str:
+    """A display where only text can be shown (a script): its plain-text form, labelled."""
+    return f"[{format_ranks(ranks)}] {data.get('text/plain', '')}\n"
 
 
 def shown(line: str) -> str:
@@ -274,12 +302,15 @@ def _by_rank(lines: list[_Line]) -> list[_Line]:
 class OrderedCollector:
     """Buffers output and writes it per rank, in rank order, when the run ends."""
 
-    def __init__(self, ranks: Iterable[int], write: Write) -> None:
+    def __init__(self, ranks: Iterable[int], write: Write, show: Show | None = None) -> None:
         self._write = write
+        self._show = show or (lambda ranks, data: write("stdout", display_text(ranks, data)))
         self._text: dict[str, dict[int, str]] = {"stdout": {}, "stderr": {}}
 
     def feed_event(self, event: Event) -> None:
-        if isinstance(event, Output):
+        if isinstance(event, Display):  # shown as it comes, the rank's output after the run
+            self._show([event.rank], event.data)
+        elif isinstance(event, Output):
             texts = self._text.setdefault(event.stream, {})
             texts[event.rank] = texts.get(event.rank, "") + event.text
 

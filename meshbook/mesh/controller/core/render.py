@@ -3,20 +3,21 @@
 :class:`EventRenderer` takes a run's events in arrival order and writes the ranks' output
 merged across ranks (:class:`~.output.LineMerger`) or buffered in rank order
 (:class:`~.output.OrderedCollector`), shows each ``display()`` after what its rank printed
-before it, and answers debugger prompts (:class:`~.prompts.PromptServer`). ``Run.result()``
-renders with it to this process's streams; the ``%%mesh`` cell renders with it into the cell
-(displays published as rich output), adding the cell's own status view, hang hints and
-interrupts around it.
+before it (the same display of several ranks once, labelled as lines are), and answers
+debugger prompts (:class:`~.prompts.PromptServer`). ``Run.result()`` renders with it to this
+process's streams; the ``%%mesh`` cell renders with it into the cell (displays published as
+rich output), adding the cell's own status view, hang hints and interrupts around it.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from ...protocol.events import Display, Event, InputRequest, Output
-from .output import LineMerger, OrderedCollector
+from ...protocol.text import format_ranks
+from .output import LineMerger, OrderedCollector, Show
 from .prompts import PromptServer
 from .transport import log
 
@@ -37,9 +38,21 @@ def write_stream(stream: str, text: str) -> None:
     target.flush()
 
 
-def print_display(event: Display) -> None:
-    """A rank's ``display()`` where only text can be shown: its plain-text form."""
-    write_stream("stdout", f"[{event.rank}] {event.data.get('text/plain', '')}\n")
+def labelled_display(ranks: list[int], data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The ranks' display labelled as their lines are (``[0-3]``), as RankValues labels an
+    HTML result: inside its HTML, Markdown and text forms; a bundle a notebook shows as neither
+    (an image: its text form is not shown) gets a label line to write before it, returned
+    first ("" where none is needed)."""
+    label = f"[{format_ranks(ranks)}]"
+    out = dict(data)
+    if "text/plain" in out:
+        out["text/plain"] = f"{label} {out['text/plain']}"
+    if "text/html" in out:
+        out["text/html"] = f"<div><b>{label}</b>{out['text/html']}</div>"
+    if "text/markdown" in out:
+        out["text/markdown"] = f"**{label}** {out['text/markdown']}"
+    shown_as_text = any(kind in out for kind in ("text/html", "text/markdown")) or set(out) <= {"text/plain"}
+    return ("" if shown_as_text else label + "\n"), out
 
 
 def print_late(event: Event) -> None:
@@ -56,7 +69,7 @@ class LateOutput:
     built at the first such output: a run that has none pays for this object only."""
 
     def __init__(self, ranks: list[int], write: Callable[[str, str], None] = write_stream,
-                 show: Callable[[Display], None] = print_display) -> None:
+                 show: Show | None = None) -> None:
         self._ranks, self._write, self._show = ranks, write, show
         self._merger: LineMerger | None = None
         self._timer: threading.Timer | None = None
@@ -64,13 +77,9 @@ class LateOutput:
 
     def __call__(self, event: Event) -> None:
         with self._lock:
-            if isinstance(event, Display):
-                if self._merger is not None:
-                    self._merger.flush()  # what the rank printed before comes first
-                self._show(event)
-            elif isinstance(event, Output):
+            if isinstance(event, (Output, Display)):
                 if self._merger is None:
-                    self._merger = LineMerger(self._ranks, self._write)
+                    self._merger = LineMerger(self._ranks, self._write, show=self._show)
                 self._merger.feed_event(event)
                 self._merger.poll()
                 self._arm(self._merger)
@@ -103,21 +112,20 @@ class LateOutput:
 
 
 class EventRenderer:
-    """Renders one run's events through ``write(stream, text)`` and ``show_display(event)``."""
+    """Renders one run's events through ``write(stream, text)`` and ``show_display(ranks,
+    data)`` (by default: the display's text, written)."""
 
     def __init__(self, run: Rendered, write: Callable[[str, str], None] = write_stream,
-                 show_display: Callable[[Display], None] = print_display, ordered: bool = False,
+                 show_display: Show | None = None, ordered: bool = False,
                  ask: Callable[[str], str] = input) -> None:
-        self.writer = (OrderedCollector if ordered else LineMerger)(run.ranks, write)
+        self.writer = OrderedCollector(run.ranks, write, show_display) if ordered else \
+            LineMerger(run.ranks, write, show=show_display)
         self.prompts = PromptServer(ask, run.send_input, self._show_before_prompt)
-        self._show_display = show_display
 
     def feed(self, events: list[Event]) -> None:
         for event in events:
-            if isinstance(event, (Display, InputRequest)):
+            if isinstance(event, InputRequest):
                 self.writer.flush()  # what the rank printed before comes first
-            if isinstance(event, Display):
-                self._show_display(event)
             self.writer.feed_event(event)
             self.prompts.feed(event)
         self.writer.poll()
