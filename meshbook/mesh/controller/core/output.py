@@ -125,7 +125,7 @@ class LineMerger:
                  clock: Callable[[], float] = time.monotonic, show: Show | None = None) -> None:
         self._running = set(ranks)
         self._write = write
-        self._show_display = show or self._display_as_text
+        self._rich = show  # None: displays are written as their text
         self._window = window
         self._clock = clock
         self._splitter = _Splitter(clock)
@@ -244,8 +244,11 @@ class LineMerger:
         for entry in _by_rank(lines):
             if entry.data is not None:
                 self._flush_chunks(chunks)
-                self._progress.pop("stdout", None)  # output after a display starts below it
-                self._show_display(sorted(entry.ranks), entry.data)
+                if self._rich is None:
+                    self._show("stdout", display_text(sorted(entry.ranks), entry.data), ended=True)
+                else:
+                    self._progress.pop("stdout", None)  # what follows a rich display starts below it
+                    self._rich(sorted(entry.ranks), entry.data)
                 continue
             text = f"[{format_ranks(entry.ranks)}] {entry.text}\n"
             if chunks and chunks[-1][0] == entry.stream:
@@ -259,8 +262,6 @@ class LineMerger:
             self._show(stream, text, ended=True)
         chunks.clear()
 
-    def _display_as_text(self, ranks: list[int], data: dict[str, Any]) -> None:
-        self._show("stdout", display_text(ranks, data), ended=True)
 
     def _show(self, stream: str, text: str, ended: bool) -> None:
         """Write ``text``, over the progress line the stream shows (if any)."""
