@@ -163,6 +163,30 @@ def test_the_actors_a_kernel_spawned_are_handles_in_the_kernel_that_attaches() -
         (second or first).stop()
 
 
+def test_an_actor_that_lost_a_rank_before_the_attach_says_so_in_the_kernel_that_attaches() -> None:
+    """Its rank 1 died while no kernel drove the mesh: the adopted handle said "ok" on rank 0
+    alone, calls went to rank 0 only, and respawn() said it had lost no rank."""
+
+    class Counter(meshbook.Actor):
+        @meshbook.endpoint
+        def one(self) -> int:
+            return 1
+
+    first = meshbook.start(2, keep="10m", name="loser")
+    second = None
+    try:
+        first.spawn("counter", Counter)
+        first.kill([1])
+        second = meshbook.attach(first.kept_id, name="finder")
+        counter = second.actors()["counter"]
+        assert counter.ranks == [0, 1] and counter.failed == "rank(s) 1 lost it while no kernel was attached"
+        with pytest.raises(meshbook.MeshError, match=r"actor 'counter' failed: rank\(s\) 1 lost it while no kernel "
+                                                     r"was attached\. .* spawn it again under another name"):
+            counter.one.call()
+    finally:
+        (second or first).stop()
+
+
 def test_actors_this_kernel_cannot_read_do_not_fail_the_attach(tmp_path, capsys) -> None:
     """An actor class only the ranks can import (its module gone from this kernel): the mesh
     is attached all the same, and the kernel says which actors it has no handle for."""

@@ -75,6 +75,8 @@ class ActorHost:
         global _host
         self.worker = worker
         self.actors: dict[str, Actor] = {}
+        #: The ranks each actor's mesh was spawned on (by name): told to a kernel that attaches.
+        self.spawned_on: dict[str, list[int]] = {}
         self._replies: dict[str, zmq.Socket] = {}  # a caller's reply address -> our PUSH to it
         #: PEER request -> the note that its arguments' shared memory is unmapped again.
         self._released: dict[int, list[Any]] = {}
@@ -141,6 +143,7 @@ class ActorHost:
         set_place(self.worker.rank, cfg.topology.world_size, cfg.topology.coords(self.worker.rank))
         instance = self._run(cls, body["args"], body["kwargs"])
         self.actors[name] = instance
+        self.spawned_on[name] = list(body.get("ranks", [self.worker.rank]))
         self.worker.namespace[name] = instance
         return self._peer()
 
@@ -148,14 +151,17 @@ class ActorHost:
         cfg = self.worker.cfg
         return Peer(cfg.request_addr, os.getpid(), socket.gethostname(), cfg.control_addr)
 
-    def living(self) -> dict[str, tuple[type, Peer]]:
-        """Each actor living here: its class and how to reach it (a kernel that attached this
-        kept mesh rebuilds its handles from them)."""
+    def living(self) -> dict[str, tuple[type, Peer, list[int]]]:
+        """Each actor living here: its class, how to reach it and the ranks its actor mesh was
+        spawned on (a kernel that attached this kept mesh rebuilds its handles from them, and
+        tells which ranks lost theirs meanwhile)."""
         peer = self._peer()  # every actor of this rank is reached the same way
-        return {name: (type(actor), peer) for name, actor in list(self.actors.items())}
+        return {name: (type(actor), peer, self.spawned_on.get(name, [self.worker.rank]))
+                for name, actor in list(self.actors.items())}
 
     def drop(self, name: str) -> bool:
         """Forget actor ``name`` (and its namespace variable, if still the actor)."""
+        self.spawned_on.pop(name, None)
         actor = self.actors.pop(name, None)
         if actor is not None and self.worker.namespace.get(name) is actor:
             del self.worker.namespace[name]

@@ -366,8 +366,9 @@ def unshare(worker: Any, tokens: dict[int, bytes]) -> None:
 
 
 @rank_op(channel=msg.CONTROL)
-def actors_living(worker: "Worker") -> dict[str, tuple[type, Peer]]:
-    """The actors living on this rank, with their classes and peers (control thread)."""
+def actors_living(worker: "Worker") -> dict[str, tuple[type, Peer, list[int]]]:
+    """The actors living on this rank, with their classes, peers and the ranks they were
+    spawned on (control thread)."""
     return worker.actors.living()
 
 

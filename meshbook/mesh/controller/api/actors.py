@@ -120,7 +120,7 @@ def adopt(mesh: MeshView) -> list[str]:
     living = controller.live(mesh.ranks)
     if not living:
         return []
-    found: dict[str, dict[int, tuple[type, Peer]]] = {}
+    found: dict[str, dict[int, tuple[type, Peer, list[int]]]] = {}
     asked = controller.call(ops.actors_living, ranks=living, what="the actors living there")
     try:
         answers = asked.result(timeout=ADOPT_TIMEOUT_S, echo=False)
@@ -129,13 +129,18 @@ def adopt(mesh: MeshView) -> list[str]:
         print(f"meshbook: the actors living on rank(s) {format_ranks(sorted(set(living) - set(answers)))} have no "
               f"handle in this kernel: {exc}".splitlines()[0], file=sys.stderr)
     for rank, actors in answers.items():
-        for name, (cls, peer) in actors.items():
-            found.setdefault(name, {})[rank] = (cls, peer)
+        for name, found_here in actors.items():
+            found.setdefault(name, {})[rank] = found_here
     for name, where in sorted(found.items()):
-        ranks = sorted(where)
-        cls = where[ranks[0]][0]
-        state = ActorState(mesh.narrow(ranks), name, cls, (), {}, {r: peer for r, (_, peer) in where.items()},
+        living_here = sorted(where)
+        cls = where[living_here[0]][0]
+        spawned = sorted(set(living_here).union(*(on for _, _, on in where.values())))
+        state = ActorState(mesh.narrow(spawned), name, cls, (), {}, {r: peer for r, (_, peer, _) in where.items()},
                            adopted=True)
+        lost = [r for r in spawned if r not in where]  # died or restarted while no kernel was attached
+        if lost:
+            state.lost.update(lost)
+            state.failed = f"rank(s) {format_ranks(lost)} lost it while no kernel was attached"
         _register(state)
     return sorted(found)
 
@@ -182,7 +187,7 @@ def _check_spawn(controller: Controller, name: str, cls: type, supervisor: Any) 
 
 def _spawn_on(state: ActorState, ranks: list[int]) -> None:
     body = {"actor": state.name, "cls": state.cls, "args": state.args, "kwargs": state.kwargs,
-            "code": code_places(methods_of(state.cls))}
+            "code": code_places(methods_of(state.cls)), "ranks": state.mesh.ranks}
     run = state.controller.submit(msg.ACTOR, body, ranks, f"spawn {state.name} ({state.cls.__qualname__})",
                                   noun="spawn")
     try:
@@ -310,6 +315,9 @@ class ActorMesh(ActorView):
         state = self.state
         if state.controller.stopped:
             state.controller.check_usable(self.ranks)  # says the mesh is stopped
+        if state.failed and state.adopted:  # respawn() cannot: the arguments stayed with the kernel before
+            raise MeshError(f"actor {self.name!r} failed: {state.failed}. Its constructor's arguments stayed with "
+                            f"the kernel that spawned it: spawn it again under another name")
         if state.failed:
             dead = state.controller.dead(sorted(state.lost))
             restart = (f"Restart the rank(s) with mesh.restart({dead}) (%mesh restart {','.join(map(str, dead))}), "
