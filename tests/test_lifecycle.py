@@ -145,6 +145,22 @@ def test_segfault_is_reported_with_its_signal_and_stack(mesh2: meshbook.Mesh) ->
                         failure.detail), failure.detail
 
 
+def test_an_abort_in_the_collective_library_says_why_and_where_the_rank_was(mesh2: meshbook.Mesh) -> None:
+    """gloo aborts the process on a size mismatch, in a thread of its own: the error said
+    SIGABRT over 54 lines of every thread's stack, and gloo's reason came apart, as output."""
+    with pytest.raises(RemoteError) as info:
+        mesh2.run("x = torch.ones(4 + rank)\ndist.all_reduce(x)").result(timeout=60, echo=False)
+    died = info.value.failures[0]
+    assert died.died == "SIGABRT"
+    assert died.message.startswith("rank 0 died: SIGABRT, of an uncaught C++ exception: gloo::EnforceNotMet: ")
+    assert "Received data size doesn't match expected size" in died.message, died.message
+    assert re.fullmatch(r"Fatal Python error: Aborted\nWhere the rank's code was \(most recent call last\):\n"
+                        r"  cell line 2, in <module>\n  \S*distributed_c10d.py:\d+, in all_reduce\n    .*",
+                        died.detail), died.detail
+    mesh2.restart([0])
+    assert dict(mesh2.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result()) == {0: 2.0, 1: 2.0}
+
+
 def _spawn_controller(tmp_path, body: str) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(f"""

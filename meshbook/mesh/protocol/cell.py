@@ -26,6 +26,7 @@ import builtins
 import functools
 import inspect
 import io
+import itertools
 import linecache
 import os
 import re
@@ -35,7 +36,7 @@ import traceback
 from collections.abc import Iterable
 from dataclasses import replace
 from types import CodeType, FunctionType, TracebackType
-from typing import Any
+from typing import Any, cast
 
 from .errors import CELL_PREFIX, CellSyntaxError, Frame, RankFailure, RemoteError, home_of, short_path
 
@@ -217,25 +218,46 @@ def crash_report(dump: str) -> str:
     thread that crashed outside meshbook, most recent call last as in a traceback (a frame of
     a cell as ``cell line 3``). Every thread's stack, meshbook's own threads' included, and the
     list of extension modules buried the one line that said where (45 lines for one segfault).
-    A dump without the crashing thread's stack is kept whole."""
+    A crash in a thread Python does not run (a collective library's own: gloo aborts there on a
+    size mismatch) has no such stack: the thread that runs the rank's code is told instead. A
+    dump with neither is kept whole."""
     lines = dump.strip().splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread ")), None)
+    stacks = [i for i, line in enumerate(lines) if line.startswith(("Current thread ", "Thread "))]
+    start = next((i for i in stacks if lines[i].startswith("Current thread ")), None)
+    title = "The thread that crashed (most recent call last):"
+    if start is None:  # the thread running a cell (or an applied function's), if one does
+        start = next((i for i in stacks if any(CELL_PREFIX in line for line in _stack_lines(lines, i))), None)
+        title = "Where the rank's code was (most recent call last):"
     if start is None:
         return dump.strip()
-    head = [line for line in lines[:next((i for i, line in enumerate(lines) if line.startswith("Thread ")), start)]
-            if line.strip()]
+    head = [line for line in lines[:stacks[0]] if line.strip()]
     found = []
-    for line in lines[start + 1:]:
-        match = _FAULT_FRAME.fullmatch(line)
-        if match is None:
-            break
-        filename, lineno, name = match.groups()
-        if not is_internal(filename) and not filename.startswith("<frozen "):
+    for line in _stack_lines(lines, start):
+        filename, lineno, name = cast(re.Match[str], _FAULT_FRAME.fullmatch(line)).groups()
+        if not is_internal(filename) and not filename.startswith("<frozen ") \
+                and not short_path(filename).startswith(_LOGGER):
             found.append(_frame(filename, int(lineno), name, linecache.getline(filename, int(lineno))))
     frames = _collapsed(tuple(reversed(found)))
     home = home_of(frames)
-    told = ["The thread that crashed (most recent call last):", *(f.format(home) for f in frames)] if frames else []
+    told = [title, *(f.format(home) for f in frames)] if frames else []
     return "\n".join([*head, *told])
+
+
+#: What the C++ runtime writes before it aborts on an exception nothing caught.
+_TERMINATE = re.compile(r"terminate called after throwing an instance of '([^']+)'\n\s*what\(\):\s*(.+)")
+
+
+def native_abort(stderr: str) -> str:
+    """The C++ exception a process aborted on, from what the C++ runtime wrote to its stderr
+    (``gloo::EnforceNotMet: ... Received data size doesn't match expected size ...``), or "":
+    the reason a collective library's abort gives, which the crash dump lacks."""
+    found = _TERMINATE.findall(stderr)
+    return f"{found[-1][0]}: {found[-1][1].strip()}" if found else ""
+
+
+def _stack_lines(lines: list[str], start: int) -> list[str]:
+    """The frame lines of the thread whose stack begins at ``lines[start]``."""
+    return list(itertools.takewhile(lambda line: _FAULT_FRAME.fullmatch(line) is not None, lines[start + 1:]))
 
 
 def _frame(filename: str, lineno: int, name: str, line: str) -> Frame:

@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 from ...protocol import bundle, wire
 from ...protocol import messages as msg
+from ...protocol.cell import native_abort
 from ...protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
 from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
 from ...protocol.limits import DEFAULT_MAX_BYTES
@@ -890,9 +891,12 @@ class Controller:
                 self._note_deaths(run, ranks, cause, death.stranded if freeing else [], bool(body.get("ends")))
             for rank in ranks:
                 if rank in run.pending:
+                    native = native_abort(run.recent_output(rank, "stderr"))  # gloo's "size doesn't match"
                     failure = (RankFailure(rank, "RankRestarted", f"rank {rank} was re-forked {refork}", died=cause)
                                if refork else
-                               RankFailure(rank, "RankDied", f"rank {rank} died: {cause}", died=cause, detail=detail))
+                               RankFailure(rank, "RankDied", f"rank {rank} died: {cause}" + (
+                                   f", of an uncaught C++ exception: {native}" if native else ""),
+                                   died=cause, detail=detail))
                     self._finish(run.id, (rank,), Error(rank, failure, time.monotonic() - run.submitted_at))
         for listener in self.death_listeners:
             for rank in ranks:

@@ -287,6 +287,14 @@ class Run:
                 self._cond.wait(timeout)
             return self._events[index:], len(self._events)
 
+    def recent_output(self, rank: int, stream: str, events: int = 16) -> str:
+        """What ``rank`` wrote on ``stream`` in this run's last ``events`` output events (a
+        dead rank's last words on stderr say why it died)."""
+        with self._cond:
+            said = [e.text for e in self._events[-events:] if isinstance(e, Output) and e.rank == rank
+                    and e.stream == stream]
+        return "".join(said)
+
     def failed_ranks(self) -> set[int]:
         """Ranks whose part of the run failed (so far)."""
         return set(self._failures)
