@@ -169,7 +169,12 @@ class StragglerReport:
             apart = arrivals.spread_s / arrivals.span_s if arrivals.span_s > 0 else 0.0
             return (f"no straggler: the ranks reach their collectives together ({format_percent(apart)} "
                     f"of the time between the first and the last to arrive)")
-        if any(t.score is not None for t in self.ranks):
+        scored = [t for t in self.ranks if t.score is not None]
+        if scored and not any(t.wait for t in scored):  # "alike" would be a verdict on no evidence
+            return ("cannot tell: no rank was seen waiting in a collective (one torch runs from C++ during "
+                    "backward, as DistributedDataParallel's all_reduce, is not seen); where each spends "
+                    "its time is below")
+        if scored:
             return f"no straggler: the ranks wait alike (every score below {STRAGGLER_SCORE:.2f})"
         return (f"no straggler: fewer than two ranks ran code long enough in the last "
                 f"{self.window:g} s to compare them (run a loop, then ask again)")
