@@ -173,6 +173,18 @@ def test_full_tensor_equals_the_original(dtensors: meshbook.Mesh, placements: st
     assert torch.equal(dtensors.ref("dt").full_tensor(), original)
 
 
+@pytest.mark.parametrize("shape", ["(8, 6)", "(16, 3)"])  # torch distributes no uneven strided shard
+def test_full_tensor_of_fsdp2_over_tensor_parallel(dtensors: meshbook.Mesh, shape: str) -> None:
+    """FSDP2 sharding a tensor-parallel parameter on the same dimension: dp:_StridedShard(dim=0,
+    sf=2) tp:Shard(0), the README's 2-D layout (it was refused as not supported)."""
+    dtensors.run("from torch.distributed.tensor.placement_types import _StridedShard\n"
+                 f"orig = torch.randn({shape}, generator=torch.Generator().manual_seed(7))\n"
+                 "strided = distribute_tensor(orig, device_mesh, [_StridedShard(0, split_factor=2), Shard(0)])\n"
+                 "whole = strided.full_tensor()").result()
+    assert torch.equal(dtensors.ref("strided").full_tensor(), dtensors.pull("whole", ranks=[0])[0])
+    assert torch.equal(dtensors.pull("whole", ranks=[0])[0], dtensors.pull("orig", ranks=[0])[0])
+
+
 def test_full_tensor_reduces_partial_placements(dtensors: meshbook.Mesh) -> None:
     dtensors.run("part = DTensor.from_local(torch.full((2, 3), float(rank)), device_mesh,"
                  " [Partial(), Shard(1)], run_check=False)").result()

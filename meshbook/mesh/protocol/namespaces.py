@@ -60,7 +60,8 @@ class Layout:
     #: The DeviceMesh's global ranks, row-major: which rank holds which shard.
     mesh_ranks: tuple[int, ...]
     #: One per mesh dimension: ``("Shard", dim)``, ``("Replicate", None)``, ``("Partial", op)``,
-    #: or ``(repr, None)`` for placements meshbook cannot assemble (strided shards).
+    #: ``("_StridedShard", (dim, split_factor))`` (FSDP2 over tensor parallel), or ``(repr,
+    #: None)`` for placements meshbook does not know.
     placements: tuple[tuple[str, Any], ...]
     local_shape: tuple[int, ...]
 
@@ -318,6 +319,8 @@ def _placement(p: Any) -> tuple[str, Any]:
         return ("Replicate", None)
     if kind == "Partial":
         return ("Partial", str(p.reduce_op))
+    if kind == "_StridedShard":
+        return ("_StridedShard", (int(p.dim), int(p.split_factor)))
     return (repr(p), None)
 
 
@@ -325,6 +328,8 @@ def _placement_text(placement: tuple[str, Any]) -> str:
     kind, arg = placement
     if kind in ("Shard", "Replicate", "Partial"):
         return f"{kind}({'' if arg is None else arg})"
+    if kind == "_StridedShard":
+        return f"_StridedShard(dim={arg[0]}, sf={arg[1]})"  # as torch writes it
     return kind
 
 

@@ -47,7 +47,8 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
 from ...protocol.errors import (
     MeshError,
@@ -214,7 +215,7 @@ class RemoteRef:
                 f"outside this ref (ranks {format_ranks(self.ranks)}); take a ref over them: "
                 f"mesh.ref({self.name!r}, ranks={format_ranks(layout.mesh_ranks)!r})")
         shards = self.fetch(sorted(set(needed.values())), max_bytes=max_bytes)
-        return _assemble(layout, {coord: shards[rank] for coord, rank in needed.items()}, ())
+        return _assemble(*_left_to_right(layout, {coord: shards[rank] for coord, rank in needed.items()}), ())
 
     def gather(self, dim: int = 0, *, mesh_dim: str | None = None,
                max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
@@ -559,12 +560,42 @@ def _one_layout(name: str, infos: RankValues) -> Layout:
         raise ShapeError(f"{name!r} lives on {len(meshes)} different DeviceMeshes; assemble one at "
                          f"a time: mesh.ref({name!r}, ranks=...) with ranks {options}")
     layout = layouts[infos.ranks[0]]
-    for kind, arg in layout.placements:
-        if kind not in ("Shard", "Replicate", "Partial") or (kind == "Partial" and arg not in _REDUCE):
+    for i, (kind, arg) in enumerate(layout.placements):
+        known = kind in ("Shard", "Replicate") or (kind == "Partial" and arg in _REDUCE) \
+            or (kind == "_StridedShard" and _partner(layout, i) is not None)
+        if not known:
             placement = f"{kind} {arg}" if arg not in (None, "") else kind
             raise ShapeError(f"cannot assemble {name!r} in the notebook: placement {placement} is not "
                              f"supported; run `{name}.full_tensor()` on the ranks and pull the result")
     return layout
+
+
+def _partner(layout: Layout, level: int) -> int | None:
+    """The later mesh dimension a ``_StridedShard`` at ``level`` was split after: the one that
+    shards the same tensor dimension as many ways as its split factor (FSDP2 over tensor
+    parallel: ``dp:_StridedShard(dim=0, sf=2) tp:Shard(0)``), or None where there is not
+    exactly one."""
+    dim, factor = layout.placements[level][1]
+    later = [j for j in range(level + 1, len(layout.placements)) if layout.placements[j] == ("Shard", dim)]
+    return later[0] if len(later) == 1 and layout.mesh_shape[later[0]] == factor else None
+
+
+def _left_to_right(layout: Layout, shards: dict[tuple[int, ...], Any]) -> tuple[Layout, dict[tuple[int, ...], Any]]:
+    """``layout`` with each ``_StridedShard`` as the plain shards it amounts to: its mesh
+    dimension and its partner's swapped, both ``Shard``, the shards' coordinates swapped with
+    them (the partner split the tensor first, so it is the outer one when assembling)."""
+    order = list(range(len(layout.placements)))
+    placements = list(layout.placements)
+    for level, (kind, arg) in enumerate(layout.placements):
+        if kind == "_StridedShard":
+            partner = cast(int, _partner(layout, level))
+            placements[level] = ("Shard", arg[0])
+            order[level], order[partner] = order[partner], order[level]
+    if order == sorted(order):
+        return layout, shards
+    swapped = replace(layout, mesh_shape=tuple(layout.mesh_shape[k] for k in order),
+                      placements=tuple(placements[k] for k in order))
+    return swapped, {tuple(coord[k] for k in order): shard for coord, shard in shards.items()}
 
 
 def _needed(layout: Layout) -> dict[tuple[int, ...], int]:
