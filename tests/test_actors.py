@@ -529,7 +529,10 @@ def test_ctrl_c_while_awaiting_stops_the_endpoint(two: tuple[meshbook.Mesh, mesh
         await futures[0]  # called and awaited in one step: the task waits once the ranks run it
 
     try:
-        pressed = _ctrl_c_when(tmp_path / "started", [0, 1])
+        # Pressed once the loop waits (in select): the task is then at its one await. Pressed
+        # before it got there (a loaded machine runs the ranks first), the Ctrl-C stopped the
+        # code that was about to await, and nobody owned the call to stop it.
+        pressed = _ctrl_c_when(tmp_path / "started", [0, 1], waiting_in="select")
         with pytest.raises(KeyboardInterrupt):
             asyncio.run(wait_for_it())
         _until(lambda: pressed)
