@@ -231,6 +231,7 @@ def test_a_module_left_on_the_old_groups_says_so_when_it_fails_and_works_once_re
                  "before = tp(torch.ones(2, 4)).sum().item()\n"
                  "fs = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))\n"
                  "fully_shard(fs[0], mesh=device_mesh)\nfully_shard(fs, mesh=device_mesh)\n"
+                 "for layer in fs:\n    break\n"  # a loop variable on a part of fs: rebuilt with fs, not named
                  "fs(torch.ones(2, 4)).sum().backward()").result()
         first = mesh.run("x = torch.ones(1)\nif rank == 1:\n    raise ValueError('bad batch')\ndist.all_reduce(x)")
         failures_of(first)

@@ -11,6 +11,7 @@ comes from such an object says so in its own headline (both through :func:`stale
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -32,8 +33,13 @@ def stale_objects(namespace: Mapping[str, Any]) -> list[tuple[str, str]]:
     if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return []
     current = {id(pg) for _, pg in process_groups()}
-    return sorted((name, kind) for name, kind, holds in _bound(namespace)
-                  if any(id(pg) not in current for pg in _groups(holds)))
+    stale = [(name, kind, namespace.get(name)) for name, kind, holds in _bound(namespace)
+             if any(id(pg) not in current for pg in _groups(holds))]
+    # A module inside another one named here (``layer`` of ``for layer in model: fully_shard(layer)``)
+    # is rebuilt with it: naming it too told the user to rebuild a loop variable.
+    inside = {id(part) for _, _, value in stale if isinstance(value, torch.nn.Module)
+              for part in itertools.islice(value.modules(), 1, None)}
+    return sorted((name, kind) for name, kind, value in stale if id(value) not in inside)
 
 
 def replica_prints(namespace: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], tuple[float | None, ...]]]:
