@@ -891,16 +891,20 @@ class Controller:
                 self._note_deaths(run, ranks, cause, death.stranded if freeing else [], bool(body.get("ends")))
             for rank in ranks:
                 if rank in run.pending:
-                    native = native_abort(run.recent_output(rank, "stderr"))  # gloo's "size doesn't match"
                     failure = (RankFailure(rank, "RankRestarted", f"rank {rank} was re-forked {refork}", died=cause)
-                               if refork else
-                               RankFailure(rank, "RankDied", f"rank {rank} died: {cause}" + (
-                                   f", of an uncaught C++ exception: {native}" if native else ""),
-                                   died=cause, detail=detail))
+                               if refork else self._died(run, rank, cause, detail))
                     self._finish(run.id, (rank,), Error(rank, failure, time.monotonic() - run.submitted_at))
         for listener in self.death_listeners:
             for rank in ranks:
                 listener(rank, cause)
+
+    @staticmethod
+    def _died(run: Run, rank: int, cause: str, detail: str) -> RankFailure:
+        """``rank``'s part of ``run`` as its death ended it, with the C++ exception it aborted on
+        where its last stderr in the run tells one (gloo's "size doesn't match")."""
+        native = native_abort(run.recent_output(rank, "stderr"))
+        because = f", of an uncaught C++ exception: {native}" if native else ""
+        return RankFailure(rank, "RankDied", f"rank {rank} died: {cause}{because}", died=cause, detail=detail)
 
     def _note_deaths(self, run: Run, ranks: list[int], cause: str, stranded: list[int], ends: bool) -> None:
         """``run``'s note of its ranks that died, ``ranks`` among them: one note for all, however
