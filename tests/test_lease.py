@@ -326,6 +326,35 @@ def test_a_cell_the_old_kernel_sent_that_fails_is_step_checked(tmp_path) -> None
         (second or first).stop()
 
 
+def test_what_a_kernel_sent_just_before_it_let_go_still_runs() -> None:
+    """The kernel exits right after its last cells were sent, while the controller's receiver
+    thread is busy (here: handing on a run's late output, as a loaded machine keeps it from
+    running). The cells waited in the outbox it forwards, and the stop ended it first: the
+    ranks never ran them. Now the kernel lets go once every agent took all it sent."""
+    first = meshbook.start(2, keep="10m", name="first")
+    second = None
+    busy = threading.Event()
+
+    def slow_hand_on(_: object) -> None:  # on the receiver thread
+        busy.set()
+        while not first.controller.stopped:
+            time.sleep(0.01)
+        time.sleep(0.2)
+
+    try:
+        late = first.run("import time; time.sleep(0.3); print('late')")
+        late.on_late_output = slow_hand_on
+        late.let_go()
+        assert busy.wait(30)
+        for i in range(1, 31):
+            first.run(f"x = {i}")
+        first.controller.stop("this process lets go of it", detach=True)  # as when the kernel exits
+        second = meshbook.attach(first.controller.lease.id, name="second")
+        assert dict(second.run("x").result(timeout=60, echo=False)) == {0: 30, 1: 30}
+    finally:
+        (second or first).stop()
+
+
 def test_ranks_held_by_the_old_kernels_step_check_are_let_go(tmp_path) -> None:
     """The kernel exited while its step check held the ranks (rank 1 failed at once; rank 0
     reaches the check 3 s later): the verdict only it could give never came, and every cell of

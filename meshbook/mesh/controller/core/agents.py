@@ -189,6 +189,8 @@ class Agents:
         once the receiver thread is gone: this thread owns the links then."""
         handles, self.handles = self.handles, []
         if detach:
+            if self.transport.network is not None:
+                self.transport.network.hand_over(self.signer, 5.0)
             return
         if self.transport.network is not None:
             self.transport.network.stop_agents(self.signer, 5.0)

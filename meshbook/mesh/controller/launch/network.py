@@ -434,29 +434,47 @@ class Network:
     def stop_agents(self, signer: wire.Wire, timeout: float) -> None:
         """Tell every remote agent to stop its ranks and exit, and wait for each to confirm
         (called once the receiver thread is gone, so this thread owns the sockets)."""
+        def stopped(link: HostLink, body: dict[str, Any]) -> bool:
+            if body.get("stopped"):
+                link.end("stopped")
+            return bool(body.get("stopped"))
+        self._each_answers(signer, {"op": msg.AgentOp.STOP}, stopped, timeout)
+
+    def hand_over(self, signer: wire.Wire, timeout: float) -> None:
+        """Before this kernel lets go of a kept mesh: what it queued goes out, and it waits
+        until every agent took all it sent, in order (called once the receiver thread is gone).
+        A request sent just before (the last cell's) may still wait in the outbox, or in the
+        agent's socket: the next kernel's first message, of a newer epoch, would fence it off
+        as an old kernel's, and the ranks would never run it."""
+        for frames in wire.ready(self._outbox_in):
+            self._forward(frames)
+        def took_all(link: HostLink, body: dict[str, Any]) -> bool:
+            link.outgoing.acknowledged(body.get("ack", 0))
+            return body.get("ack", 0) >= link.outgoing.next - 1
+        ping = {"op": msg.AgentOp.PING, "sent": time.monotonic(), "wall": time.time_ns(), "ack": 0}
+        self._each_answers(signer, ping, took_all, timeout)
+
+    def _each_answers(self, signer: wire.Wire, op: dict[str, Any],
+                      answered: Callable[[HostLink, dict[str, Any]], bool], timeout: float) -> None:
+        """Send ``op`` to every live agent and wait, up to ``timeout``, until each one's
+        heartbeat ``answered`` it (this thread owns the sockets; other messages are dropped)."""
         waiting = {link.host: link for link in self.links.values() if link.state in ("ok", "suspect")}
         for link in waiting.values():
-            self.operate(link, signer.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []}, {"op": msg.AgentOp.STOP}))
+            self.operate(link, signer.pack({msg.KIND: msg.OP, msg.ID: None, msg.RANKS: []}, op))
+        def take(link: HostLink | None, _: bytes, frames: list[Any]) -> None:
+            try:
+                message = signer.unpack(frames)
+            except wire.BadMessage:
+                return
+            if link is not None and message.kind == msg.HOST_BEAT and answered(link, message.body()):
+                waiting.pop(link.host, None)
         poller = zmq.Poller()
         for sock in self.sockets()[1:]:
             poller.register(sock, zmq.POLLIN)
         deadline = time.monotonic() + timeout
         while waiting and (left := deadline - time.monotonic()) > 0:
             for sock in dict(poller.poll(int(left * 1000))):
-                self.drain(sock, lambda link, _, frames: self._confirmed(signer, link, frames, waiting))
-
-    @staticmethod
-    def _confirmed(signer: wire.Wire, link: HostLink | None, frames: list[Any],
-                   waiting: dict[int, HostLink]) -> None:
-        if link is None:
-            return
-        try:
-            message = signer.unpack(frames)
-        except wire.BadMessage:
-            return
-        if message.kind == msg.HOST_BEAT and message.body().get("stopped"):
-            link.end("stopped")
-            waiting.pop(link.host, None)
+                self.drain(sock, take)
 
     def close(self) -> None:
         socks = [self._outbox, self._outbox_in, *(s for s in (self._dialler, self.router) if s is not None)]
