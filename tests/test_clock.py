@@ -7,6 +7,7 @@ import time
 from typing import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from meshbook.mesh.controller.insight.clock import CollectiveTimes
@@ -163,3 +164,40 @@ def test_a_collective_an_interrupt_cuts_short_keeps_its_number(world_of_one: Non
     timed()
     taken = clock.take()
     assert taken is not None and [entry[2] for entry in taken["entries"]][-1:] == [2]
+
+
+def test_the_recorders_collectives_count_but_are_never_judged_for_pairing() -> None:
+    """DDP's all_reduce (numbered below 0, from the flight recorder): rank 2 arrives last at
+    each, as at a wrapped call; a request placed by time may be wrong, so a collective of them
+    that paired across requests is not told as mispaired."""
+    times = CollectiveTimes(now_ns=lambda: 101 * S)
+    for rank in range(3):
+        late = 0.1 if rank == 2 else 0.0
+        times.add(rank, batch(rank, [(0, -n, 100.0 + 0.2 * n + late, 0) for n in (1, 2, 3)],
+                              request=8 if rank == 2 else 9))
+    arrivals = times.lateness(8)
+    assert arrivals is not None and arrivals.last == {2: 3} and round(arrivals.score(2), 3) == 1.0
+    assert times.mispaired(8) == [] and times.mispaired(9) == []
+
+
+def test_collectives_no_wrapped_call_issued_are_read_from_the_recorder(world_of_one: None) -> None:
+    """Two all_reduces torch issues without its Python function (as DDP does, from C++), and
+    one wrapped barrier: the barrier once, by its call; the all_reduces from the recorder,
+    numbered by its sequence below 0, with the request that ran then and no end."""
+    clock = CollectiveClock(lambda: 7)
+    barrier = clock.wrap(dist.barrier)
+    clock.began(6)
+    work = dist.distributed_c10d._get_default_group().allreduce([torch.ones(2)])
+    work.wait()
+    clock.began(7)
+    barrier()
+    dist.distributed_c10d._get_default_group().allreduce([torch.ones(2)]).wait()
+    taken = clock.take()
+    assert taken is not None
+    entries = [(request, n, left == 0) for request, _, n, _, left in taken["entries"]]
+    assert sorted(entries) == sorted([(7, 1, False), (6, -1, True), (7, -3, True)]), entries
+    dist.distributed_c10d._get_default_group().allreduce([torch.ones(2)]).wait()
+    again = clock.take()
+    assert again is not None and [(r, n) for r, _, n, _, _ in again["entries"]] == [(7, -4)]
+    barrier()
+    assert [n for _, _, n, _, _ in (clock.take() or {"entries": []})["entries"]] == [2], "nothing read twice"

@@ -51,11 +51,12 @@ def test_no_straggler_when_ranks_wait_alike_or_too_few_samples() -> None:
     alike = straggler_report({r: sampled(w) for r, w in enumerate([0.4, 0.5, 0.45, 0.35])})
     assert alike.stragglers == []
     assert alike.summary() == ["no straggler: the ranks wait alike (every score below 0.30)"]
-    # DDP's all_reduce runs in C++ during backward: no rank is ever seen waiting, which is no
-    # evidence that they wait alike ("no straggler" named none while rank 1 slept every step)
+    # A collective torch runs from C++ (DDP's all_reduce) with its flight recorder off: no rank
+    # is ever seen waiting, which is no evidence that they wait alike ("no straggler" named
+    # none while rank 1 slept every step)
     unseen = straggler_report({0: sampled(0.0, where="cell line 9"), 1: sampled(0.0, where="cell line 8")})
     assert unseen.stragglers == [] and unseen.summary()[0].startswith(
-        "cannot tell: no rank was seen waiting in a collective (one torch runs from C++ during backward")
+        "cannot tell: no collective was timed, and no rank was seen waiting in one (torch's flight recorder")
     few = straggler_report({0: sampled(0.9), 1: sampled(0.0, n=3), 2: {}})
     assert few.stragglers == [] and all(t.score is None for t in few.ranks)
     assert few.summary()[0].startswith("no straggler: fewer than two ranks ran code long enough "
@@ -197,6 +198,24 @@ def test_the_slow_rank_is_named_inside_a_loop_with_where_it_spends_its_time(mesh
     assert len(set(steps.values())) == 1, "every rank leaves the loop after the same step"
     time.sleep(1.0)  # heartbeats from the idle ranks
     assert mesh4.stragglers().stragglers == [2], "the verdict outlives the loop until the next cell"
+
+
+def test_a_ddp_straggler_is_named_from_the_flight_recorder(mesh4: meshbook.Mesh) -> None:
+    """DDP issues its all_reduce from C++ during backward(): no wrapper sees it, and sampling
+    saw no rank waiting ("cannot tell"). The flight recorder does: rank 2, which sleeps before
+    each step, arrives last at its all_reduces, and the others' waiting is told."""
+    run = mesh4.run("import time\nddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 32))\n"
+                    "for step in range(12):\n"
+                    "    time.sleep(0.1 if rank == 2 else 0.0)\n"
+                    "    ddp(torch.ones(4, 32)).sum().backward()\n"
+                    "del ddp")
+    run.result(timeout=120, echo=False)
+    report = mesh4.stragglers(run)
+    assert report.stragglers == [2], str(report)
+    assert re.match(r"straggler: rank 2 \(score \d\.\d\d\): it arrived last at (1[2-9]|2\d) of (1[2-9]|2\d) "
+                    r"collectives", str(report)), str(report)
+    waiting = mesh4.waiting(run)
+    assert waiting is not None and all(waiting[r] > 0.8 for r in (0, 1, 3)) and waiting[2] < 0.6, waiting
 
 
 def test_sampling_a_rank_in_a_collective_keeps_none_of_its_memory(mesh2: meshbook.Mesh) -> None:

@@ -139,3 +139,17 @@ def test_the_ranks_of_each_group_by_the_name_its_flight_records_give_it(pair: me
     for rank, (groups, recorded) in pair.call(named, control=True).result(timeout=10).items():
         assert set(groups.values()) == {(0, 1), (rank,)}  # the world's, and its own
         assert (rank,) in {groups.get(name) for name in recorded}  # the all_reduce over its own
+
+
+def test_collectives_issued_outside_python_are_counted_and_recorded(pair: meshbook.Mesh) -> None:
+    def issue() -> list:
+        import torch
+        from torch.distributed import distributed_c10d as c10d
+
+        before = torch_compat.issued_by_groups()
+        c10d._get_default_group().allreduce([torch.ones(2)]).wait()  # as DDP issues it, from C++
+        entries = torch_compat.finished_and_pending_collectives()
+        return [torch_compat.issued_by_groups() - before, entries[-1]["profiling_name"],
+                entries[-1]["process_group"][0] == torch_compat.group_name(c10d._get_default_group())]
+
+    assert pair.apply(issue).result().unique() == [1, "gloo:all_reduce", True]

@@ -17,19 +17,29 @@ counted as the time from its entry to the last member's. So is an NCCL collectiv
 tensors: it returns as soon as it is enqueued, and the rank waits for it later, in a sync; its
 arrival (when the rank's Python enqueued it) is what lines the ranks up.
 
-What is not wrapped is not timed: collectives issued from C++ (DDP's gradient all-reduce in
-``backward()``) and the functional collectives DTensor uses. For those the sampler
-(:mod:`.sampling`) remains the evidence.
+What is not wrapped, torch's flight recorder still sees: collectives issued from C++ (DDP's
+gradient all-reduce in ``backward()``, its broadcasts in ``forward()``) and the functional ones
+DTensor uses. When the groups issued more collectives than the wrappers saw (a counter read, no
+recorder dump), :meth:`CollectiveClock.take` reads the recorder and adds each collective no
+wrapped call issued: numbered by the recorder's sequence in its group, negated (its own
+numbering: the n-th of each member is the same collective), entered when the recorder created
+it, with no end (as an async call), and the request that ran then. Those are timed only:
+their request is known by time, not by the call, so the controller never judges their pairing.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+from .torch_compat import finished_and_pending_collectives, issued_by_groups, process_groups
 
 #: The collectives timed (point-to-point ``send``/``recv`` pair two ranks, not a group).
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
@@ -38,7 +48,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "scatter_object_list", "monitored_barrier", "all_reduce_coalesced")
 
 #: One record: (request, group key, number in its group, entered, left or 0 for an async call).
+#: A number below 0 is the flight recorder's (see above).
 Entry = tuple[int | None, int, int, int, int]
+#: Wrapped calls, and request changes, remembered to place the recorder's entries by time.
+REMEMBERED = 1024
 
 
 class CollectiveClock:
@@ -65,6 +78,16 @@ class CollectiveClock:
         self._new_keys: dict[int, tuple[int, str, tuple[int, ...]]] = {}
         #: The wrappers' code objects: the sampler walks through them (see sampling.py).
         self.codes: set[Any] = set()
+        #: For the recorder's entries: when each wrapped call ran (and the one running now,
+        #: since when), when each request began, the groups' count and the wrapped calls at the
+        #: last read, and each group's newest entry taken.
+        self._calls: deque[tuple[int, int]] = deque(maxlen=REMEMBERED)
+        self._in_call_since: int | None = None
+        self._began: deque[tuple[int, int | None]] = deque(maxlen=REMEMBERED)
+        self._since_ns = time.time_ns()  # what the recorder kept from before is not this clock's
+        self._read_at = (0, 0)
+        self._taken: dict[str, int] = {}
+        self._keys_lock = threading.Lock()
 
     def install(self) -> None:
         """Wrap the collectives of ``torch.distributed`` (and of ``distributed_c10d``, where
@@ -85,10 +108,16 @@ class CollectiveClock:
         """The process groups were re-created: numbering starts again in the new ones."""
         self._generation = generation
         self._groups = {}
+        self._since_ns, self._taken, self._read_at = time.time_ns(), {}, (0, self._entered)
+
+    def began(self, request: int | None) -> None:
+        """The main thread runs ``request`` from now on (None: nothing)."""
+        self._began.append((time.time_ns(), request))
 
     def take(self) -> dict[str, Any] | None:
         """What was recorded since the last call: ``{"keys": {key: (generation, group name,
         members)}, "entries": [Entry...]}``, or None if nothing was."""
+        self._read_recorder()
         entries, self._entries = self._entries, []
         keys, self._new_keys = self._new_keys, {}
         if not entries and not keys:
@@ -112,14 +141,19 @@ class CollectiveClock:
             # members' one after it. Its entry is what such an interrupt may lose.
             number = self._number(_argument(args, kwargs, "group", group_at))
             self._entered += 1
-            entered = time.time_ns()
+            entered = self._in_call_since = time.time_ns()
             try:  # set inside: an interrupt can never leave the clock thinking it is in a call
                 self.call = self._entered
                 return fn(*args, **kwargs)
             finally:
                 self.call = None
-                if number is not None:
-                    self._entries.append((self._request(), *number, entered, time.time_ns() if waits else 0))
+                try:
+                    returned = time.time_ns()
+                    self._calls.append((entered, returned))  # before it is let go: see _read_recorder
+                    if number is not None:
+                        self._entries.append((self._request(), *number, entered, returned if waits else 0))
+                finally:
+                    self._in_call_since = None
 
         self.codes.add(collective.__code__)
         return functools.wraps(fn)(collective)
@@ -142,11 +176,57 @@ class CollectiveClock:
         found = self._groups.get(id(pg))
         if found is not None and found[0] is pg:
             return found[1]
-        key = len(self._counts)
-        self._counts.append(0)
-        self._groups[id(pg)] = (pg, key)
-        self._new_keys[key] = (self._generation, group_name(pg), tuple(dist.get_process_group_ranks(pg)))
-        return key
+        with self._keys_lock:  # the control thread keys the recorder's groups
+            found = self._groups.get(id(pg))
+            if found is not None and found[0] is pg:
+                return found[1]
+            key = len(self._counts)
+            self._counts.append(0)
+            self._groups[id(pg)] = (pg, key)
+            self._new_keys[key] = (self._generation, group_name(pg), tuple(dist.get_process_group_ranks(pg)))
+            return key
+
+    # -- what the wrappers did not see (either thread, under the worker's send lock) ---------
+
+    def _read_recorder(self) -> None:
+        """Add the collectives no wrapped call issued, from the flight recorder, when the
+        groups' count says there are any."""
+        if "torch.distributed" not in sys.modules:
+            return
+        try:
+            issued, wrapped = issued_by_groups(), self._entered
+        except Exception:  # noqa: BLE001 - no group yet, or one being destroyed
+            return
+        before, self._read_at = self._read_at, (issued, wrapped)
+        if issued - before[0] <= wrapped - before[1]:
+            return  # every collective issued since was a wrapped call
+        recorded = finished_and_pending_collectives()
+        # Read after the recorder (a call that began since has no entry there), and the call
+        # running before the calls that ended: one that ends between the two reads is in both.
+        running = self._in_call_since
+        calls = list(self._calls)
+        groups = dict(process_groups())
+        for entry in recorded:
+            name, seq = str(entry["process_group"][0]), int(entry["collective_seq_id"])
+            created = int(entry["time_created_ns"])
+            if created < self._since_ns or seq <= self._taken.get(name, 0) or name not in groups:
+                continue
+            self._taken[name] = seq
+            if not _issued_by(calls, running, created):
+                self._entries.append((self._request_at(created), self._key(groups[name]), -seq, created, 0))
+
+    def _request_at(self, ns: int) -> int | None:
+        began = list(self._began)
+        at = bisect.bisect_right(began, ns, key=lambda b: b[0]) - 1
+        return began[at][1] if at >= 0 else None
+
+
+def _issued_by(calls: list[tuple[int, int]], running: int | None, created: int) -> bool:
+    """Was a collective the recorder created at ``created`` issued by a wrapped call?"""
+    if running is not None and created >= running:
+        return True
+    at = bisect.bisect_right(calls, (created, 1 << 63)) - 1
+    return at >= 0 and calls[at][0] <= created <= calls[at][1]
 
 
 def _on_gpu(args: tuple[Any, ...]) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 FLIGHT_RECORDER_ENTRIES = "256"
 #: The two recorders: gloo and other CPU backends write one, NCCL its own (NCCL builds only).
 _RECORDERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+_PICKLED_RECORDERS = ("_dump_fr_trace", "_dump_nccl_trace")
 
 
 def flight_records(done_too: bool = False) -> list[dict[str, Any]]:
@@ -112,6 +113,46 @@ def backends(pg: Any) -> list[Any]:
 def issued(backend: Any) -> int:
     """How many collectives ``backend`` has issued in its group (each backend counts its own)."""
     return int(backend._get_sequence_number_for_group())
+
+
+def issued_by_groups() -> int:
+    """How many collectives every process group of this rank has issued, together: cheap (no
+    recorder is read; the backends are looked up again only when the groups change), to tell
+    whether some were issued that torch.distributed's Python functions never saw
+    (DistributedDataParallel's, from C++). Read at every request's end: about 1 us."""
+    from torch.distributed import distributed_c10d as c10d
+
+    global _counted
+    groups = tuple(c10d._world.pg_map)
+    if _counted[0] != groups:
+        _counted = (groups, [b for pg in groups for b in backends(pg)])
+    return sum(issued(b) for b in _counted[1])
+
+
+#: The process groups last counted by :func:`issued_by_groups`, and their backends.
+_counted: tuple[tuple[Any, ...], list[Any]] = ((), [])
+
+
+def finished_and_pending_collectives() -> list[dict[str, Any]]:
+    """Every collective entry the flight recorders keep (finished or not, without stack
+    traces), oldest first: about 2.5 ms for a full recorder, a quarter of what its JSON takes."""
+    import pickle
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    c10d = torch._C._distributed_c10d
+    out = []
+    for name in _PICKLED_RECORDERS:
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            trace = pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+        except Exception:  # no process group yet, or a build without this recorder
+            continue
+        out += [e for e in trace.get("entries", []) if not e.get("is_p2p")]
+    return sorted(out, key=lambda e: e.get("time_created_ns", 0))
 
 
 def set_default_group_timeout(timeout: Any) -> None:

@@ -398,6 +398,7 @@ class Worker:
         cancelled it before this looks."""
         with self._taking:
             self.request = request
+            self.clock.began(request)
             if request not in self.cancelled:
                 return True
             self.cancelled.discard(request)
@@ -515,6 +516,7 @@ class Worker:
         if self.debugger is not None:  # stepped past the cell's end: the session ends with it
             self.debugger.close()
         self.last_request, self.request = request, None
+        self.clock.began(None)
         self.cancelled.discard(request)  # an interrupt kept for user code it never reached
         self.abort_reasons.pop(request, None)  # told by a recovery whose abort it never needed
         if self.running_user_code:  # how the user's last code ended: meshbook's own requests say nothing of it

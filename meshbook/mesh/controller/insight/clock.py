@@ -12,6 +12,10 @@ member's n-th has arrived, the collective is *complete* here, and:
   lateness (its lateness over the summed spread, first to last arrival, of the collectives) is
   its straggler score: about 1 for the rank that is always last, about 0 for the others.
 
+Collectives issued outside torch.distributed's Python functions (DDP's, from C++) come from
+the ranks' flight recorders, numbered below 0 in their own sequence: they count for the figures
+above, never for the pairing check (their request is placed by time, not known by the call).
+
 Ranks on other hosts stamp with their own clocks: each host's offset, measured from the agents'
 pings (``HostLink.clock_offset_ns``), is taken off before anything is compared. This module is
 pure state: batches in, figures out, tested without processes (tests/test_clock.py).
@@ -118,7 +122,8 @@ class CollectiveTimes:
             if set(arrived) >= set(members):
                 del self._open[(generation, name, n)]
                 self._complete(arrived)
-                self._check_pairing(name, n, members, arrived)
+                if n > 0:  # below 0: the flight recorder's, placed in a request by time only
+                    self._check_pairing(name, n, members, arrived)
         self._prune()
 
     def _check_pairing(self, name: str, n: int, members: tuple[int, ...],

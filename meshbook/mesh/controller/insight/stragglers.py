@@ -4,14 +4,15 @@ the ranks' own samples, and from cell durations.
 Three signals, all cheap and all available while work is still running:
 
 * **Arrivals** are exact: every rank records when it enters each collective
-  (:mod:`meshbook.mesh.rank.collectives`), and the controller lines the members of each
+  (:mod:`meshbook.mesh.rank.collectives`; DDP's, issued from C++, from torch's flight
+  recorder), and the controller lines the members of each
   collective up (:mod:`.clock`). The rank the others wait for is the one that arrives last:
   its score is its share of the collectives' spread (first arrival to last), about 1 for the
   rank that is always last. A score of at least ``LATE_SCORE`` flags it, when the spread
   matters (at least ``MATERIAL_SHARE`` of the time, and ``MATERIAL_S``). This is the verdict
   wherever ranks call torch.distributed's collectives.
 
-* **Sampling** works inside a training loop, for collectives issued from C++ too (DDP's).
+* **Sampling** works inside a training loop, where no collective was timed.
   Every heartbeat carries the fraction of the last few seconds a rank's main thread spent
   waiting in collectives (see
   :mod:`meshbook.mesh.rank.sampling`). In a synchronous job everyone waits for the slowest rank, so
@@ -171,9 +172,9 @@ class StragglerReport:
                     f"of the time between the first and the last to arrive)")
         scored = [t for t in self.ranks if t.score is not None]
         if scored and not any(t.wait for t in scored):  # "alike" would be a verdict on no evidence
-            return ("cannot tell: no rank was seen waiting in a collective (one torch runs from C++ during "
-                    "backward, as DistributedDataParallel's all_reduce, is not seen); where each spends "
-                    "its time is below")
+            return ("cannot tell: no collective was timed, and no rank was seen waiting in one (torch's "
+                    "flight recorder times those it issues from C++, as DistributedDataParallel's "
+                    "all_reduce: is it off, TORCH_FR_BUFFER_SIZE=0?); where each spends its time is below")
         if scored:
             return f"no straggler: the ranks wait alike (every score below {STRAGGLER_SCORE:.2f})"
         return (f"no straggler: fewer than two ranks ran code long enough in the last "
