@@ -11,12 +11,14 @@ import random
 import re
 import threading
 import time
+from dataclasses import replace
 from typing import Iterator
 
 import pytest
 
 import meshbook
 from meshbook import RemoteError
+from meshbook.mesh.protocol.errors import RankFailure, broke_its_group
 from meshbook.mesh.rank import torch_compat
 
 ASYNC_LOOP = """import time; i = 0
@@ -213,6 +215,27 @@ def test_a_collective_that_timed_out_has_its_groups_re_created() -> None:
         assert dict(mesh.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
 
 
+def test_a_timeout_told_inside_another_error_has_its_groups_re_created() -> None:
+    """The same, where the user's code wraps gloo's timeout (``raise ... from e``), or a Ctrl-C
+    lands as it times out: the error's headline is not gloo's, and every later collective
+    failed with gloo's bare 'Application timeout caused pair closure'."""
+    with meshbook.start(2, collective_timeout=2) as mesh:
+        run = mesh.run("x = torch.ones(4)\ntry:\n"
+                       "    dist.broadcast(x, src=0) if rank == 0 else dist.all_reduce(x)\n"
+                       "except RuntimeError as e:\n    raise SystemError('training step failed') from e")
+        error = failures_of(run, timeout=60)
+        assert {f.type_name for f in error.failures.values()} == {"SystemError"}
+        assert "so meshbook re-created the process groups" in run.step_report()
+        assert dict(mesh.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+
+
+def test_gloos_bare_pair_closure_says_the_group_broke() -> None:
+    closed = RankFailure(0, "RuntimeError", "Application timeout caused pair closure")
+    assert broke_its_group(closed)
+    assert not broke_its_group(replace(closed, died="SIGKILL"))
+    assert not broke_its_group(RankFailure(0, "ValueError", "bad lr", detail="Raised while handling:\n  KeyError: 'x'"))
+
+
 def test_a_module_left_on_the_old_groups_says_so_when_it_fails_and_works_once_rebuilt() -> None:
     """After the groups were re-created, a DDP module built before calls its closed group (gloo:
     "Connection closed by peer ... typically caused by a remote worker crashing") and an FSDP2
@@ -252,6 +275,25 @@ def test_a_module_left_on_the_old_groups_says_so_when_it_fails_and_works_once_re
         mesh.run("net = torch.nn.parallel.DistributedDataParallel(net.module)").result()
         mesh.run("net(torch.ones(3, 2)).sum().backward()").result(timeout=30)
         assert dict(mesh.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}
+
+
+def test_a_failure_on_the_live_groups_blames_no_stale_variable() -> None:
+    """After a re-creation, a stale DDP module and an unused group of the user's sit in the
+    namespace. A timeout (each rank waits to receive from the other) and a collective on the new groups that fails as
+    a peer closes (a rank dies) are no fault of theirs: gloo's own words head those errors."""
+    with meshbook.start(2, collective_timeout=2) as mesh:
+        mesh.run("net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+                 "g = dist.new_group([0, 1])").result()
+        bad = mesh.run("x = torch.ones(1)\nif rank == 1:\n    raise ValueError('bad batch')\ndist.all_reduce(x)")
+        failures_of(bad)
+        assert "net = DDP(net.module)" in bad.step_report(), "stale: told once, by the check"
+        deadlock = mesh.run("buf = torch.zeros(3)\ndist.recv(buf, src=1 - rank)")  # each waits for the other
+        said = failures_of(deadlock).failures[0].message
+        assert said.startswith("[") and "Timed out" in said, said
+        deadlock.step_report()
+        died = failures_of(mesh.run("import os, time\nx = torch.ones(1)\nif rank == 1:\n    os._exit(3)\n"
+                                    "time.sleep(0.5)\ndist.all_reduce(x)"))
+        assert "still use" not in died.failures[0].message, died.failures[0].message
 
 
 def test_replicas_an_update_left_apart_are_told_even_where_the_counts_agree(pair: meshbook.Mesh) -> None:

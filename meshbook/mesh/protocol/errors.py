@@ -189,10 +189,18 @@ def short_path(filename: str) -> str:
 
 
 #: What a collective's error says when its process group is broken for good: a gloo timeout
-#: closes the connections (every later collective fails with "Connection closed by peer"), and
-#: NCCL aborts its communicator. The counts may still agree; the groups must be re-created.
-BROKEN_GROUP = re.compile(r"gloo.*(timed out|connection closed|connection reset|pair closure)|nccl.*(timeout|abort)",
-                          re.IGNORECASE | re.DOTALL)
+#: closes the connections (every later collective fails with "Connection closed by peer", or
+#: gloo's bare "Application timeout caused pair closure"), and NCCL aborts its communicator.
+#: The counts may still agree; the groups must be re-created.
+BROKEN_GROUP = re.compile(r"gloo.*(timed out|connection closed|connection reset|pair closure)|nccl.*(timeout|abort)"
+                          r"|application timeout caused pair closure", re.IGNORECASE | re.DOTALL)
+
+
+def broke_its_group(failure: "RankFailure") -> bool:
+    """Does ``failure`` say its process group broke (:data:`BROKEN_GROUP`), in its message or
+    in an exception it was raised from or while handling (a Ctrl-C that landed as gloo timed
+    out; ``raise StepFailed(...) from e`` in the user's code)? A rank that died says nothing."""
+    return not failure.died and bool(BROKEN_GROUP.search(failure.message) or BROKEN_GROUP.search(failure.detail))
 
 
 def stale_names(stale: Sequence[tuple[str, str]]) -> str:

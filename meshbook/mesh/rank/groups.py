@@ -42,6 +42,50 @@ def stale_objects(namespace: Mapping[str, Any]) -> list[tuple[str, str]]:
     return sorted((name, kind) for name, kind, value in stale if id(value) not in inside)
 
 
+#: A collective that waited its timeout out waited on a live group: one meshbook closed fails at once.
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+#: The locals in torch's frames that name the group a collective runs on.
+_GROUP_LOCALS = ("group", "pg", "process_group")
+#: What of the stale can fail without a frame naming its group: a module, in its backward().
+_MODULES = ("DDP module", "FSDP module", "FSDP2 module")
+
+
+def stale_in_failure(exc: BaseException, message: str, namespace: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The stale variables (:func:`stale_objects`) a failed collective came from, as far as its
+    frames tell: the group a frame of the failure ran on (a collective's ``group``, a DDP
+    module's ``process_group``) picks those holding it, and a current one clears them all.
+    Where no frame names one (DDP's backward runs in C++), only the stale modules are named.
+    A timeout, or an error that says nothing of a closed or destroyed group, names none: it
+    came from a live group (a deadlock, a rank that died), whatever else the namespace holds."""
+    if _TIMED_OUT.search(message):
+        return []
+    stale = stale_objects(namespace)
+    if not stale:
+        return []
+    torch = sys.modules["torch"]
+    used = _groups_in(torch.distributed.ProcessGroup, exc.__traceback__)
+    if not used:
+        return [(name, kind) for name, kind in stale if kind in _MODULES] or \
+            (stale if DESTROYED_GROUP.search(message) else [])
+    current = {id(pg) for _, pg in process_groups()}
+    if all(id(pg) in current for pg in used):
+        return []
+    holding = {name for name, _, holds in _bound(namespace) if any(pg in used for pg in _groups(holds))}
+    return [(name, kind) for name, kind in stale if name in holding] or stale
+
+
+def _groups_in(group_type: type, tb: Any) -> list[Any]:
+    """The process groups the frames of a traceback ran on, by the names torch gives them."""
+    found: list[Any] = []
+    while tb is not None:
+        values = tb.tb_frame.f_locals
+        candidates = [values.get(name) for name in _GROUP_LOCALS]
+        candidates.append(getattr(values.get("self"), "process_group", None))
+        found += [c for c in candidates if isinstance(c, group_type) and all(c is not f for f in found)]
+        tb = tb.tb_next
+    return found
+
+
 def replica_prints(namespace: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], tuple[float | None, ...]]]:
     """Each DDP module of the namespace, and each optimizer over one's parameters: the ranks
     that keep a replica of it (its group's) and a print of its numbers (each tensor's sum, in

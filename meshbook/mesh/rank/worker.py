@@ -66,7 +66,7 @@ from . import torchrun
 from .actors import ActorHost
 from .collectives import CollectiveClock
 from .context import RankConfig
-from .groups import DESTROYED_GROUP, stale_objects
+from .groups import DESTROYED_GROUP, stale_in_failure
 from .ipython import route_display
 from .memory import CudaStats, host_memory_probe
 from .sampling import MainThreadSampler, see_through
@@ -367,7 +367,7 @@ class Worker:
             self.running_user_code = False
             self._finish(request, failure=RankFailure(self.rank, NotRun.__name__, str(exc)), reply=reply)
         except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a result
-            failure = _explain_stale(failure_from(self.rank, exc), self.namespace)
+            failure = _explain_stale(exc, failure_from(self.rank, exc), self.namespace)
             if in_step and self.failed_before is None:
                 # Sent before anyone knew: the others may run it, and its collectives would
                 # pair with the ones they still issue in this (a wrong number, as a success).
@@ -753,14 +753,15 @@ def _main_module() -> types.ModuleType:
     return main
 
 
-def _explain_stale(failure: RankFailure, namespace: dict[str, Any]) -> RankFailure:
+def _explain_stale(exc: BaseException, failure: RankFailure, namespace: dict[str, Any]) -> RankFailure:
     """A collective that failed on a closed or destroyed group, where the namespace holds
-    objects built on groups meshbook has re-created since: the headline says which to re-create
-    (gloo's own "Connection closed by peer" says a peer crashed, which it did not, and torch's
-    "not initialized in the world group map" names no variable)."""
+    objects built on groups meshbook has re-created since, and the failure came from them (see
+    ``stale_in_failure``): the headline says which to re-create (gloo's own "Connection closed
+    by peer" says a peer crashed, which it did not, and torch's "not initialized in the world
+    group map" names no variable)."""
     if not (BROKEN_GROUP.search(failure.message) or DESTROYED_GROUP.search(failure.message)):
         return failure
-    stale = stale_objects(namespace)
+    stale = stale_in_failure(exc, failure.message, namespace)
     if not stale:
         return failure
     return replace(failure, message=(

@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from ...protocol.errors import BROKEN_GROUP, MeshError, remaking
+from ...protocol.errors import MeshError, broke_its_group, remaking
 from ...protocol.reports import Positions
 from ...protocol.text import format_ranks, group_by_text, ranks_text
 from ...rank.ops import hold, positions, release
@@ -229,10 +229,10 @@ class StepCheck:
 
 
 def broken_groups(run: "Run") -> list[int]:
-    """The ranks whose error in ``run`` says their process group broke (:data:`BROKEN_GROUP`)."""
+    """The ranks whose error in ``run`` says their process group broke (see ``broke_its_group``)."""
     error = run.exception()  # the failures so far: the ranks the check waited for ended the run
     failures = error.failures if error is not None else {}
-    return sorted(r for r, f in failures.items() if not f.died and BROKEN_GROUP.search(f.message))
+    return sorted(r for r, f in failures.items() if broke_its_group(f))
 
 
 def render_resync(cause: str, skews: list[Skew], gone: list[int], recovery: Recovery,
