@@ -316,6 +316,27 @@ def test_replicas_an_update_left_apart_are_told_even_where_the_counts_agree(pair
     pair.run("del model, opt").result()
 
 
+def test_a_cell_nobody_follows_still_tells_what_its_check_found(pair: meshbook.Mesh) -> None:
+    """A cell let go at its ``--timeout``: the check after it found replicas apart, and said it
+    to nobody (its report waited for a follower). It goes where the cell's late output goes,
+    after how the cell ended."""
+    pair.run("model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+             "model(torch.ones(1, 2)).sum().backward()").result()
+    told: list[str] = []
+    run = pair.run("import time\nif rank == 0:\n    time.sleep(1)\n    raise ValueError('bad batch')\nopt.step()")
+    run.on_late_end, run.on_late_note = told.append, told.append
+    run.let_go()
+    deadline = time.monotonic() + 30
+    while len(told) < 2:
+        assert time.monotonic() < deadline, told
+        time.sleep(0.05)
+    assert "ValueError: bad batch" in told[0], told
+    assert told[1].startswith("Replicas differ between ranks: model (0 | 1). An update"), told
+    assert run.step_report(0) == "", "said once"
+    pair.run("del model, opt").result()
+
+
 def test_a_failure_that_leaves_the_ranks_in_step_re_creates_nothing(pair: meshbook.Mesh) -> None:
     pair.run("kept = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))").result()
     generation = pair.status()[0].generation

@@ -43,7 +43,7 @@ class KernelBridge:
         if self.kernel is not None:
             parent = self.kernel.get_parent()
             late = LateOutput(run.ranks, partial(self.publish_text, parent), partial(self.publish_display, parent))
-            run.on_late_output, run.on_late_end = late, late.end
+            run.on_late_output, run.on_late_end, run.on_late_note = late, late.end, late.end
 
     def publish_display(self, parent: dict[str, Any], ranks: list[int], data: dict[str, Any]) -> None:
         """The ranks' late ``display()`` in the cell whose ``parent`` header is given (any

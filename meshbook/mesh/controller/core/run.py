@@ -129,6 +129,8 @@ class Run:
         self.on_late_output: Callable[[Event], None] = late
         #: Called with how a run nobody follows ended (one line; where late output goes).
         self.on_late_end: Callable[[str], None] = late.end
+        #: Called with what its step check found, after that (where late output goes).
+        self.on_late_note: Callable[[str], None] = late.end
         self.followed = True
         #: Ranks whose input request (``input()``, pdb) waits for an answer: its question.
         self._asking: dict[int, int] = {}
@@ -206,6 +208,8 @@ class Run:
                 ended = "" if self._pending else self._how_it_ended()
                 asking = sorted(self._asking.items())
             self._hand_on(missed, ended, asking)
+        if ended:
+            self.step_checked()  # a check that ended before it was let go: said after the end
 
     def _hand_on(self, events: Sequence[Event], ended: str, asking: list[tuple[int, int]]) -> None:
         """What nobody follows, to where late output goes (under ``_handing``, so in order).
@@ -347,6 +351,22 @@ class Run:
             return f"meshbook checks that every rank is at the same collective before anything else runs; {doing}."
         self.step_check = None  # said once
         return check.report
+
+    def step_checked(self) -> None:
+        """Its step check ended (the check's thread). Where nobody follows this run (a cell
+        that stopped waiting at its ``--timeout``), what the check did goes where late output
+        goes, after how the run ended: a follower reads it itself."""
+        with self._handing:
+            with self._cond:
+                check, followed = self.step_check, self.followed
+            if followed or check is None or not check.wait(0):
+                return
+            self.step_check = None  # said once
+            if check.report:
+                try:
+                    self.on_late_note(check.report)
+                except Exception as exc:  # noqa: BLE001 - as _hand_on: the check's thread goes on
+                    log(f"the step report of {self.what} was lost: {type(exc).__name__}: {exc}")
 
     def _report_step_check(self, echo: bool) -> None:
         if echo and self.step_check is not None:

@@ -178,6 +178,8 @@ class StepCheck:
             self.done.set()
             if self.request is not None:
                 forget(self.controller, self.request)
+            if self.run is not None:
+                self.run.step_checked()
 
     def settled(self) -> bool:
         return self.done.is_set() and (self.run is None or self.run.done())
