@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 
 import meshbook
 from bench import models
-from meshbook import Layout, MeshError
+from meshbook import Layout, MeshError, RemoteError
 from meshbook.mesh.protocol.layout import split_points, stage_of
 
 BUILD = partial(models.gpt, vocab=256, dim=64, layers=4, heads=4)
@@ -239,6 +240,19 @@ def test_a_layout_plan_would_drop_is_refused_with_its_reason(mesh: meshbook.Mesh
         with pytest.raises(MeshError, match=re.escape(message)):
             Layout(**bad)
     assert mesh.run("1 + 1").result(echo=False) == {0: 2, 1: 2, 2: 2, 3: 2}
+
+
+def test_a_pipeline_step_refuses_a_batch_its_micro_batches_do_not_divide(mesh: meshbook.Mesh) -> None:
+    """6 sequences in 4 micro-batches: the first and last stages failed in torch's split, the
+    middle ones waited in recv for the collective timeout. Every stage refuses it at once."""
+    mesh.parallelize(partial(models.mlp, dim=8, layers=4), Layout(pp=4))
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        mesh.run("step(torch.ones(6, 64), torch.ones(6, 64))").result(timeout=60, echo=False)
+    assert set(info.value.failures) == {0, 1, 2, 3} and time.monotonic() - started < 20
+    assert info.value.failures[0].message.startswith("a batch of 6 does not split into 4 equal micro-batches")
+    assert mesh.run("step(torch.ones(8, 64), torch.ones(8, 64)) is None").result(echo=False) == \
+        {0: True, 1: True, 2: True, 3: False}
 
 
 def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:

@@ -266,6 +266,7 @@ class Built:
         self.steps += 1
 
     def _pipeline_step(self, inputs: Any, targets: Any) -> torch.Tensor | None:
+        self._check_splits(inputs)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
         if self.last:
@@ -278,6 +279,18 @@ class Built:
         args = (inputs,) if self.stage == 0 else ()
         self.schedule.step(*args, return_outputs=False, **kwargs)  # the loss comes back in losses
         return torch.stack(losses).mean().detach() if self.last and losses else None
+
+
+    def _check_splits(self, inputs: Any) -> None:
+        """Every stage is handed the batch (only the first feeds it): each refuses, at once, one
+        the schedule would split into micro-batches of different sizes. Only the first and last
+        stages would fail there, while the others waited in recv for the collective timeout."""
+        micro = self.layout.microbatches
+        batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() else None
+        if batch is not None and batch % micro:
+            raise ValueError(f"a batch of {batch} does not split into {micro} equal micro-batches, as the pipeline "
+                             f"needs: pass a batch that is a multiple of {micro}, or parallelize with "
+                             f"Layout(pp={self.layout.pp}, microbatches=...) that divides it")
 
 
 def default_loss(out: Any, targets: Any) -> torch.Tensor:
