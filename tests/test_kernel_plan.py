@@ -55,3 +55,14 @@ def test_bad_plan_requests_are_usage_errors(kernel: Kernel) -> None:
     reply = kernel.execute("%mesh plan --build build --batch eight")
     assert reply.content["ename"] == "UsageError" and "give the global batch shape" in reply.content["evalue"]
     assert kernel.value("1 + 1") == 2
+
+
+def test_a_model_class_made_with_no_arguments_is_a_build(kernel: Kernel) -> None:
+    """A notebook's nn.Module class is a function that builds the model: it was refused as
+    'a model type'."""
+    kernel.ok(MODEL + "\nclass Tiny(nn.Sequential):\n    def __init__(self):\n"
+              "        super().__init__(nn.Linear(16, 32), Block(32), nn.Linear(32, 16))\n")
+    kernel.ok("import meshbook\nmeshbook.current().parallelize(Tiny, meshbook.Layout(dp_shard=2))")
+    out = kernel.ok("%%mesh\nloss = step(torch.randn(4, 16))\ntype(model).__name__").stream()
+    assert "rank 0 step 1" in out, out
+    assert kernel.value("meshbook.current().run('type(model).__name__').result(echo=False).unique()") == "FSDPTiny"

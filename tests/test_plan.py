@@ -12,6 +12,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -94,6 +95,25 @@ def test_fsdp_applied_trains_and_its_peak_is_as_predicted(mesh: meshbook.Mesh, r
     ratios = mesh.pull("ratio")
     assert all(0.8 < r < 1.25 for r in ratios.values()), ratios  # measured peak RSS / predicted
     assert "(predicted" in capfd.readouterr().out
+
+
+def test_a_row_is_built_with_its_optimizer_and_an_invalid_or_oom_row_is_said(
+        mesh: meshbook.Mesh, report: meshbook.PlanReport) -> None:
+    """A row carries the optimizer it was planned with (its predictions count its state):
+    parallelize built AdamW whatever the row said. A row the plan found INVALID is refused
+    with its reason; an OOM one is built, with a warning."""
+    fsdp = row(report, "FSDP")
+    assert fsdp.optimizer == "adamw"
+    mesh.parallelize(BUILD, replace(fsdp, optimizer="sgd"))
+    assert mesh.run("type(optimizer).__name__").result(echo=False).unique() == "SGD"
+    broken = replace(fsdp, status="INVALID", reason="RuntimeError: a and b must have same reduction dim\nmore")
+    with pytest.raises(MeshError, match=r"the plan found FSDP \(dp_shard=4; ac=none\) INVALID: RuntimeError: a "
+                                        r"and b must have same reduction dim; apply a row that fits"):
+        mesh.parallelize(BUILD, broken)
+    with pytest.warns(UserWarning, match=r"the plan predicts FSDP \(dp_shard=4; ac=none\) does not fit its budget "
+                                         r"\(\+1\.0 MiB on rank 0: optimizer"):
+        mesh.parallelize(BUILD, replace(fsdp, status="OOM", reason="+1.0 MiB on rank 0: optimizer 9.0 MiB"))
+    assert mesh.run("type(optimizer).__name__").result(echo=False).unique() == "AdamW"
 
 
 def test_tensor_parallel_shards_the_blocks_across_tp(mesh: meshbook.Mesh, report: meshbook.PlanReport) -> None:

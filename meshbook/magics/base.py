@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import keyword
 import shlex
+import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from IPython.core.error import UsageError
@@ -115,6 +119,16 @@ def notebook_values(shell: Any, names: list[str], retry: str) -> dict[str, Any]:
         raise UsageError(f"no variable {', '.join(map(repr, missing))} in the notebook; "
                          f"define it first, then {retry}")
     return {n: shell.user_ns[n] for n in names}
+
+
+@contextlib.contextmanager
+def warnings_as_notes() -> Iterator[None]:
+    """What the API warns of, as ``note:`` lines of the cell (not a line of meshbook's source)."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        yield
+    for warning in said:
+        print(f"note: {warning.message}", file=sys.stderr)
 
 
 def running_mesh() -> Mesh | None:

@@ -11,8 +11,6 @@ A mixin of :class:`~meshbook.magics.mesh_magic.MeshMagics`; each command is a th
 
 from __future__ import annotations
 
-import sys
-import warnings
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -20,7 +18,16 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..mesh import DEFAULT_MAX_BYTES, RankValues, format_bytes, format_ranks
 from ..mesh import parse_size as size_in_bytes
-from .base import command, notebook_values, out_name, parse_argstring, require_mesh, selected, selection
+from .base import (
+    command,
+    notebook_values,
+    out_name,
+    parse_argstring,
+    require_mesh,
+    selected,
+    selection,
+    warnings_as_notes,
+)
 
 
 class DataCommands:
@@ -61,11 +68,8 @@ class DataCommands:
         """Bring a variable back from the ranks, as per-rank values (tensors on the CPU)."""
         args = parse_argstring(self.pull, line)
         out, (ranks, where) = out_name(args), selected(args)
-        with warnings.catch_warnings(record=True) as said:  # a note for the cell, not a line of meshbook's
-            warnings.simplefilter("always")
+        with warnings_as_notes():
             values = require_mesh().pull(args.name, ranks, where=where, max_bytes=parse_size(args.max_bytes))
-        for warning in said:
-            print(f"note: {warning.message}", file=sys.stderr)
         if out is None:
             return values
         # Not returned as well: IPython's Out[n] and _ would hold the values (and their

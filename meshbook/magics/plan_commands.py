@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..mesh import CHECKPOINTING, MeshError, PlanReport, parse_batch
-from .base import command, notebook_values, out_name, parse_argstring, require_mesh
+from .base import command, notebook_values, out_name, parse_argstring, require_mesh, warnings_as_notes
 
 
 class PlanCommands:
@@ -79,4 +79,5 @@ class PlanCommands:
             row = report.rows[args.row - 1] if args.row is not None else report.best
         else:
             row = report
-        return require_mesh().parallelize(build, row)
+        with warnings_as_notes():
+            return require_mesh().parallelize(build, row)

@@ -102,6 +102,9 @@ class Row:
     traced_s: float = 0.0
     #: Each pipeline stage's predicted peak (stage 0 alone without pipelining).
     stage_peaks: dict[int, int] = field(default_factory=dict)
+    #: The optimizer it was planned with (a name, or the notebook's function that makes one):
+    #: what ``parallelize`` builds for it unless told otherwise.
+    optimizer: Any = "adamw"
 
     @property
     def peak(self) -> int:

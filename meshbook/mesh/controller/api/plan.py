@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -303,14 +304,28 @@ def _order(row: Row) -> tuple[int, float, int, str]:
 # -- mesh.plan and mesh.parallelize ----------------------------------------------------------
 
 
+def _check_row(row: Row) -> None:
+    """A row the plan found INVALID is refused with its reason; one over its budget is built
+    with a warning (on a GPU it would run out of memory)."""
+    name = f"{row.layout.describe()}"
+    if row.status == "INVALID":
+        raise MeshError(f"the plan found {name} INVALID: {row.reason.splitlines()[0] if row.reason else 'no reason'}; "
+                        f"apply a row that fits (report.best)")
+    if row.status == "OOM":
+        warnings.warn(f"the plan predicts {name} does not fit its budget ({row.reason}): it is built all the same",
+                      stacklevel=3)
+
+
 def _check_arguments(build: Any, optimizer: Any, caller: str) -> None:
     """Refuse now, not once the ranks were probed: ``build`` must be a function that makes the
-    model (a model, an ``nn.Module``, is callable too, and would be called with no input), and
+    model (a model, an ``nn.Module``, is callable too, and would be called with no input; its
+    class, made with no arguments, is such a function), and
     ``optimizer`` must name one."""
     problem = why_not_optimizer(optimizer)
     if problem:
         raise MeshError(problem)
-    if not callable(build) or (hasattr(build, "parameters") and hasattr(build, "forward")):
+    a_model = not isinstance(build, type) and hasattr(build, "parameters") and hasattr(build, "forward")
+    if not callable(build) or a_model:
         got = "a model" if callable(build) else "a"
         raise MeshError(f"{caller}() needs a function that builds the model, got {got} {type(build).__name__}: "
                         f"pass the function (or a lambda) that makes it, which {caller} calls on the "
@@ -391,6 +406,8 @@ class PlanOps:
             traces: list[Trace] = pool.map("trace", jobs, deadline)
         limit = measured.budget if limit is None else limit
         rows = sorted((predict(t, measured, limit) for t in traces), key=_order)
+        for row in rows:
+            row.optimizer = optimizer
         mark_dominated(rows)
         notes = []
         if measured.device == "cpu" and len(self.ranks) > 1:
@@ -407,7 +424,7 @@ class PlanOps:
         return report
 
     def parallelize(self: MeshView, build: Callable[[], Any], layout: Row | Layout, *,
-                    names: tuple[str, str, str] = ("model", "optimizer", "step"), optimizer: Any = "adamw",
+                    names: tuple[str, str, str] = ("model", "optimizer", "step"), optimizer: Any = None,
                     lr: float = 1e-3, seed: int = 0, init: Callable[[Any], None] | None = None,
                     loss_fn: Callable[[Any, Any], Any] | None = None) -> RankValues:
         """Build ``layout`` (a plan's row, e.g. ``report.best``, or a :class:`Layout`) on every
@@ -421,12 +438,17 @@ class PlanOps:
         ``torch.manual_seed(seed); build()`` gives (then ``init(model)`` if given), each rank
         holding its piece; the ranks' own random state is left as it was. A layout ``plan``
         would drop for this model (tensor parallelism without repeated blocks, a pipeline stage
-        without parameters) is refused with the same reason.
+        without parameters) is refused with the same reason, and so is a row the plan found
+        INVALID; a row predicted not to fit its budget (OOM) is built, with a warning.
+        ``optimizer``: a row's is the one it was planned with; a Layout's, AdamW.
         """
         row = layout if isinstance(layout, Row) else None
         chosen = row.layout if row is not None else layout
         if not isinstance(chosen, Layout):
             raise MeshError(f"parallelize() needs a plan row (report.best) or a Layout, got a {type(layout).__name__}")
+        if row is not None:
+            _check_row(row)
+        optimizer = optimizer if optimizer is not None else row.optimizer if row is not None else "adamw"
         _check_arguments(build, optimizer, "parallelize")
         if len(names) != 3 or not all(isinstance(n, str) and n.isidentifier() for n in names):
             raise MeshError(f"names={names!r}: give three variable names, for the model, the optimizer and the step")
