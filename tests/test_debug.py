@@ -104,6 +104,29 @@ def test_mismatched_collectives_are_freed_without_restarting_anyone(mesh: meshbo
     assert mesh.run("t = torch.ones(1); dist.all_reduce(t); t.item()").result().unique() == 4.0
 
 
+def test_a_recovery_names_what_still_holds_the_old_groups() -> None:
+    """As a step check that re-creates the groups does: the recovery said only that 'DDP and
+    FSDP modules' must be re-created, and the next step failed with a per-rank 'Group <...> is
+    not registered'. parallelize's step is told with what it made, to make again by it."""
+    from functools import partial
+
+    from bench import models
+    from meshbook import Layout
+
+    with meshbook.start(2) as mesh:
+        mesh.run("net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))").result()
+        mesh.parallelize(partial(models.mlp, dim=8, layers=2), Layout(dp_shard=2))
+        run = mesh.run("import time\nt = torch.ones(8)\nif rank == 1:\n    time.sleep(60)\ndist.all_reduce(t)")
+        wait_until(lambda: in_all_reduce(mesh, [0]))
+        said = mesh.recover().render()
+        assert said.endswith(
+            "\n[0,1] bound to the old groups, re-create: net = DDP(net.module) (it broadcasts rank 0's weights); "
+            "step, and the model and optimizer made with it, by mesh.parallelize(...) again (%mesh parallelize), "
+            "which builds the three anew (load a checkpoint to keep the weights)"), said
+        with pytest.raises(RemoteError):
+            run.result(timeout=10, echo=False)
+
+
 def test_stacks_of_a_rank_spinning_in_pure_python(mesh: meshbook.Mesh) -> None:
     run = mesh.run("import time\nend = time.time() + 60\nwhile time.time() < end:\n    pass", ranks=[2])
     wait_until(lambda: mesh.snapshots([2])[2].busy)

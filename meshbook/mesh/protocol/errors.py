@@ -215,6 +215,9 @@ def remaking(stale: Sequence[tuple[str, str]]) -> str:
     for name, kind in stale:
         if kind == "DDP module":
             hints.append(f"{name} = DDP({name}.module) (it broadcasts rank 0's weights)")
+        elif kind == "parallelize step":
+            hints.append(f"{name}, and the model and optimizer made with it, by mesh.parallelize(...) again "
+                         f"(%mesh parallelize), which builds the three anew (load a checkpoint to keep the weights)")
         elif kind in ("FSDP2 module", "FSDP module"):
             hints.append(f"{name}, an {kind}, by building it anew and sharding that on `device_mesh` (a module "
                          f"is sharded once; the old one's local shards, p.to_local(), still hold its weights to "

@@ -22,6 +22,8 @@ from .torch_compat import fsdp2_groups, process_groups
 #: How many elements of a tensor are summed at once for its print (32 MiB in float64).
 PRINT_SLICE = 1 << 22
 
+#: The kind of ``step`` as parallelize binds it (its model and optimizer are told with it).
+PARALLELIZED = "parallelize step"
 #: What torch says when a collective is called on a group that was destroyed (FSDP2 kept it).
 DESTROYED_GROUP = re.compile(r"Process group .* is not initialized in the world group map")
 
@@ -39,6 +41,9 @@ def stale_objects(namespace: Mapping[str, Any]) -> list[tuple[str, str]]:
     # is rebuilt with it: naming it too told the user to rebuild a loop variable.
     inside = {id(part) for _, _, value in stale if isinstance(value, torch.nn.Module)
               for part in itertools.islice(value.modules(), 1, None)}
+    # What parallelize made with a step named here is made again with it, by parallelize.
+    inside |= {id(made) for _, kind, step in stale if kind == PARALLELIZED
+               for made in (getattr(step, "built").model, getattr(step, "built").optimizer)}
     return sorted((name, kind) for name, kind, value in stale if id(value) not in inside)
 
 
@@ -191,6 +196,8 @@ def _binding(torch: Any, value: Any) -> tuple[str, list[Any]]:
     if isinstance(value, torch.optim.Optimizer):
         meshes = _meshes(DTensor, (p for g in value.param_groups for p in g["params"]))
         return ("optimizer over DTensor parameters" if meshes else ""), meshes
+    if isinstance(value, _loaded("meshbook.mesh.rank.parallel", "Reporting")):
+        return PARALLELIZED, _binding(torch, value.built.model)[1]
     return "", []
 
 

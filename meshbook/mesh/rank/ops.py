@@ -146,13 +146,15 @@ def _collective(entry: dict[str, Any], members: dict[str, tuple[int, ...]] | Non
 # -- recovery (mesh/controller/recovery.py) -----------------------------------------------------
 
 
-def reinit(worker: "Worker", generation: int, store: tuple[str, int] | None = None) -> None:
+def reinit(worker: "Worker", generation: int, store: tuple[str, int] | None = None) -> list[tuple[str, str]]:
     """Leave the old process group and join generation ``generation``'s (exec thread), at
-    ``store`` when a mesh across hosts has its store somewhere new (its host was re-formed)."""
+    ``store`` when a mesh across hosts has its store somewhere new (its host was re-formed).
+    Returns the variables still bound to the old groups, as :func:`hold` does."""
     if store is not None:
         worker.move_store((store[0], store[1]))  # a tuple, whatever sequence crossed the wire
     with worker.shielded():
         worker.reinit(generation)
+    return stale_objects(worker.namespace)
 
 
 @rank_op(channel=msg.CONTROL)

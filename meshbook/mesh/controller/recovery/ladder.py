@@ -26,8 +26,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
-from ...protocol.errors import MeshError
-from ...protocol.text import format_ranks, ranks_text
+from ...protocol.errors import MeshError, remaking
+from ...protocol.text import format_ranks, group_by_text, ranks_text
 from ...rank.ops import abort_collectives, heartbeat, prepare_abort, reinit
 
 if TYPE_CHECKING:
@@ -56,6 +56,8 @@ class Recovery:
     seconds: float
     #: Ranks that ran Python (not a collective) and were interrupted, as a Ctrl-C does.
     interrupted: list[int] = field(default_factory=list)
+    #: Each kept rank's variables still bound to the old groups (name, kind).
+    bound: Mapping[int, list[tuple[str, str]]] = field(default_factory=dict)
 
     def render(self) -> str:
         lines = []
@@ -80,6 +82,8 @@ class Recovery:
                      f"in {self.seconds:.1f} s; what holds the old groups (DDP and FSDP modules, groups "
                      f"of your own) must be re-created from the new `device_mesh`; DTensors and tensor "
                      f"parallel modules on `device_mesh` keep working.")
+        for ranks, remedy in group_by_text({r: remaking(stale) for r, stale in self.bound.items() if stale}):
+            lines.append(f"[{format_ranks(ranks)}] bound to the old groups, re-create: {remedy}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -252,8 +256,10 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
     stopped = [r for r in interrupted if r not in restarted]
     python = [r for r in stopped if r in in_python and r not in aborted]
     kept = [r for r in controller.ranks if r not in restarted]
+    joined.wait(5)  # each rank's list of objects bound to the old groups
+    bound = {r: stale for r, stale in joined.values().items() if r in kept}
     return Recovery(sorted(restarted), [r for r in stopped if r not in python], kept, generation,
-                    time.monotonic() - started, python)
+                    time.monotonic() - started, python, bound)
 
 
 def _outside_collectives(controller: "Controller", doing: dict[int, int | None], reason: str) -> set[int]:
@@ -293,7 +299,7 @@ def resync(controller: "Controller", held: "Run", ahead: list[int],
         held.wait(5)  # each rank's list of objects bound to the old groups
         kept = [r for r in ranks if r not in restarted]
         return Recovery(restarted, sorted(set(ahead) - set(restarted)), kept, generation,
-                        time.monotonic() - started)
+                        time.monotonic() - started, bound=dict(held.values().items()))
 
 
 def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int, str] = "",

@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from ...protocol.errors import MeshError, broke_its_group, remaking
+from ...protocol.errors import MeshError, broke_its_group
 from ...protocol.reports import Positions
 from ...protocol.text import format_ranks, group_by_text, ranks_text
 from ...rank.ops import hold, positions, release
@@ -213,7 +213,7 @@ class StepCheck:
             return differ
 
         recovery = resync(ctl, self.held, [r for s in skews for r in s.ahead], self._release)
-        report = render_resync(self.cause, skews, gone, recovery, dict(self.held.values().items()), broken)
+        report = render_resync(self.cause, skews, gone, recovery, broken)
         return "\n".join(filter(None, [report, differ]))
 
     def _release(self, verdict: int | None) -> None:
@@ -238,7 +238,7 @@ def broken_groups(run: "Run") -> list[int]:
 
 
 def render_resync(cause: str, skews: list[Skew], gone: list[int], recovery: Recovery,
-                  bound: Mapping[int, list[tuple[str, str]]], broken: Sequence[int] = ()) -> str:
+                  broken: Sequence[int] = ()) -> str:
     """What the cell says after the groups were re-created to put the ranks back in step."""
     lines = []
     if broken:
@@ -256,6 +256,4 @@ def render_resync(cause: str, skews: list[Skew], gone: list[int], recovery: Reco
     if gone:
         lines.append(f"{ranks_text(gone)} destroyed the default process group; meshbook re-created it.")
     lines.append(recovery.render())
-    for ranks, remedy in group_by_text({r: remaking(stale) for r, stale in bound.items() if stale}):
-        lines.append(f"[{format_ranks(ranks)}] bound to the old groups, re-create: {remedy}")
     return "\n".join(lines)
