@@ -263,6 +263,13 @@ def test_post_mortem_of_a_rank(kernel: Kernel) -> None:
     assert reply.status == "ok", reply.error_text
     assert prompts == ["(Pdb rank 1) "] * 2
     assert "[1] 5\n" in reply.stream() and "ZeroDivisionError" in reply.stream()
+    # Rank 2's own KeyError, not rank 0's collective aborted for want of it (the lowest rank
+    # that failed was opened, a bystander)
+    failed = kernel.execute("%%mesh\nt = torch.ones(1)\nif rank == 2:\n    {'lr': 0.1}['learning_rate']\n"
+                            "dist.all_reduce(t)")
+    assert failed.status == "error" and "CollectiveAborted" in failed.error_text + failed.stream("stderr")
+    reply, prompts = kernel.execute_with_input("%mesh debug", ["q"])
+    assert prompts == ["(Pdb rank 2) "] and "KeyError" in reply.stream(), reply.stream()
 
 
 def test_breakpoint_without_stdin_is_skipped_with_a_note(kernel: Kernel) -> None:

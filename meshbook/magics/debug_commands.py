@@ -84,11 +84,14 @@ class DebugCommands:
 
 
 def _first_failed(mesh: Mesh) -> int:
-    """The lowest rank whose last code (a cell, a function, an endpoint) ended in an exception."""
-    failed = [r for r, s in mesh.snapshots().items() if s.last.startswith("stopped with")]
+    """The lowest rank whose last code (a cell, a function, an endpoint) ended in an exception
+    of its own, else the lowest whose code failed from another rank's doing (a collective
+    aborted, a peer gone: see ``knock_on``)."""
+    snapshots = mesh.snapshots()
+    failed = [r for r, s in snapshots.items() if s.last.startswith("stopped with")]
     if not failed:
         raise UsageError("no rank's last code ended in an exception: %mesh debug RANK opens pdb on one that did")
-    return min(failed)
+    return min(failed, key=lambda r: (snapshots[r].knock_on, r))
 
 
 def _dead_skipped(mesh: Mesh, ranks: str | None) -> str:

@@ -196,6 +196,19 @@ BROKEN_GROUP = re.compile(r"gloo.*(timed out|connection closed|connection reset|
                           r"|application timeout caused pair closure", re.IGNORECASE | re.DOTALL)
 
 
+#: Errors a rank gets from another rank's doing: its collective aborted (the other never
+#: joined), paired wrong, or the interrupt that stopped them all.
+KNOCK_ON_TYPES = ("CollectiveAborted", "CollectiveMispaired", "KeyboardInterrupt")
+
+
+def knock_on(failure: "RankFailure") -> bool:
+    """Did ``failure`` come from another rank (see :data:`KNOCK_ON_TYPES`; a broken group: a
+    peer that crashed or timed out)? Where a cell failed on several ranks, the one to look at
+    first is one whose own code raised."""
+    return failure.type_name in KNOCK_ON_TYPES or broke_its_group(failure) or \
+        "connection closed by peer" in failure.message.lower()
+
+
 def broke_its_group(failure: "RankFailure") -> bool:
     """Does ``failure`` say its process group broke (:data:`BROKEN_GROUP`), in its message or
     in an exception it was raised from or while handling (a Ctrl-C that landed as gloo timed

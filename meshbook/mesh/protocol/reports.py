@@ -50,6 +50,7 @@ class RankSnapshot:
     last: str = ""  # how its last user code ended, unless it runs user code ("stopped with KeyboardInterrupt at ...")
     last_request: int | None = None  # the request of that user code
     doing: str = ""  # what meshbook itself runs there, when busy with its own work ("the step check")
+    knock_on: bool = False  # that last code failed because of another rank (see errors.knock_on)
 
     @property
     def user_frame(self) -> Frame | None:

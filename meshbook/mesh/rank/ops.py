@@ -110,7 +110,7 @@ def snapshot(worker: "Worker") -> RankSnapshot:
     busy_s = time.monotonic() - worker.started_at if busy else 0.0
     return RankSnapshot(worker.rank, busy, worker.request, busy_s, frames, pending_collectives(),
                         last="" if busy and worker.running_user_code else worker.last_outcome,
-                        last_request=worker.last_user_request)
+                        last_request=worker.last_user_request, knock_on=worker.last_knock_on)
 
 
 def pending_collectives() -> tuple[Collective, ...]:

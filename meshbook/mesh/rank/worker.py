@@ -57,7 +57,7 @@ from ..protocol.cell import (
     register_source,
 )
 from ..protocol.config import HEARTBEAT_S
-from ..protocol.errors import BROKEN_GROUP, RankFailure, SendError, home_of, remaking, stale_names
+from ..protocol.errors import BROKEN_GROUP, RankFailure, SendError, home_of, knock_on, remaking, stale_names
 from ..protocol.lane import Inbox, Uplink
 from ..protocol.limits import KeptOnRank
 from ..protocol.payload import Lent
@@ -141,6 +141,7 @@ class Worker:
         #: How the user's last code (a cell, an applied function, an endpoint) ended, in words
         #: (the hang diagnosis quotes it), and whether the request running now is user code.
         self.last_outcome = ""
+        self.last_knock_on = False
         self.last_user_request: int | None = None
         self.running_user_code = False
         #: Why meshbook aborted a request's collective (request -> reason), for its error.
@@ -521,6 +522,7 @@ class Worker:
         self.abort_reasons.pop(request, None)  # told by a recovery whose abort it never needed
         if self.running_user_code:  # how the user's last code ended: meshbook's own requests say nothing of it
             self.last_outcome, self.last_user_request = describe_outcome(failure), request
+            self.last_knock_on = failure is not None and knock_on(failure)
         # The collectives it ran go first, so the controller has them when the run ends (and
         # before the answer is signed: a thread's messages must leave in the order it signs).
         self.send_collectives()
