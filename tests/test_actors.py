@@ -333,7 +333,7 @@ def test_a_spawn_waiting_for_ranks_outside_it_is_explained_and_freed(two: tuple[
         generators.narrow([0]).spawn("joins", Joins)
     rescue.join()
     text = "".join(said)
-    assert "rank(s) 0 wait in a collective (for over 5 s) that a rank of its group has not joined: without it" in text
+    assert "rank 0 waits in a collective (for over 5 s) that a rank of its group has not joined: without it" in text
     assert "rank 1 took no part in this spawn (idle)" in text
     assert info.value.failures[0].type_name == "CollectiveAborted"
     assert generators.narrow([0]).spawn("joins", Policy, 2).where.call().result()[0][0] == 0  # nothing half-built

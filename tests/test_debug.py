@@ -278,7 +278,7 @@ def hint_until_timeout(mesh: meshbook.Mesh, run: meshbook.Run, capsys) -> str:
 def test_a_hang_is_explained_while_no_rank_has_finished(mesh: meshbook.Mesh, capsys) -> None:
     run = mesh.run(SKIP_ALL_REDUCE)  # rank 1 sleeps 60 s: no rank finishes for a minute
     note = hint_until_timeout(mesh, run, capsys)
-    assert "rank(s) 0,2,3 wait in a collective (for over 2 s) while rank(s) 1 are elsewhere." in note
+    assert "ranks 0,2,3 wait in a collective (for over 2 s) while rank 1 is elsewhere." in note
     assert "rank 1 never reached it: at cell line 4 (time.sleep(60))" in note
     mesh.restart([1])
     assert run.done()
@@ -289,8 +289,8 @@ def test_a_slice_waiting_for_ranks_outside_it_is_explained(mesh: meshbook.Mesh, 
     diagnosis says who is missing, ranks outside the run."""
     run = mesh.run("dist.barrier()", ranks=[0, 1])
     note = hint_until_timeout(mesh, run, capsys)
-    assert ("rank(s) 0,1 wait in a collective (for over 2 s) that a rank of its group has not joined: without it, "
-            "only the collective timeout ends the call (mesh.interrupt('0,1') stops it).") in note
+    assert ("ranks 0,1 wait in a collective (for over 2 s) that a rank of its group has not joined: without it, "
+            "only the collective timeout ends the call (Ctrl-C, or run.interrupt(), stops it).") in note
     assert "ranks 2,3 took no part in this cell (idle)" in note
     mesh.recover()
     with pytest.raises(RemoteError) as info:  # the recovery's reason, not gloo's "connection closed"

@@ -39,7 +39,7 @@ def test_one_interrupt_frees_ranks_waiting_for_a_rank_that_stopped(kernel: Kerne
     text = reply.error_text
     assert "[1] KeyboardInterrupt" in text
     assert ("[0,2,3] CollectiveAborted: interrupted: meshbook aborted its all_reduce" in text and
-            "which rank 1 stopped before joining and would never join" in text), text
+            ": rank 1 stopped before joining, and would never join it" in text), text
     assert text.count("re-created the process groups") == 1, text  # the report appears once
     assert "ranks 0,2,3 had their collective aborted" in text
     assert "ranks 0-3 kept their variables" in text

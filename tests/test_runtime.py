@@ -191,7 +191,7 @@ def test_an_error_a_script_does_not_catch_shows_each_rank_s_report() -> None:
     assert told.endswith("RemoteError: 1 rank failed; first: [1] ZeroDivisionError: division by zero\n"
                          "[1] ZeroDivisionError: division by zero\n    cell line 3, in <module>\n"
                          "      helper(rank - 1)\n    cell line 2, in helper\n      return 1 / v\n"
-                         "[0] finished: their values are this error's .partial\n"), told
+                         "[0] finished: its value is this error's .partial\n"), told
     assert "follow.py" not in told  # meshbook's own frames end where the script called it
 
 
@@ -400,7 +400,7 @@ def test_ranks_that_failed_alike_but_for_their_peers_address_are_one_group(mesh4
                   "'fine'").result(echo=False)
     text = info.value.render()
     assert "[1-3] RuntimeError: Connection closed by peer [peer]\n" in text, text
-    assert text.endswith("[0] finished: their values are this error's .partial"), text
+    assert text.endswith("[0] finished: its value is this error's .partial"), text
     assert info.value.failures[2].message == "Connection closed by peer [127.0.0.1]:5002", "each rank's own, kept"
 
 

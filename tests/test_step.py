@@ -503,6 +503,6 @@ def test_an_interrupted_cell_waiting_for_ranks_outside_it_is_freed_by_the_interr
     run.interrupt()
     failure = failures_of(run, timeout=30).failures[0]
     assert failure.type_name == "CollectiveAborted", failure
-    assert re.match(r"interrupted: meshbook aborted its all_reduce #\d+ \(\[1\] float\), which rank 1 took no "
-                    r"part in this cell and would never join", failure.message), failure.message
+    assert re.match(r"interrupted: meshbook aborted its all_reduce #\d+ \(\[1\] float\): rank 1 took no "
+                    r"part in this cell, and would never join it", failure.message), failure.message
     assert dict(pair.run(CHECK).result(timeout=30)) == {0: 30.0, 1: 30.0}

@@ -56,7 +56,8 @@ def show_run(run: Run, options: RenderOptions, mesh: Mesh, view: View | None = N
              "how the cell ends, still comes here")
     try:
         follow_options = FollowOptions(options.timeout, "the cell", steps, "%mesh interrupt {ranks} stops it",
-                                       "interrupting this cell drops this cell instead")
+                                       "interrupting this cell drops this cell instead",
+                                       stop_this="interrupting the kernel (the stop button) stops it")
         return follow(run, mesh, renderer, follow_options, view)
     except MeshTimeout:
         if options.late_values is not None:

@@ -334,7 +334,8 @@ class RemoteError(MeshError):
             out.extend("  " + line for f in failure.frames for line in f.format(home).splitlines())
             out.extend("  " + line for line in (_alike(failure.detail) if alike else failure.detail).splitlines())
         if self.partial:
-            out.append(f"[{format_ranks(sorted(self.partial))}] finished: their values are this error's .partial"
+            noun = "its value is" if len(self.partial) == 1 else "their values are"
+            out.append(f"[{format_ranks(sorted(self.partial))}] finished: {noun} this error's .partial"
                        + (f" ({self.keeps})" if self.keeps else ""))
         if self.hint and hint:
             out.append(self.hint)

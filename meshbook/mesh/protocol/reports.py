@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import Frame, home_of
+from .text import format_ranks
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,16 @@ class Collective:
         return self.group[5:] if self.group.startswith("mesh_") else None
 
     def describe(self) -> str:
-        where = f" over {self.dim}" if self.dim else ("" if self.group == "default_pg" else f" in group {self.group}")
-        shapes = ", ".join(f"{list(s)} {d.lower()}" for s, d in zip(self.sizes, self.dtypes))
+        """``all_reduce #3 over tp ([8] float)``: a user's group (torch names it "undefined") by its
+        members, where known; a scalar as such."""
+        if self.dim or self.group == "default_pg":
+            where = f" over {self.dim}" if self.dim else ""
+        elif self.group in ("undefined", ""):
+            where = f" in the group of ranks {format_ranks(sorted(self.members))}" if self.members else \
+                " in a group of your own"
+        else:
+            where = f" in group {self.group}"
+        shapes = ", ".join(f"{list(s) if s else 'scalar'} {d.lower()}" for s, d in zip(self.sizes, self.dtypes))
         return f"{self.op} #{self.seq}{where}" + (f" ({shapes})" if shapes else "")
 
 

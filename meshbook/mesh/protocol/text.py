@@ -71,6 +71,21 @@ def ranks_text(ranks: Iterable[int]) -> str:
     return f"rank{'s' if len(ordered) > 1 else ''} {format_ranks(ordered)}"
 
 
+#: A verb as it goes with one rank, and with several.
+_PLURALS = {"waits": "wait", "is": "are", "has": "have"}
+
+
+def agree(verb: str, ranks: Iterable[int]) -> str:
+    """``verb`` (as with one rank: "waits", "is", "has") as it goes with ``ranks``."""
+    return _PLURALS.get(verb, verb) if len(set(ranks)) > 1 else verb
+
+
+def agreed(text: str, ranks: Iterable[int]) -> str:
+    """``text`` whose first word is such a verb, said of ``ranks`` ("waits in ... instead")."""
+    verb, _, rest = text.partition(" ")
+    return f"{agree(verb, ranks)} {rest}" if rest else agree(verb, ranks)
+
+
 def group_by_text(texts: dict[int, str]) -> list[tuple[list[int], str]]:
     """Group ranks whose text is identical, groups ordered by their lowest rank."""
     groups: dict[str, list[int]] = {}

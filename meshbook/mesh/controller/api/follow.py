@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from ...protocol.errors import MeshTimeout, RemoteError
-from ...protocol.text import format_ranks
+from ...protocol.text import agree, format_ranks, ranks_text
 from ...protocol.values import RankValues
 from ..core.render import EventRenderer, write_stream
 from ..core.run import STEP_CHECK_WAIT_S, Run
@@ -75,6 +75,8 @@ class FollowOptions:
     #: How the user stops the earlier work a run waits behind on ``{ranks}``, or drops the run.
     stop_earlier: str = "mesh.interrupt('{ranks}') stops it"
     drop_this: str = "run.interrupt() drops this run instead"
+    #: How the user stops the run itself, while it is followed (a collective that cannot end).
+    stop_this: str = "Ctrl-C, or run.interrupt(), stops it"
     grace: float = INTERRUPT_GRACE_S
     hang_hint: float = HANG_HINT_S
     stuck_hint: float = STUCK_HINT_S
@@ -168,7 +170,7 @@ class _Follow:
                 self.hang_since, self.queued_seen = now, False
             else:
                 self.explained = True
-                self._explain(f"rank(s) {format_ranks(self.run.pending)} are still busy "
+                self._explain(f"{ranks_text(self.run.pending)} {agree('is', self.run.pending)} still busy "
                               f"{now - since:.0f} s after the others finished.")
         timeout = self.options.timeout
         if timeout is not None and now - self._timed_from() >= timeout and not self.run.done():
@@ -255,19 +257,19 @@ class _Follow:
         waiting = self.mesh.stuck(self.run)
         if max(waiting.values(), default=0.0) < self.options.stuck_hint:
             return
-        headline = f"rank(s) {format_ranks(waiting)} wait in a collective (for over {self.options.stuck_hint:g} s)"
+        headline = (f"{ranks_text(waiting)} {agree('waits', waiting)} in a collective "
+                    f"(for over {self.options.stuck_hint:g} s)")
         elsewhere = [r for r in self.run.ranks if r not in waiting]
         if elsewhere:
             self.explained = True  # once per run: the heartbeats say the same every half second
-            self._explain(f"{headline} while rank(s) {format_ranks(elsewhere)} are elsewhere.")
+            self._explain(f"{headline} while {ranks_text(elsewhere)} {agree('is', elsewhere)} elsewhere.")
         elif now >= self.asked_at + self.options.stuck_hint:
             self.asked_at = now
             diagnosis, said = self._diagnose()
             if diagnosis is not None and diagnosis.blocked:
                 self.explained = True
-                stop = self.options.stop_earlier.format(ranks=format_ranks(waiting))
                 self._explain(f"{headline} that a rank of its group has not joined: without it, only the "
-                              f"collective timeout ends the call ({stop}).", said)
+                              f"collective timeout ends the call ({self.options.stop_this}).", said)
 
     def _explain(self, headline: str, said: str | None = None) -> None:
         self.renderer.flush()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ...protocol.reports import Collective, RankSnapshot
-from ...protocol.text import group_by_text, ranks_text
+from ...protocol.text import agree, agreed, group_by_text, ranks_text
 from ...protocol.topology import Topology
 from .stacks import Stacks
 
@@ -69,7 +69,7 @@ def _explain(ranks: list[int], waiting: dict[int, Collective],
     collective = waiting[ranks[0]]
     places = {snapshots[r].where() for r in ranks}
     at = f" at {places.pop()}" if len(places) == 1 else ""
-    line = f"{ranks_text(ranks)} wait in {collective.describe()}{at}"
+    line = f"{ranks_text(ranks)} {agree('waits', ranks)} in {collective.describe()}{at}"
     members = group_members(collective, ranks[0], topology)
     if members is None:
         return line + " (a group meshbook does not know the members of)", False
@@ -78,7 +78,7 @@ def _explain(ranks: list[int], waiting: dict[int, Collective],
     absent = {r: _absence(r, waiting, snapshots, request, noun) for r in members if r not in ranks}
     if not absent:
         return line + "; every member of its group is there: it should complete", False
-    return line + "; " + "; ".join(f"{ranks_text(r)} {why}" for r, why in group_by_text(absent)), True
+    return line + "; " + "; ".join(f"{ranks_text(r)} {agreed(why, r)}" for r, why in group_by_text(absent)), True
 
 
 def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, RankSnapshot],

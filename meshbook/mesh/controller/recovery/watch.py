@@ -143,7 +143,7 @@ def _reason(run: "Run", collective: Collective, gone: list[int],
         stopped, outside = [r for r in gone if r in run.ranks], [r for r in gone if r not in run.ranks]
         who = " and ".join([*([f"{ranks_text(stopped)} stopped before joining"] if stopped else []),
                             *([f"{ranks_text(outside)} took no part in this {run.noun}"] if outside else [])])
-        return f"interrupted: meshbook aborted its {collective.describe()}, which {who} and would never join"
+        return f"interrupted: meshbook aborted its {collective.describe()}: {who}, and would never join it"
     failed = run.failed_ranks()
     how = "failed" if set(gone) <= failed else "finished"
     return (f"meshbook aborted its {collective.describe()}: {ranks_text(gone)} {how} the {run.noun} without "
