@@ -76,7 +76,7 @@ def test_restarting_the_absent_rank_frees_the_others_with_their_variables(mesh: 
     recovery = mesh.restart([1])
     assert recovery.restarted == [1] and recovery.kept == [0, 2, 3]
     assert ("rank 1 restarted: its variables are lost. Run the cells that set it up again there "
-            "(%%mesh --ranks 1, or ranks=[1] in mesh.run)") in recovery.render()
+            "(%%mesh --ranks 1, or ranks=[1] in mesh.run); a cell that calls collectives") in recovery.render()
     with pytest.raises(RemoteError) as info:
         run.result(timeout=10, echo=False)
     assert info.value.failures[1].died == "SIGKILL"

@@ -65,7 +65,8 @@ class Recovery:
             listed = ",".join(map(str, self.restarted))
             lines.append(f"{ranks_text(self.restarted)} restarted: {_their(self.restarted)} variables are lost. "
                          f"Run the cells that set {_them(self.restarted)} up again there (%%mesh --ranks {listed}, "
-                         f"or ranks=[{listed}] in mesh.run).")
+                         f"or ranks=[{listed}] in mesh.run); a cell that calls collectives (one that builds a DDP "
+                         f"or FSDP module does) must run on every rank of their groups.")
         if self.aborted:
             lines.append(f"{ranks_text(self.aborted)} had {_their(self.aborted)} collective aborted "
                          f"(no process restarted).")
