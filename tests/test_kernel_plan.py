@@ -54,6 +54,14 @@ def test_bad_plan_requests_are_usage_errors(kernel: Kernel) -> None:
     assert reply.content["ename"] == "UsageError" and "choose from none, block, selective" in reply.content["evalue"]
     reply = kernel.execute("%mesh plan --build build --batch eight")
     assert reply.content["ename"] == "UsageError" and "give the global batch shape" in reply.content["evalue"]
+    # Nothing fits: the error, and still the table of what each layout needs, kept in --out
+    reply = kernel.execute("%mesh plan --build build --batch 8 --budget 1M --no-pp --checkpointing none --out small",
+                           timeout=300)
+    assert reply.content["ename"] == "UsageError" and "no plan fits in 1.0 MiB" in reply.content["evalue"]
+    assert "--budget 8G in %mesh plan" in reply.content["evalue"]
+    (table,) = reply.of_type("display_data")
+    assert "OOM" in table["content"]["data"]["text/plain"]
+    assert kernel.value("all(r.status == 'OOM' for r in small.rows)") is True
     assert kernel.value("1 + 1") == 2
 
 

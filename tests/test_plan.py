@@ -331,9 +331,15 @@ def test_a_budget_nothing_fits_says_what_the_smallest_needs(mesh: meshbook.Mesh)
     overhead = caught.value.report.probe.overhead  # type: ignore[attr-defined]
     above = overhead + (1 << 20)  # the process fits, the model (a few MiB with Adam) does not
     with pytest.raises(MeshError, match=r"no plan fits in .* per rank: the smallest \(.*\) needs .* on rank "
-                                        r"\d, .*; try checkpointing, more ranks or a smaller batch") as caught:
+                                        r"\d, (activations|temporaries) .*; try checkpointing, more ranks or a smaller "
+                                        r"batch") as caught:
         mesh.plan(BUILD, BATCH, budget=above, **fsdp)
     assert all(r.status == "OOM" for r in caught.value.report.rows)  # type: ignore[attr-defined]
+    # DDP's optimizer state is the biggest part: checkpointing or a smaller batch would not help
+    ddp: dict[str, Any] = {"only": lambda lay: lay.family == "DDP", "checkpointing": ("none",)}
+    with pytest.raises(MeshError, match=r"the smallest \(DDP .*\) needs .* optimizer .*; try sharding it \(FSDP: "
+                                        r"dp_shard\), more ranks or an optimizer with less state \(sgd\)"):
+        mesh.plan(models.gpt, (8, 32), budget=overhead + (12 << 20), **ddp)
 
 
 def test_a_planner_process_that_dies_is_reported_and_nothing_is_left(mesh: meshbook.Mesh) -> None:

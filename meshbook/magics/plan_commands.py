@@ -14,6 +14,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display
 
 from ..mesh import CHECKPOINTING, MeshError, PlanReport, parse_batch
 from .base import command, notebook_values, out_name, parse_argstring, require_mesh, warnings_as_notes
@@ -53,8 +54,19 @@ class PlanCommands:
         def only(layout: Any) -> bool:
             return not (args.no_pp and layout.pp > 1) and not (args.no_tp and layout.tp > 1)
 
-        report = require_mesh().plan(build, shape, optimizer=args.optimizer, budget=args.budget,
-                                     only=only, checkpointing=checkpointing)
+        try:
+            report = require_mesh().plan(build, shape, optimizer=args.optimizer, budget=args.budget,
+                                         only=only, checkpointing=checkpointing)
+        except MeshError as exc:  # nothing fits: the table still says what each layout needs
+            found = getattr(exc, "report", None)
+            if found is None:
+                raise
+            self._keep(found, out)
+            display(found)
+            raise
+        return self._keep(report, out)
+
+    def _keep(self, report: PlanReport, out: str | None) -> PlanReport:
         self.last_plan = report
         if out:
             self.shell.user_ns[out] = report

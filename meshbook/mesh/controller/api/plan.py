@@ -127,12 +127,20 @@ class PlanReport:
         if self.budget <= overhead:  # no lever below helps: the process alone is over the budget
             return (f"no plan fits in {format_bytes(self.budget)} per rank: a rank takes {format_bytes(overhead)} "
                     f"before it holds any of the model (Python, torch and its process group, measured on "
-                    f"the ranks); give a budget above that, such as budget=\"8G\", or none for "
-                    f"{BUDGET_SHARE:.0%} of what each rank has")
+                    f"the ranks); give a budget above that (budget=\"8G\"; --budget 8G in %mesh plan), or "
+                    f"none for {BUDGET_SHARE:.0%} of what each rank has")
         small = min(sized, key=lambda r: r.peak)
         big = largest_part(small.memory)
-        levers = (["checkpointing"] if small.layout.checkpointing != "block" else []) + [
-            "more ranks", "a smaller batch"]
+        if big in ("activations", "temporaries"):
+            levers = (["checkpointing"] if small.layout.checkpointing != "block" else []) + [
+                "more ranks", "a smaller batch"]
+        else:  # the model's own state: only sharding it, or more ranks to shard it over, helps
+            levers = (["sharding it (FSDP: dp_shard)"] if small.layout.dp_shard == 1 else []) + ["more ranks"] + (
+                ["an optimizer with less state (sgd)"] if big == "optimizer" else [])
+        if len(levers) == 1:
+            return (f"no plan fits in {format_bytes(self.budget)} per rank: the smallest ({small.layout.describe()}) "
+                    f"needs {format_bytes(small.peak)} on rank {small.worst_rank}, {big} "
+                    f"{format_bytes(small.memory[big])}; try {levers[0]}")
         return (f"no plan fits in {format_bytes(self.budget)} per rank: the smallest ({small.layout.describe()}) "
                 f"needs {format_bytes(small.peak)} on rank {small.worst_rank}, {big} "
                 f"{format_bytes(small.memory[big])}; try {', '.join(levers[:-1])} or {levers[-1]}")
