@@ -183,8 +183,16 @@ class PlanReport:
         lines += ["", status_table(self.table())]
         if self.rejected:
             lines += ["", "Dropped before tracing:"]
-            lines += [f"  {r.layout.family} {r.layout.start_dims()}: {r.reason}" for r in self.rejected]
+            lines += [f"  {self._dropped(r)}" for r in self.rejected]
         return "\n".join(lines)
+
+    @staticmethod
+    def _dropped(rejected: Rejected) -> str:
+        """``PP-1F1B pp=4, 16 micro-batches: ...``: a pipeline's by its micro-batches too (the same
+        degrees with fewer may be in the table)."""
+        lay = rejected.layout
+        micro = f", {lay.microbatches} micro-batches" if lay.pp > 1 else ""
+        return f"{lay.family} {lay.start_dims()}{micro}: {rejected.reason}"
 
     def _repr_html_(self) -> str:
         import html
@@ -193,8 +201,7 @@ class PlanReport:
         head = "".join(f"<th>{html.escape(str(h))}</th>" for h in rows[0]) if rows else ""
         body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>" for r in rows)
         notes = "".join(f"<li>{html.escape(a)}</li>" for a in self.assumptions())
-        dropped = "".join(f"<li>{html.escape(f'{r.layout.family} {r.layout.start_dims()}: {r.reason}')}</li>"
-                          for r in self.rejected)
+        dropped = "".join(f"<li>{html.escape(self._dropped(r))}</li>" for r in self.rejected)
         return (f"<div><b>Plan</b><ul>{notes}</ul><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody>"
                 f"</table>" + (f"<details><summary>Dropped before tracing ({len(self.rejected)})</summary>"
                                f"<ul>{dropped}</ul></details>" if self.rejected else "") + "</div>")
@@ -399,7 +406,9 @@ class PlanOps:
                 return lay.checkpointing in checkpointing and (only is None or only(lay))
 
             layouts = [lay for lay in found.valid if asked(lay) and (dims is None or lay.dims == dims)]
-            found.rejected = [r for r in found.rejected if only is None or only(r.layout)]
+            # What this mesh could not run anyway (laid out with other dimensions) is not news.
+            found.rejected = [r for r in found.rejected
+                              if (only is None or only(r.layout)) and (dims is None or r.layout.dims == dims)]
             if not layouts and dims is not None and any(asked(lay) for lay in found.valid):
                 raise MeshError(f"the mesh is laid out as {_shape(dims)}, and no layout of this model has those "
                                 f"dimensions (a layout's are dp_replicate, dp_shard, tp, pp): "
