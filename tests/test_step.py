@@ -337,6 +337,21 @@ def test_a_cell_nobody_follows_still_tells_what_its_check_found(pair: meshbook.M
     pair.run("del model, opt").result()
 
 
+def test_point_to_point_operations_are_no_step_out_of_step() -> None:
+    """gloo counts sends and receives in a group's sequence with its collectives, and a chain
+    (a pipeline's stages) runs different numbers of them: the next failed cell's check found
+    the ranks out of step and re-created every group, making every module stale."""
+    with meshbook.start(3) as mesh:
+        mesh.run("t = torch.ones(2)\nif rank == 0:\n    dist.send(t, 1)\nelif rank == 1:\n"
+                 "    dist.recv(t, 0)\n    dist.isend(t, 2).wait()\nelse:\n"
+                 "    dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 1)])[0].wait()").result()
+        failed = mesh.run("if rank == 2:\n    raise ValueError('bad batch')")
+        failures_of(failed)
+        assert failed.step_report(30) == ""
+        assert [s.generation for s in mesh.status()] == [0, 0, 0]
+        assert mesh.run("x = torch.ones(1)\ndist.all_reduce(x)\nx.item()").result().unique() == 3.0
+
+
 def test_a_failure_that_leaves_the_ranks_in_step_re_creates_nothing(pair: meshbook.Mesh) -> None:
     pair.run("kept = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))").result()
     generation = pair.status()[0].generation

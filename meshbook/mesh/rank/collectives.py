@@ -47,6 +47,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "broadcast_object_list", "barrier", "reduce", "gather", "scatter", "gather_object",
                "scatter_object_list", "monitored_barrier", "all_reduce_coalesced")
 
+#: Point-to-point operations: not timed, but counted (see :meth:`CollectiveClock.point_to_point`).
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+
 #: One record: (request, group key, number in its group, entered, left or 0 for an async call).
 #: A number below 0 is the flight recorder's (see above).
 Entry = tuple[int | None, int, int, int, int]
@@ -74,6 +77,8 @@ class CollectiveClock:
         self._generation = 0
         self._groups: dict[int, tuple[Any, int]] = {}  # id(group) -> (group, key): kept alive
         self._counts: list[int] = []  # per key: collectives issued so far
+        self._p2p: dict[tuple[int, str], int] = {}  # (id(group), device type) -> operations run
+        self._in_p2p = threading.local()
         self._entries: list[Entry] = []
         self._new_keys: dict[int, tuple[int, str, tuple[int, ...]]] = {}
         #: The wrappers' code objects: the sampler walks through them (see sampling.py).
@@ -91,23 +96,54 @@ class CollectiveClock:
 
     def install(self) -> None:
         """Wrap the collectives of ``torch.distributed`` (and of ``distributed_c10d``, where
-        torch's own modules call them)."""
+        torch's own modules call them), and count its point-to-point operations."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
-        for name in COLLECTIVES:
-            fn = getattr(c10d, name, None)
-            if fn is None:
-                continue
-            timed = self.wrap(fn)
-            for module in (dist, c10d):
-                if getattr(module, name, None) is fn:
-                    setattr(module, name, timed)
+        for names, wrap in ((COLLECTIVES, self.wrap), (POINT_TO_POINT, self._counted)):
+            for name in names:
+                fn = getattr(c10d, name, None)
+                if fn is None:
+                    continue
+                wrapped = wrap(fn)
+                for module in (dist, c10d):
+                    if getattr(module, name, None) is fn:
+                        setattr(module, name, wrapped)
+
+    def point_to_point(self, group: Any, devices: list[str]) -> int:
+        """How many point-to-point operations ran on ``group`` with tensors on ``devices``
+        (device types). gloo and NCCL count them with the collectives in the group's sequence,
+        and a pipeline's stages run different numbers of them: a step check that compared the
+        raw counts found the ranks out of step after every pipelined step."""
+        return sum(self._p2p.get((id(group), device), 0) for device in devices)
+
+    def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, a point-to-point operation, counted by group and device type (any thread)."""
+        params = list(inspect.signature(fn).parameters)
+        group_at = params.index("group") if "group" in params else None
+
+        def point_to_point(*args: Any, **kwargs: Any) -> Any:
+            import torch.distributed as dist
+
+            inside = self._in_p2p
+            if getattr(inside, "on", False):  # send() runs isend(): one operation
+                return fn(*args, **kwargs)
+            group = _argument(args, kwargs, "group", group_at) or dist.group.WORLD
+            tensor = args[0] if args else kwargs.get("tensor")
+            key = (id(group), getattr(getattr(tensor, "device", None), "type", "cpu"))
+            self._p2p[key] = self._p2p.get(key, 0) + 1  # counted before: an interrupt may cut it short
+            inside.on = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside.on = False
+
+        return functools.wraps(fn)(point_to_point)
 
     def new_generation(self, generation: int) -> None:
         """The process groups were re-created: numbering starts again in the new ones."""
         self._generation = generation
-        self._groups = {}
+        self._groups, self._p2p = {}, {}
         self._since_ns, self._taken, self._read_at = time.time_ns(), {}, (0, self._entered)
 
     def began(self, request: int | None) -> None:

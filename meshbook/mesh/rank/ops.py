@@ -31,6 +31,7 @@ from .groups import replica_prints, stale_objects
 from .torch_compat import (
     abort_process_groups,
     backends,
+    devices_of,
     flight_records,
     group_ranks,
     is_default_group,
@@ -231,7 +232,8 @@ def positions(worker: "Worker") -> Positions:
     """This rank's position in each of its process groups, per backend (main thread, in
     request order). A GPU mesh's group runs NCCL for CUDA tensors and gloo for CPU ones, each
     counting its own collectives: the group's own count is its default backend's (NCCL), so a
-    CPU ``all_reduce`` would never be compared."""
+    CPU ``all_reduce`` would never be compared. Point-to-point operations, which the backends
+    count too, are taken off: a pipeline's stages run different numbers of them."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_initialized():
         return Positions(worker.rank, initialized=False)
@@ -242,7 +244,7 @@ def positions(worker: "Worker") -> Positions:
         found = backends(pg)
         for backend in found:
             try:
-                count = issued(backend)
+                count = issued(backend) - worker.clock.point_to_point(pg, devices_of(pg, backend))
             except Exception:  # a backend without sequence numbers: nothing to compare
                 continue
             kind = backend.name()

@@ -711,10 +711,18 @@ class Reporting:
     def __init__(self, built: Built, predicted: int, predicted_s: float, device: Any, steps: int = 3) -> None:
         self.built, self.predicted, self.predicted_s = built, predicted, predicted_s
         self.device, self.left, self.rank = device, steps, torch.distributed.get_rank()
+        self.told_no_targets = False
 
     def __call__(self, inputs: Any, targets: Any = None) -> torch.Tensor | None:
         import time
 
+        if targets is None and self.built.loss_fn is None and not self.told_no_targets \
+                and not (isinstance(inputs, dict) and "labels" in inputs):
+            self.told_no_targets = True
+            print("note: step() got no targets: its loss is the mean square of the model's output, which measures "
+                  "memory and time but trains toward nothing (a language model's cross-entropy needs "
+                  "step(inputs, targets); a model that returns .loss, or parallelize(..., loss_fn=...), is used "
+                  "as is)")
         started = time.perf_counter()
         loss = self.built.step(inputs, targets)
         if self.left > 0:

@@ -110,6 +110,18 @@ def backends(pg: Any) -> list[Any]:
     return list(found.values())
 
 
+def devices_of(pg: Any, backend: Any) -> list[str]:
+    """The device types ``pg`` serves with ``backend`` (a gloo group: ``cpu`` and ``cuda``)."""
+    found = []
+    for device in pg._device_types:
+        try:
+            if pg._get_backend(device) is backend:
+                found.append(device.type if hasattr(device, "type") else str(device))
+        except Exception:
+            continue
+    return found
+
+
 def issued(backend: Any) -> int:
     """How many collectives ``backend`` has issued in its group (each backend counts its own)."""
     return int(backend._get_sequence_number_for_group())
