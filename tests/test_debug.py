@@ -144,6 +144,7 @@ def test_rank_holding_the_gil_in_c_is_dumped_from_outside(mesh: meshbook.Mesh) -
     snap = mesh.snapshots([3])[3]
     assert snap.busy and not snap.frames
     assert snap.native.strip()  # py-spy's dump, or the reason it could not take one
+    assert "\x1b[" not in snap.native, "py-spy's colours came as raw escape codes"
     run.result(timeout=30, echo=False)
 
 

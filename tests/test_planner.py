@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from functools import partial
 
 import pytest
+import torch
 
 from bench import models
 from meshbook.mesh.controller.api.plan import Planners
@@ -48,6 +49,16 @@ def test_inspect_reads_blocks_heads_stages_and_the_input(facts: ModelFacts) -> N
     assert facts.vocab == 512 and facts.tp_reason == ""
     assert ("num heads", 4) in facts.tp_divides
     assert facts.params == sum(p.numel() for p in BUILD().parameters())
+
+
+def test_a_fused_qkv_projection_is_no_tensor_parallel_block(planner: Planners) -> None:
+    """nanoGPT's c_attn makes q, k and v in one linear, which tensor parallelism does not split,
+    while its c_proj is split by rows: planned, the layouts were INVALID with a shape error."""
+    fused = planner.ask(0, "inspect", models.fused_qkv)
+    assert fused.tp_reason == ("the linears that feed attn.c_proj split by columns, as q_proj/k_proj/v_proj are; "
+                               "attn.c_attn beside it is not (a fused projection, such as c_attn or wqkv, is not "
+                               "split)"), fused.tp_reason
+    assert models.fused_qkv()(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 512)
 
 
 def test_one_rank_holds_every_parameter_and_adam_state_twice_over(planner: Planners, facts: ModelFacts) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -65,6 +66,8 @@ class RankProcess:
     generation: int  # the process-group generation it was forked into
 
 
+#: The terminal colour codes py-spy writes.
+_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 #: How long py-spy may take to dump one rank's stack.
 PYSPY_TIMEOUT_S = 10.0
 
@@ -82,10 +85,11 @@ class Dump:
     deadline: float
 
     def output(self) -> str:
-        """What it printed: the stack, or why there is none."""
+        """What it printed: the stack, or why there is none (its colours left out: they came
+        into the notebook as raw escape codes)."""
         with self.out, self.err:
             out, err = (_read(f) for f in (self.out, self.err))
-        return out or err
+        return _COLOURS.sub("", out or err)
 
     def close(self) -> None:
         self.out.close()

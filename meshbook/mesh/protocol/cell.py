@@ -274,7 +274,8 @@ def failure_from(rank: int, exc: BaseException) -> RankFailure:
         message = exc.msg
     if isinstance(exc, bdb.BdbQuit):  # q in the rank's debugger: where it was, not bdb's frames
         frames = tuple(f for f in frames if not f.filename.endswith(_DEBUGGER_FILES))
-        message = "quit in the debugger (q): the code stopped there; the rank is idle, with its variables"
+        message = ("quit in the debugger (q, or an interrupt at its prompt): the code stopped there; the rank is "
+                   "idle, with its variables")
     detail = [] if isinstance(exc, RemoteError) else _notes(exc)  # its notes are its report, told below
     if isinstance(exc, RemoteError):  # a call this rank made failed where it ran (an actor's endpoint)
         message = message.split("\n", 1)[0]  # its hint is in the report below

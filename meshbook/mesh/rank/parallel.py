@@ -169,6 +169,24 @@ def inspect(model: nn.Module) -> ModelFacts:
         in_features=first.in_features if isinstance(first, nn.Linear) and first.in_features else None)
 
 
+def _unsplit_feeds(block: nn.Module, plan: dict[str, str]) -> str:
+    """Why tensor parallelism cannot split ``block`` though its linears have known names: a
+    row-wise one (``attn.c_proj``) whose module splits no linear by columns (nanoGPT's fused
+    ``c_attn``) would take whole inputs where it expects its shard (the trace then fails, as
+    INVALID, with a shape error)."""
+    for path, kind in plan.items():
+        parent = path.rpartition(".")[0]
+        if kind != "rowwise" or any(plan.get(p) == "colwise" for p in plan if p.rpartition(".")[0] == parent):
+            continue
+        owner = block.get_submodule(parent) if parent else block
+        others = [f"{parent}.{n}" if parent else n for n, m in owner.named_children()
+                  if isinstance(m, nn.Linear) and (f"{parent}.{n}" if parent else n) not in plan]
+        return (f"the linears that feed {path} split by columns, as q_proj/k_proj/v_proj are; "
+                f"{', '.join(others) or 'none'} beside it {'is' if len(others) == 1 else 'are'} not "
+                f"(a fused projection, such as c_attn or wqkv, is not split)")
+    return ""
+
+
 def _pp_reason(model: nn.Module) -> str:
     if not isinstance(model, nn.Sequential):
         return f"a model that is a sequence of stages (nn.Sequential); {type(model).__name__} is not"
@@ -190,6 +208,9 @@ def _tp_facts(model: nn.Module, blocks: list[tuple[nn.Module, str, nn.Module]]) 
         return (f"linears named as in Llama or GPT ({names}, ...) in each {blocks[0][2].__class__.__name__}; "
                 f"found {sorted(plan) or 'none'}"), ()
     block = blocks[0][2]
+    unsplit = _unsplit_feeds(block, plan)
+    if unsplit:
+        return unsplit, ()
     sizes: dict[str, int] = {}
     for path, kind in plan.items():
         linear = block.get_submodule(path)

@@ -29,22 +29,28 @@ def flight_records(done_too: bool = False) -> list[dict[str, Any]]:
     watchdog marks it ``completed`` when its CUDA event fires (an NCCL collective returns to
     Python at once: only its recorder knows it still runs on the GPU). ``done_too``: the
     finished ones the recorder still keeps as well (what a rank that went on had called)."""
+    entries = _dumped(_RECORDERS, lambda dump: json.loads(dump(includeCollectives=True, onlyActive=not done_too)))
+    out = [e for e in entries if done_too or (not e.get("retired") and e.get("state") != "completed")]
+    return sorted(out, key=lambda e: e.get("time_created_ns", 0))
+
+
+def _dumped(recorders: tuple[str, ...], read: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The entries of each of the flight ``recorders`` this torch has, as ``read(dump)`` reads
+    its dump (none from one with no process group yet, or a build without it)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return []
     c10d = torch._C._distributed_c10d
-    out = []
-    for name in _RECORDERS:
+    out: list[dict[str, Any]] = []
+    for name in recorders:
         dump = getattr(c10d, name, None)
         if dump is None:
             continue
         try:
-            trace = json.loads(dump(includeCollectives=True, onlyActive=not done_too))
+            out += read(dump).get("entries", [])
         except Exception:  # no process group yet, or a build without this recorder
             continue
-        out += [e for e in trace.get("entries", [])
-                if done_too or (not e.get("retired") and e.get("state") != "completed")]
-    return sorted(out, key=lambda e: e.get("time_created_ns", 0))
+    return out
 
 
 def oldest_nccl_pending() -> tuple[str, float] | None:
@@ -150,21 +156,9 @@ def finished_and_pending_collectives() -> list[dict[str, Any]]:
     traces), oldest first: about 2.5 ms for a full recorder, a quarter of what its JSON takes."""
     import pickle
 
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return []
-    c10d = torch._C._distributed_c10d
-    out = []
-    for name in _PICKLED_RECORDERS:
-        dump = getattr(c10d, name, None)
-        if dump is None:
-            continue
-        try:
-            trace = pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False))
-        except Exception:  # no process group yet, or a build without this recorder
-            continue
-        out += [e for e in trace.get("entries", []) if not e.get("is_p2p")]
-    return sorted(out, key=lambda e: e.get("time_created_ns", 0))
+    entries = _dumped(_PICKLED_RECORDERS, lambda dump: pickle.loads(
+        dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)))
+    return sorted((e for e in entries if not e.get("is_p2p")), key=lambda e: e.get("time_created_ns", 0))
 
 
 def set_default_group_timeout(timeout: Any) -> None:

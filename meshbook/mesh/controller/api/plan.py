@@ -57,6 +57,8 @@ PLAN_TIMEOUT_S = 600.0
 RANK_TIMEOUT_S = 300.0
 #: Planner processes at once: tracing is CPU-bound, one per core (at most this many).
 MAX_PLANNERS = 4
+#: Variables the ranks hold as they are measured, from which the report says they count.
+RESIDENT_NOTE_BYTES = 16 << 20
 #: The report's column for each part of a peak (bytes) and of a step (milliseconds).
 SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "activations": "activ",
          "temporaries": "temps", "overhead": "process", "compute": "compute", "communication": "comm",
@@ -347,6 +349,25 @@ def _check_arguments(build: Any, optimizer: Any, caller: str) -> None:
                         f"{'meta device' if caller == 'plan' else 'ranks'}")
 
 
+def _resident(mesh: MeshView) -> str:
+    """A note where the ranks hold large variables as they are measured (a model parallelize
+    built before, planning again): their memory is in the process overhead, and so in every
+    row's peak (a fresh mesh measured 288 MiB where one holding a model measured 610)."""
+    found = dict(mesh.call(ops.who, ranks=mesh.ranks, what="plan: the ranks' variables").result(echo=False))
+
+    def size(info: Any) -> int:
+        return info.held if info.held is not None else info.nbytes or 0
+
+    totals = {rank: sum(size(v) for v in infos.values()) for rank, infos in found.items()}
+    rank = max(totals, key=lambda r: totals[r], default=None)
+    if rank is None or totals[rank] < RESIDENT_NOTE_BYTES:
+        return ""
+    largest = sorted(found[rank].values(), key=size, reverse=True)[:3]
+    return (f"the ranks hold {format_bytes(totals[rank])} of variables as they are measured ("
+            f"{', '.join(v.name for v in largest)} on rank {rank}): it counts in the process overhead, and so in "
+            f"every row; del them (or plan on a fresh mesh) for a layout's own figures")
+
+
 def _named_dims(mesh: MeshView) -> dict[str, int] | None:
     """The mesh's dimensions where it was started with ``dims`` (None: without, ``world``)."""
     dims = dict(mesh.topology.dims)
@@ -417,6 +438,7 @@ class PlanOps:
                 reasons = "; ".join(sorted({r.reason for r in found.rejected}))[:600]
                 raise MeshError(f"no layout of {len(self.ranks)} ranks is possible for this model: "
                                 f"{reasons or 'only= left none'}")
+            resident = _resident(self)
             # The planners import torch meanwhile.
             measured = probe(self, build, ranks_on_host, warm_up_layouts(layouts))
             jobs = [(build, lay, facts, shape, optimizer, measured.device) for lay in layouts]
@@ -426,7 +448,7 @@ class PlanOps:
         for row in rows:
             row.optimizer = optimizer
         mark_dominated(rows)
-        notes = []
+        notes = [resident] if resident else []
         if measured.device == "cpu" and len(self.ranks) > 1:
             notes.append("times on CPU ranks that share cores rank layouts only roughly")
         if not facts.blocks:
