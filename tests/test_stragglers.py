@@ -271,3 +271,18 @@ def test_the_split_and_the_straggler_are_exact() -> None:
         assert verdicts == [[2]] * 10, verdicts
         live = mesh.stragglers()  # the last seconds of the latest cell: the same verdict
         assert live.stragglers == [2]
+
+
+def test_a_rank_waiting_in_recv_is_placed_at_its_cell_line(mesh4: meshbook.Mesh) -> None:
+    """The wrapper that counts point-to-point operations is walked through, as the collectives'
+    are: the place read 'recv at distributed_c10d.py:2799 in recv', not the cell's line."""
+    run = mesh4.run("import time\nt = torch.ones(2)\nif rank == 0:\n    dist.recv(t, 1)\n"
+                    "elif rank == 1:\n    time.sleep(3)\n    dist.send(t, 0)")
+    started = time.monotonic()
+    while not (report := mesh4.stragglers()).get(0) or not report.get(0).places:  # type: ignore[union-attr]
+        assert time.monotonic() - started < 10, str(report)
+        time.sleep(0.2)
+    time.sleep(max(0.0, 2.0 - (time.monotonic() - started)))
+    waiting = mesh4.stragglers().get(0)
+    assert waiting is not None and str(waiting.places[0]).startswith("recv at cell line 4"), waiting.places
+    run.result(timeout=30, echo=False)
