@@ -78,6 +78,7 @@ class CollectiveClock:
         self._groups: dict[int, tuple[Any, int]] = {}  # id(group) -> (group, key): kept alive
         self._counts: list[int] = []  # per key: collectives issued so far
         self._p2p: dict[tuple[int, str], int] = {}  # (id(group), device type) -> operations run
+        self._p2p_run = 0  # all of them, over every generation: what the groups' counts hold besides collectives
         self._in_p2p = threading.local()
         self._entries: list[Entry] = []
         self._new_keys: dict[int, tuple[int, str, tuple[int, ...]]] = {}
@@ -132,6 +133,7 @@ class CollectiveClock:
             tensor = args[0] if args else kwargs.get("tensor")
             key = (id(group), getattr(getattr(tensor, "device", None), "type", "cpu"))
             self._p2p[key] = self._p2p.get(key, 0) + 1  # counted before: an interrupt may cut it short
+            self._p2p_run += 1
             inside.on = True
             try:
                 return fn(*args, **kwargs)
@@ -145,7 +147,7 @@ class CollectiveClock:
         """The process groups were re-created: numbering starts again in the new ones."""
         self._generation = generation
         self._groups, self._p2p = {}, {}
-        self._since_ns, self._taken, self._read_at = time.time_ns(), {}, (0, self._entered)
+        self._since_ns, self._taken, self._read_at = time.time_ns(), {}, (0, self._seen())
 
     def began(self, request: int | None) -> None:
         """The main thread runs ``request`` from now on (None: nothing)."""
@@ -231,17 +233,17 @@ class CollectiveClock:
         if "torch.distributed" not in sys.modules:
             return
         try:
-            issued, wrapped = issued_by_groups(), self._entered
+            issued, seen = issued_by_groups(), self._seen()
         except Exception:  # noqa: BLE001 - no group yet, or one being destroyed
             return
-        before, self._read_at = self._read_at, (issued, wrapped)
-        if issued - before[0] <= wrapped - before[1]:
-            return  # every collective issued since was a wrapped call
+        before, self._read_at = self._read_at, (issued, seen)
+        if issued - before[0] <= seen - before[1]:
+            return  # every operation issued since was a wrapped call (a pipeline's sends read nothing)
         recorded = finished_and_pending_collectives()
         # Read after the recorder (a call that began since has no entry there), and the call
         # running before the calls that ended: one that ends between the two reads is in both.
         running = self._in_call_since
-        calls = list(self._calls)
+        calls, began = list(self._calls), list(self._began)
         groups = dict(process_groups())
         for entry in recorded:
             name, seq = str(entry["process_group"][0]), int(entry["collective_seq_id"])
@@ -250,12 +252,17 @@ class CollectiveClock:
                 continue
             self._taken[name] = seq
             if not _issued_by(calls, running, created):
-                self._entries.append((self._request_at(created), self._key(groups[name]), -seq, created, 0))
+                self._entries.append((_request_at(began, created), self._key(groups[name]), -seq, created, 0))
 
-    def _request_at(self, ns: int) -> int | None:
-        began = list(self._began)
-        at = bisect.bisect_right(began, ns, key=lambda b: b[0]) - 1
-        return began[at][1] if at >= 0 else None
+    def _seen(self) -> int:
+        """Operations the wrappers saw: the outermost collective calls, and the point-to-point ones."""
+        return self._entered + self._p2p_run
+
+
+def _request_at(began: list[tuple[int, int | None]], ns: int) -> int | None:
+    """The request the main thread ran at ``ns``, from when each began."""
+    at = bisect.bisect_right(began, ns, key=lambda b: b[0]) - 1
+    return began[at][1] if at >= 0 else None
 
 
 def _issued_by(calls: list[tuple[int, int]], running: int | None, created: int) -> bool:
