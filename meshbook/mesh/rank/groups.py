@@ -31,20 +31,26 @@ DESTROYED_GROUP = re.compile(r"Process group .* is not initialized in the world 
 def stale_objects(namespace: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Variables bound to process groups that no longer exist (destroyed when meshbook
     re-created the groups), as (name, kind): what must be re-created before they work again."""
+    return [(name, kind) for name, kind, _ in _stale(namespace)]
+
+
+def _stale(namespace: Mapping[str, Any]) -> list[tuple[str, str, list[Any]]]:
+    """:func:`stale_objects`, each with the groups it holds."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return []
     current = {id(pg) for _, pg in process_groups()}
-    stale = [(name, kind, namespace.get(name)) for name, kind, holds in _bound(namespace)
-             if any(id(pg) not in current for pg in _groups(holds))]
+    bound = [(name, kind, list(_groups(holds))) for name, kind, holds in _bound(namespace)]
+    stale = [entry for entry in bound if any(id(pg) not in current for pg in entry[2])]
+    values = {name: namespace.get(name) for name, _, _ in stale}
     # A module inside another one named here (``layer`` of ``for layer in model: fully_shard(layer)``)
     # is rebuilt with it: naming it too told the user to rebuild a loop variable.
-    inside = {id(part) for _, _, value in stale if isinstance(value, torch.nn.Module)
+    inside = {id(part) for value in values.values() if isinstance(value, torch.nn.Module)
               for part in itertools.islice(value.modules(), 1, None)}
     # What parallelize made with a step named here is made again with it, by parallelize.
-    inside |= {id(made) for _, kind, step in stale if kind == PARALLELIZED
-               for made in (getattr(step, "built").model, getattr(step, "built").optimizer)}
-    return sorted((name, kind) for name, kind, value in stale if id(value) not in inside)
+    inside |= {id(made) for name, kind, _ in stale if kind == PARALLELIZED
+               for made in (getattr(values[name], "built").model, getattr(values[name], "built").optimizer)}
+    return sorted((entry for entry in stale if id(values[entry[0]]) not in inside), key=lambda e: e[:2])
 
 
 #: A collective that waited its timeout out waited on a live group: one meshbook closed fails at once.
@@ -64,19 +70,18 @@ def stale_in_failure(exc: BaseException, message: str, namespace: Mapping[str, A
     came from a live group (a deadlock, a rank that died), whatever else the namespace holds."""
     if _TIMED_OUT.search(message):
         return []
-    stale = stale_objects(namespace)
+    stale = _stale(namespace)
     if not stale:
         return []
-    torch = sys.modules["torch"]
-    used = _groups_in(torch.distributed.ProcessGroup, exc.__traceback__)
+    named = [(name, kind) for name, kind, _ in stale]
+    used = _groups_in(sys.modules["torch"].distributed.ProcessGroup, exc.__traceback__)
     if not used:
-        return [(name, kind) for name, kind in stale if kind in _MODULES] or \
-            (stale if DESTROYED_GROUP.search(message) else [])
+        return [(name, kind) for name, kind in named if kind in _MODULES] or \
+            (named if DESTROYED_GROUP.search(message) else [])
     current = {id(pg) for _, pg in process_groups()}
     if all(id(pg) in current for pg in used):
         return []
-    holding = {name for name, _, holds in _bound(namespace) if any(pg in used for pg in _groups(holds))}
-    return [(name, kind) for name, kind in stale if name in holding] or stale
+    return [(name, kind) for name, kind, groups in stale if any(pg in used for pg in groups)] or named
 
 
 def _groups_in(group_type: type, tb: Any) -> list[Any]:
