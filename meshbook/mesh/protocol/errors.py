@@ -205,8 +205,7 @@ def knock_on(failure: "RankFailure") -> bool:
     """Did ``failure`` come from another rank (see :data:`KNOCK_ON_TYPES`; a broken group: a
     peer that crashed or timed out)? Where a cell failed on several ranks, the one to look at
     first is one whose own code raised."""
-    return failure.type_name in KNOCK_ON_TYPES or broke_its_group(failure) or \
-        "connection closed by peer" in failure.message.lower()
+    return failure.type_name in KNOCK_ON_TYPES or broke_its_group(failure)
 
 
 def broke_its_group(failure: "RankFailure") -> bool:

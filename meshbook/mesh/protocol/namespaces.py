@@ -89,6 +89,11 @@ class VarInfo:
     held: int | None = None
 
     @property
+    def adds(self) -> int:
+        """Bytes this variable adds to its rank's total (0 where nothing was measured)."""
+        return (self.nbytes if self.held is None else self.held) or 0
+
+    @property
     def is_tensor(self) -> bool:
         return self.shape is not None and self.params is None
 
@@ -253,8 +258,8 @@ class Namespaces:
 
     def totals(self) -> RankValues:
         """Bytes of tensors, arrays and modules each rank holds."""
-        return RankValues({r: sum((i.nbytes if i.held is None else i.held) or 0 for i in infos.values())
-                           for r, infos in self.variables.items()}, self._topology)
+        return RankValues({r: sum(i.adds for i in infos.values()) for r, infos in self.variables.items()},
+                          self._topology)
 
     def rows(self) -> list[dict[str, str]]:
         """The table's rows: one per variable and distinct description, with its ranks."""

@@ -353,16 +353,12 @@ def _resident(mesh: MeshView) -> str:
     """A note where the ranks hold large variables as they are measured (a model parallelize
     built before, planning again): their memory is in the process overhead, and so in every
     row's peak (a fresh mesh measured 288 MiB where one holding a model measured 610)."""
-    found = dict(mesh.call(ops.who, ranks=mesh.ranks, what="plan: the ranks' variables").result(echo=False))
-
-    def size(info: Any) -> int:
-        return info.held if info.held is not None else info.nbytes or 0
-
-    totals = {rank: sum(size(v) for v in infos.values()) for rank, infos in found.items()}
+    variables = mesh.who()
+    totals = dict(variables.totals())
     rank = max(totals, key=lambda r: totals[r], default=None)
     if rank is None or totals[rank] < RESIDENT_NOTE_BYTES:
         return ""
-    largest = sorted(found[rank].values(), key=size, reverse=True)[:3]
+    largest = sorted(variables.variables[rank].values(), key=lambda v: v.adds, reverse=True)[:3]
     return (f"the ranks hold {format_bytes(totals[rank])} of variables as they are measured ("
             f"{', '.join(v.name for v in largest)} on rank {rank}): it counts in the process overhead, and so in "
             f"every row; del them (or plan on a fresh mesh) for a layout's own figures")
