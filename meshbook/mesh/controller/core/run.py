@@ -234,8 +234,8 @@ class Run:
         parts += [f"[{format_ranks(ranks)}] {text}" for ranks, text in failed]
         # Where an exception was raised there (a death, or an answer meshbook found wrong, has no frames)
         raised = [rank for rank, failure in self._failures.items() if failure.frames and not failure.died]
-        first = min(raised, key=lambda r: (knock_on(self._failures[r]), r)) if raised else None
-        hint = f" (%mesh debug {first} shows where)" if raised else ""
+        first = min(raised, key=lambda r: (knock_on(self._failures[r]), r), default=None)
+        hint = f" (%mesh debug {first} shows where)" if first is not None else ""
         return f"meshbook: {self.what} ended after the wait for it timed out: {'; '.join(parts)}{hint}"
 
     def _fresh(self, group: Results) -> Results | None:
