@@ -275,6 +275,23 @@ def test_a_pipeline_step_refuses_a_batch_its_micro_batches_do_not_divide(mesh: m
         {0: True, 1: True, 2: True, 3: False}
 
 
+def test_a_pipeline_stage_that_fails_frees_the_stages_waiting_for_it(mesh: meshbook.Mesh) -> None:
+    """Stage 2 raises in its forward: stages 1 and 3 wait on receives from it, which gloo's
+    flight recorder does not list. They waited out the 300 s collective timeout; now they are
+    freed at once, told by whom."""
+    mesh.parallelize(partial(models.mlp, dim=8, layers=4), Layout(pp=4))
+    mesh.run("hook = model.register_forward_hook(lambda *_: 1 / 0) if rank == 2 else None").result()
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        mesh.run("step(torch.ones(8, 64), torch.ones(8, 64))").result(timeout=60, echo=False)
+    assert time.monotonic() - started < 20
+    failures = info.value.failures
+    assert failures[2].type_name == "ZeroDivisionError"
+    for stage in (1, 3):
+        assert re.match(r"meshbook aborted its recv #\d+ from rank 2 .*: rank 2 failed the cell without joining it",
+                        failures[stage].message), failures[stage].message
+
+
 def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:
     def broken():  # type: ignore[no-untyped-def]
         raise ValueError("no config")

@@ -15,7 +15,8 @@ from .text import format_ranks
 
 @dataclass(frozen=True)
 class Collective:
-    """A collective a rank has enqueued and not completed (from the Flight Recorder)."""
+    """A collective a rank has enqueued and not completed (from the flight recorder), or a
+    point-to-point operation (the rank's own count: gloo's recorder leaves them out)."""
 
     op: str  # "all_reduce", "broadcast", ...
     seq: int  # sequence number within its process group
@@ -24,6 +25,13 @@ class Collective:
     dtypes: tuple[str, ...] = ()
     #: The global ranks of its group, where the rank still had the group when asked.
     members: tuple[int, ...] = ()
+    #: A point-to-point operation's (op "send" or "recv", numbered per peer and direction in
+    #: its group): the global rank on the other end (None: a receive from any rank).
+    peer: int | None = None
+
+    @property
+    def point_to_point(self) -> bool:
+        return self.op in ("send", "recv")
 
     @property
     def dim(self) -> str | None:
@@ -31,17 +39,24 @@ class Collective:
         return self.group[5:] if self.group.startswith("mesh_") else None
 
     def describe(self) -> str:
-        """``all_reduce #3 over tp ([8] float)``: a user's group (torch names it "undefined") by its
-        members, where known; a scalar as such."""
-        if self.dim or self.group == "default_pg":
-            where = f" over {self.dim}" if self.dim else ""
-        elif self.group in ("undefined", ""):
-            where = f" in the group of ranks {format_ranks(sorted(self.members))}" if self.members else \
-                " in a group of your own"
-        else:
-            where = f" in group {self.group}"
+        """``all_reduce #3 over tp ([8] float)``, ``recv #2 from rank 1 ([8] float)``."""
         shapes = ", ".join(f"{list(s) if s else 'scalar'} {d.lower()}" for s, d in zip(self.sizes, self.dtypes))
-        return f"{self.op} #{self.seq}{where}" + (f" ({shapes})" if shapes else "")
+        return f"{self.op} #{self.seq}{self._where()}" + (f" ({shapes})" if shapes else "")
+
+    def _where(self) -> str:
+        """Its group: a mesh dimension by name, a user's group (torch names it "undefined") by
+        its members where known; a point-to-point operation by its peer."""
+        over = f" over {self.dim}" if self.dim else ""
+        if self.point_to_point:
+            peer = f" {'to' if self.op == 'send' else 'from'} rank {self.peer}" if self.peer is not None else \
+                " from any rank"
+            return peer + over
+        if self.dim or self.group == "default_pg":
+            return over
+        if self.group in ("undefined", ""):
+            return f" in the group of ranks {format_ranks(sorted(self.members))}" if self.members else \
+                " in a group of your own"
+        return f" in group {self.group}"
 
 
 @dataclass(frozen=True)

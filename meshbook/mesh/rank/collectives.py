@@ -25,6 +25,11 @@ wrapped call issued: numbered by the recorder's sequence in its group, negated (
 numbering: the n-th of each member is the same collective), entered when the recorder created
 it, with no end (as an async call), and the request that ran then. Those are timed only:
 their request is known by time, not by the call, so the controller never judges their pairing.
+
+Point-to-point operations (``send``, ``recv``, their async forms, which ``batch_isend_irecv`` and
+pipeline schedules run) are not timed but counted, per group, and kept while they run: gloo's
+flight recorder leaves them out, and the hang diagnosis needs to know that a pipeline stage
+waits on a receive from the stage that failed (:meth:`CollectiveClock.open_point_to_point`).
 """
 
 from __future__ import annotations
@@ -37,9 +42,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-from .torch_compat import finished_and_pending_collectives, issued_by_groups, process_groups
+from ..protocol.reports import Collective
+from .torch_compat import (
+    finished_and_pending_collectives,
+    group_description,
+    group_name,
+    issued_by_groups,
+    process_groups,
+)
 
 #: The collectives timed (point-to-point ``send``/``recv`` pair two ranks, not a group).
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
@@ -55,6 +67,22 @@ POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 Entry = tuple[int | None, int, int, int, int]
 #: Wrapped calls, and request changes, remembered to place the recorder's entries by time.
 REMEMBERED = 1024
+#: Point-to-point operations kept while not completed (works never waited for: the newest).
+OPEN_KEPT = 64
+
+
+class _Opened(NamedTuple):
+    """A point-to-point operation running (``work`` None: a blocking call), or issued and its
+    work maybe not completed."""
+
+    op: str  # "send" or "recv"
+    group: Any
+    peer: int | None  # global rank; None: a receive from any rank
+    number: int
+    shape: Any
+    dtype: Any
+    since: int
+    work: Any = None
 
 
 class CollectiveClock:
@@ -80,6 +108,9 @@ class CollectiveClock:
         self._p2p: dict[tuple[int, str], int] = {}  # (id(group), device type) -> operations run
         self._p2p_run = 0  # all of them, over every generation: what the groups' counts hold besides collectives
         self._in_p2p = threading.local()
+        self._p2p_numbers: dict[tuple[int, str, int | None], int] = {}  # (id(group), op, peer) -> issued
+        self._opened: list[_Opened] = []  # not completed, as far as the wrapper knows (any thread)
+        self._open_lock = threading.Lock()
         self._entries: list[Entry] = []
         self._new_keys: dict[int, tuple[int, str, tuple[int, ...]]] = {}
         #: The wrappers' code objects: the sampler walks through them (see sampling.py).
@@ -123,6 +154,11 @@ class CollectiveClock:
         params = list(inspect.signature(fn).parameters)
         group_at = params.index("group") if "group" in params else None
 
+        direction = "send" if fn.__name__.endswith("send") else "recv"
+        peer_at = [(name, params.index(name) if name in params else None)
+                   for name in (("dst", "group_dst") if direction == "send" else ("src", "group_src"))]
+        blocks = not fn.__name__.startswith("i")
+
         def point_to_point(*args: Any, **kwargs: Any) -> Any:
             import torch.distributed as dist
 
@@ -134,19 +170,67 @@ class CollectiveClock:
             key = (id(group), getattr(getattr(tensor, "device", None), "type", "cpu"))
             self._p2p[key] = self._p2p.get(key, 0) + 1  # counted before: an interrupt may cut it short
             self._p2p_run += 1
+            peer, group_peer = (_argument(args, kwargs, name, at) for name, at in peer_at)
+            opened = self._opening(direction, group, peer, group_peer, tensor)
+            if blocks:
+                self._open(opened)
             inside.on = True
             try:
-                return fn(*args, **kwargs)
+                work = fn(*args, **kwargs)
             finally:
                 inside.on = False
+                if blocks:
+                    self._close(opened)
+            if not blocks and work is not None:  # None inside NCCL's coalescing (batch_isend_irecv)
+                self._open(opened._replace(work=work))
+            return work
 
         self.codes.add(point_to_point.__code__)  # the sampler walks through it to the caller's line
         return functools.wraps(fn)(point_to_point)
 
+    def open_point_to_point(self) -> list[Collective]:
+        """The point-to-point operations not completed: the ``send``/``recv`` the main thread
+        blocks in last, the ``isend``/``irecv`` whose work has not completed before it, newest
+        first (a pipeline waits for them in the order it issued them: the oldest is what it
+        waits for). gloo's flight recorder leaves them out, so without these a rank waiting for
+        a pipeline stage that failed looked idle to the hang diagnosis, and waited out the
+        collective timeout."""
+        with self._open_lock:
+            opened = list(self._opened)
+        waiting = [o for o in opened if o.work is None or not _completed(o.work)]
+        waiting.sort(key=lambda o: (o.work is None, -o.since))
+        return [Collective(o.op, o.number, group_description(o.group), (tuple(o.shape),), (_dtype_name(o.dtype),), (),
+                           o.peer) for o in waiting]
+
+    def _opening(self, op: str, group: Any, peer: int | None, group_peer: int | None, tensor: Any) -> _Opened:
+        """A point-to-point operation about to run: numbered by its group, peer and direction
+        (the n-th send from a rank to a peer pairs with the peer's n-th receive from it)."""
+        import torch.distributed as dist
+
+        if peer is None and group_peer is not None:
+            peer = dist.get_global_rank(group, group_peer)
+        key = (id(group), op, peer)
+        number = self._p2p_numbers[key] = self._p2p_numbers.get(key, 0) + 1
+        return _Opened(op, group, peer, number, getattr(tensor, "shape", ()), getattr(tensor, "dtype", None),
+                       time.monotonic_ns())
+
+    def _open(self, opened: _Opened) -> None:
+        """Keep ``opened``; drop the works completed since (a work holds its tensors: a
+        pipeline's activations)."""
+        with self._open_lock:
+            self._opened = [o for o in self._opened if o.work is None or not _completed(o.work)][-OPEN_KEPT:]
+            self._opened.append(opened)
+
+    def _close(self, opened: _Opened) -> None:
+        with self._open_lock:
+            self._opened.remove(opened)
+
     def new_generation(self, generation: int) -> None:
         """The process groups were re-created: numbering starts again in the new ones."""
         self._generation = generation
-        self._groups, self._p2p = {}, {}
+        self._groups, self._p2p, self._p2p_numbers = {}, {}, {}
+        with self._open_lock:
+            self._opened = [o for o in self._opened if o.work is None]  # the old groups' works are done for
         self._since_ns, self._taken, self._read_at = time.time_ns(), {}, (0, self._seen())
 
     def began(self, request: int | None) -> None:
@@ -209,8 +293,6 @@ class CollectiveClock:
     def _key(self, group: Any) -> int:
         import torch.distributed as dist
 
-        from .torch_compat import group_name
-
         pg = group if group is not None else dist.group.WORLD
         found = self._groups.get(id(pg))
         if found is not None and found[0] is pg:
@@ -271,6 +353,20 @@ def _issued_by(calls: list[tuple[int, int]], running: int | None, created: int) 
         return True
     at = bisect.bisect_right(calls, (created, 1 << 63)) - 1
     return at >= 0 and calls[at][0] <= created <= calls[at][1]
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a work of a group since destroyed: nothing waits there
+        return True
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``Float`` for ``torch.float32``, as the flight recorder names it."""
+    return {"float32": "Float", "float64": "Double", "float16": "Half", "bfloat16": "BFloat16", "int64": "Long",
+            "int32": "Int", "bool": "Bool", "uint8": "Byte", "int8": "Char"}.get(str(dtype).split(".")[-1],
+                                                                                 str(dtype).split(".")[-1])
 
 
 def _on_gpu(args: tuple[Any, ...]) -> bool:

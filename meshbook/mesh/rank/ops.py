@@ -109,7 +109,8 @@ def snapshot(worker: "Worker") -> RankSnapshot:
     busy = worker.request is not None
     frames = stack_frames(worker.main_frame()) if busy else ()
     busy_s = time.monotonic() - worker.started_at if busy else 0.0
-    return RankSnapshot(worker.rank, busy, worker.request, busy_s, frames, pending_collectives(),
+    pending = pending_collectives() + tuple(worker.clock.open_point_to_point())
+    return RankSnapshot(worker.rank, busy, worker.request, busy_s, frames, pending,
                         last="" if busy and worker.running_user_code else worker.last_outcome,
                         last_request=worker.last_user_request, knock_on=worker.last_knock_on)
 

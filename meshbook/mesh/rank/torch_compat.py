@@ -97,6 +97,12 @@ def group_name(pg: Any) -> str:
     return str(c10d._get_process_group_name(pg))
 
 
+def group_description(pg: Any) -> str:
+    """How the flight recorder tells a process group (``mesh_pp``: a DeviceMesh's; ``default_pg``),
+    as the hang diagnosis reads it; its name where it has no description."""
+    return str(getattr(pg, "group_desc", "") or group_name(pg))
+
+
 def is_default_group(pg: Any) -> bool:
     from torch.distributed import distributed_c10d as c10d
 

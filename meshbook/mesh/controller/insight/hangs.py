@@ -45,9 +45,9 @@ def diagnose(snapshots: dict[int, RankSnapshot], topology: Topology,
              nouns: Mapping[int, str] | None = None) -> Diagnosis:
     """``nouns``: what the user calls each request the ranks run ("cell" where unknown)."""
     waiting = {r: s.pending[-1] for r, s in snapshots.items() if s.pending}
-    groups: dict[tuple[str, int, str], list[int]] = {}
+    groups: dict[tuple[str, int, str, int | None], list[int]] = {}
     for rank, collective in sorted(waiting.items()):
-        groups.setdefault((collective.group, collective.seq, collective.op), []).append(rank)
+        groups.setdefault((collective.group, collective.seq, collective.op, collective.peer), []).append(rank)
     explained = [_explain(ranks, waiting, snapshots, topology, nouns or {}) for ranks in groups.values()]
     verdict = [line for line, _ in explained]
     if not verdict:
@@ -70,14 +70,18 @@ def _explain(ranks: list[int], waiting: dict[int, Collective],
     places = {snapshots[r].where() for r in ranks}
     at = f" at {places.pop()}" if len(places) == 1 else ""
     line = f"{ranks_text(ranks)} {agree('waits', ranks)} in {collective.describe()}{at}"
-    members = group_members(collective, ranks[0], topology)
-    if members is None:
-        return line + " (a group meshbook does not know the members of)", False
+    missing = missing_members(ranks[0], waiting, topology)
+    if missing is None:
+        unknown = "it may take any rank's send" if collective.point_to_point else \
+            "a group meshbook does not know the members of"
+        return line + f" ({unknown})", False
     request = snapshots[ranks[0]].request
     noun = nouns.get(request, "cell") if request is not None else "cell"
-    absent = {r: _absence(r, waiting, snapshots, request, noun) for r in members if r not in ranks}
+    absent = {r: _absence(r, waiting, snapshots, request, noun) for r in missing}
     if not absent:
-        return line + "; every member of its group is there: it should complete", False
+        there = f"rank {collective.peer} is at the other end" if collective.point_to_point else \
+            "every member of its group is there"
+        return line + f"; {there}: it should complete", False
     return line + "; " + "; ".join(f"{ranks_text(r)} {agreed(why, r)}" for r, why in group_by_text(absent)), True
 
 
@@ -103,8 +107,32 @@ def _absence(rank: int, waiting: dict[int, Collective], snapshots: dict[int, Ran
     return f"{ended} (idle)" if here else f"took no part in this {noun} (idle)"
 
 
+def missing_members(rank: int, waiting: Mapping[int, Collective], topology: Topology) -> list[int] | None:
+    """The members of the operation ``rank`` waits in (``waiting[rank]``) that are not in it
+    (None: its members are unknown): a collective's members waiting in another one, or in none;
+    a point-to-point operation's peer, unless it waits in the matching one."""
+    collective = waiting[rank]
+    members = group_members(collective, rank, topology)
+    if members is None:
+        return None
+    return [m for m in members if m != rank and not _joins(waiting.get(m), collective, rank)]
+
+
+def _joins(theirs: Collective | None, collective: Collective, rank: int) -> bool:
+    """Does a member waiting in ``theirs`` take part in ``rank``'s ``collective``?"""
+    if theirs is None:
+        return False
+    if collective.point_to_point:  # the other end: the other direction, towards this rank
+        return (theirs.point_to_point and theirs.op != collective.op and theirs.peer in (rank, None)
+                and theirs.group == collective.group)
+    return (theirs.group, theirs.seq, theirs.op) == (collective.group, collective.seq, collective.op)
+
+
 def group_members(collective: Collective, rank: int, topology: Topology) -> list[int] | None:
-    """Ranks of ``collective``'s process group, seen from ``rank`` (None if unknown)."""
+    """Ranks of ``collective``'s process group, seen from ``rank`` (None if unknown); of a
+    point-to-point operation, the two ends."""
+    if collective.point_to_point:
+        return None if collective.peer is None else sorted({rank, collective.peer})
     if collective.members:  # as the rank found it (a group of its own: a stand-in DeviceMesh's)
         return list(collective.members)
     if collective.group == "default_pg":

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from ...protocol.errors import MeshError
 from ...protocol.reports import Collective
-from ...protocol.text import ranks_text
+from ...protocol.text import agree, group_by_text, ranks_text
 from ...rank.ops import collective_called, snapshot
-from ..insight.hangs import group_members
+from ..insight.hangs import missing_members
 from .ladder import abort
 from .step import held_for
 
@@ -75,7 +75,9 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
     """Abort the collectives of ``run``'s waiting ranks that a member who finished the run,
     and runs nothing else, will never join; once the run was interrupted, nor a live member
     outside it that runs nothing (it could only join from a later cell, whose collectives would
-    then pair with this one's)."""
+    then pair with this one's), nor a member that waits, as every rank it waits for does, in
+    another operation: a deadlock (two ranks that each ``recv`` from the other) no single
+    rank's interrupt can end, since gloo does not stop for one."""
     live = controller.live(run.pending)
     if not live or controller.stopped:
         return
@@ -83,23 +85,35 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
     asked.wait(SNAPSHOT_WAIT_S)
     held = held_for(controller, run)  # held for its check: they run nothing else before it
     alive = set(controller.live())
-    blocked: dict[int, tuple[Collective, list[int]]] = {}
-    for rank, snap in asked.values().items():
-        if snap is None or snap.request != run.id or not snap.pending:  # None: nothing to say (a stand-in)
-            continue
-        collective = snap.pending[-1]
-        members = group_members(collective, rank, controller.topology) or []
-        gone = [m for m in members if (m not in run.pending if m in run.ranks else run.interrupted and m in alive)
-                and (not controller.queued(m) or m in held)]
-        if gone:
-            blocked[rank] = (collective, gone)
+    waiting = {rank: snap.pending[-1] for rank, snap in asked.values().items()  # None: a stand-in
+               if snap is not None and snap.request == run.id and snap.pending}
+    missing = {rank: missing_members(rank, waiting, controller.topology) or [] for rank in waiting}
+
+    def gone(m: int) -> bool:
+        return (m not in run.pending if m in run.ranks else run.interrupted and m in alive) \
+            and (not controller.queued(m) or m in held)
+
+    stuck = _deadlocked(missing, gone) if run.interrupted else set()
+    blocked = {rank: (waiting[rank], out) for rank, members in missing.items()
+               if (out := [m for m in members if gone(m) or m in stuck])}
     if not blocked or run.done():
         return
     called = _called_instead(controller, blocked.values())
-    reasons = {rank: _reason(run, collective, gone, called) for rank, (collective, gone) in blocked.items()}
+    reasons = {rank: _reason(run, collective, out, waiting, called) for rank, (collective, out) in blocked.items()}
     run.notes.extend(_mismatches(blocked.values(), called))
     run.forced_resync = True  # before the abort: the run may end (and its check start) at once
     abort(controller, list(reasons), reasons)
+
+
+def _deadlocked(missing: dict[int, list[int]], gone: Callable[[int], bool]) -> set[int]:
+    """The ranks that wait for members (``missing``) that all wait too, for members that all
+    wait...: none of them can go on (a member that went on is ``gone``, or could still come)."""
+    stuck = {rank for rank, members in missing.items() if members}
+    while True:
+        free = {r for r in stuck if any(m not in stuck and not gone(m) for m in missing[r])}
+        if not free:
+            return stuck
+        stuck -= free
 
 
 def _called_instead(controller: "Controller", blocked: Iterable[tuple[Collective, list[int]]]
@@ -109,6 +123,8 @@ def _called_instead(controller: "Controller", blocked: Iterable[tuple[Collective
     may complete on one side. Asked of those members only, once per collective."""
     asking: dict[tuple[str, int], set[int]] = {}
     for collective, gone in blocked:
+        if collective.point_to_point:  # numbered per peer: the collective numbered so is another call
+            continue
         asking.setdefault((collective.group, collective.seq), set()).update(gone)
     called: dict[tuple[int, str, int], Collective] = {}
     for (group, seq), ranks in asking.items():
@@ -131,7 +147,7 @@ def _mismatches(blocked: Iterable[tuple[Collective, list[int]]], called: dict[tu
     return [notes[r] for r in sorted(notes)]
 
 
-def _reason(run: "Run", collective: Collective, gone: list[int],
+def _reason(run: "Run", collective: Collective, gone: list[int], waiting: dict[int, Collective],
             called: dict[tuple[int, str, int], Collective]) -> str:
     """Why a rank's collective was aborted, for its error."""
     mismatched = {r: c for r in gone if (c := called.get((r, collective.group, collective.seq))) is not None}
@@ -140,8 +156,11 @@ def _reason(run: "Run", collective: Collective, gone: list[int],
         return (f"meshbook aborted its {collective.describe()}: the calls do not match ({calls}, and went "
                 f"on), so it could never complete")
     if run.interrupted:
-        stopped, outside = [r for r in gone if r in run.ranks], [r for r in gone if r not in run.ranks]
-        who = " and ".join([*([f"{ranks_text(stopped)} stopped before joining"] if stopped else []),
+        elsewhere = {r: f"{agree('waits', [r])} in {waiting[r].describe()}" for r in gone if r in waiting}
+        stopped = [r for r in gone if r in run.ranks and r not in waiting]
+        outside = [r for r in gone if r not in run.ranks]
+        who = " and ".join([*(f"{ranks_text(r)} {why}" for r, why in group_by_text(elsewhere)),
+                            *([f"{ranks_text(stopped)} stopped before joining"] if stopped else []),
                             *([f"{ranks_text(outside)} took no part in this {run.noun}"] if outside else [])])
         return f"interrupted: meshbook aborted its {collective.describe()}: {who}, and would never join it"
     failed = run.failed_ranks()
