@@ -18,9 +18,12 @@ S = 1_000_000_000  # nanoseconds in a second
 WORLD = (0, "0", (0, 1, 2))
 
 
-def batch(rank: int, entries: list[tuple[int, int, float, float]], request: int = 5) -> dict:
-    """A rank's batch: (group key, n, entered s, left s or 0 for an async call)."""
-    return {"keys": {0: WORLD}, "entries": [(request, key, n, int(t0 * S), int(t1 * S)) for key, n, t0, t1 in entries]}
+def batch(rank: int, entries: list[tuple[int, int, float, float]], request: int = 5,
+          called: tuple | None = ("all_reduce", 8, "Float", (8,))) -> dict:
+    """A rank's batch: (group key, n, entered s, left s or 0 for an async call), each a
+    ``called`` collective."""
+    return {"keys": {0: WORLD},
+            "entries": [(request, key, n, int(t0 * S), int(t1 * S), called) for key, n, t0, t1 in entries]}
 
 
 def loop(times: CollectiveTimes, steps: int = 10, slow: int = 2, offsets: dict[int, float] = {}) -> None:
@@ -106,6 +109,28 @@ def test_a_collective_whose_members_issued_it_in_different_requests_is_told() ->
     [found] = times.mispaired(8)
     assert (found.group, found.n, found.members, found.requests) == ("0", 1, (0, 1, 2), {0: 7, 1: 8, 2: 8})
     assert times.mispaired(7) == [found] and times.mispaired(9) == []
+
+
+def test_a_collective_called_with_other_tensors_or_as_another_op_is_told() -> None:
+    """torch checks neither: gloo completes a broadcast into a bigger tensor. Only the elements
+    and dtype count (a [2, 3] tensor all-reduced with a [6] one is fine); the recorder's
+    entries (None) and calls across requests (mispaired) are not compared."""
+    times = CollectiveTimes(now_ns=lambda: 101 * S)
+    calls = {0: ("broadcast", 3, "Float", (3,)), 1: ("broadcast", 4, "Float", (4,)), 2: ("broadcast", 3, "Float", (3,))}
+    for rank, called in calls.items():
+        times.add(rank, batch(rank, [(0, 1, 100.0, 100.5)], called=called))
+    [found] = times.mismatched(5)
+    assert (found.n, found.members, found.calls) == (1, (0, 1, 2), calls) and times.mispaired(5) == []
+    for rank, called in {0: ("all_reduce", 6, "Float", (6,)), 1: ("all_reduce", 6, "Float", (2, 3)),
+                         2: None}.items():
+        times.add(rank, batch(rank, [(0, 2, 100.6, 100.7)], called=called))
+    for rank, called in {0: ("barrier",), 1: ("barrier",), 2: ("all_reduce", 1, "Float", ())}.items():
+        times.add(rank, batch(rank, [(0, 3, 100.8, 100.9)], called=called))
+    assert [f.n for f in times.mismatched(5)] == [1, 3]
+    for rank in range(3):
+        times.add(rank, batch(rank, [(0, 4, 101.0, 101.1)], request=7 if rank else 6,
+                              called=("all_reduce", rank + 1, "Float", (rank + 1,))))
+    assert times.mismatched(6) == times.mismatched(7) == [] and len(times.mispaired(7)) == 1
 
 
 def test_a_request_is_unsettled_until_every_member_said_where_it_issued_what_completed() -> None:
@@ -194,10 +219,11 @@ def test_collectives_no_wrapped_call_issued_are_read_from_the_recorder(world_of_
     dist.distributed_c10d._get_default_group().allreduce([torch.ones(2)]).wait()
     taken = clock.take()
     assert taken is not None
-    entries = [(request, n, left == 0) for request, _, n, _, left in taken["entries"]]
-    assert sorted(entries) == sorted([(7, 1, False), (6, -1, True), (7, -3, True)]), entries
+    entries = [(request, n, left == 0, called) for request, _, n, _, left, called in taken["entries"]]
+    assert sorted(entries, key=str) == sorted([(7, 1, False, ("barrier",)), (6, -1, True, None),
+                                               (7, -3, True, None)], key=str), entries
     dist.distributed_c10d._get_default_group().allreduce([torch.ones(2)]).wait()
     again = clock.take()
-    assert again is not None and [(r, n) for r, _, n, _, _ in again["entries"]] == [(7, -4)]
+    assert again is not None and [(r, n) for r, _, n, *_ in again["entries"]] == [(7, -4)]
     barrier()
-    assert [n for _, _, n, _, _ in (clock.take() or {"entries": []})["entries"]] == [2], "nothing read twice"
+    assert [n for _, _, n, *_ in (clock.take() or {"entries": []})["entries"]] == [2], "nothing read twice"

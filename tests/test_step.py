@@ -165,6 +165,20 @@ def test_a_send_a_failed_cell_left_is_never_received_by_a_later_cell(pair: meshb
     assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
 
 
+def test_a_collective_called_with_other_sizes_that_completes_fails_every_member(pair: meshbook.Mesh) -> None:
+    """gloo completes a broadcast of 3 floats into rank 1's 4: torch checks nothing, and rank 1's
+    result came back as a success. The clock's records say what each member called."""
+    error = failures_of(pair.run("x = torch.ones(3 + rank)\ndist.broadcast(x, 0)\nx.sum().item()"))
+    assert sorted(error.failures) == [0, 1] and error.failures[0] == replace(error.failures[1], rank=0)
+    assert error.failures[1].type_name == "CollectiveMismatched"
+    assert re.fullmatch(
+        r"its broadcast #\d+ in the group of ranks 0,1 did not match across them \(rank 0 passed \[3\] float; rank 1 "
+        r"passed \[4\] float\): torch does not check this, the collective completed, and what every member computed "
+        r"from it is wrong\. Pass tensors of the same size and dtype on every member of the group",
+        error.failures[1].message), error.failures[1].message
+    assert dict(pair.run(CHECK).result(timeout=60, echo=False)) == {0: 30.0, 1: 30.0}
+
+
 def test_a_result_timeout_bounds_the_wait_for_the_step_check_too(pair: meshbook.Mesh) -> None:
     """The run ended, its check waits for a rank busy with later work: result(timeout=2)
     waited the check's own 30 s."""

@@ -62,9 +62,16 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 #: Point-to-point operations: not timed, but counted (see :meth:`CollectiveClock.point_to_point`).
 POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 
-#: One record: (request, group key, number in its group, entered, left or 0 for an async call).
-#: A number below 0 is the flight recorder's (see above).
-Entry = tuple[int | None, int, int, int, int]
+#: The collectives whose tensor (the argument named) must have the same size and dtype on every
+#: member: torch checks it nowhere (gloo completes a broadcast into a bigger tensor; NCCL may
+#: do anything), so the controller compares them (see :func:`_called`).
+SAME_ON_EVERY_MEMBER = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
+                        "all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "input"}
+
+#: One record: (request, group key, number in its group, entered, left or 0 for an async call,
+#: what was called: ``(op,)``, or ``(op, elements, dtype, shape)`` for the collectives above;
+#: None for the flight recorder's). A number below 0 is the flight recorder's (see above).
+Entry = tuple[int | None, int, int, int, int, tuple[Any, ...] | None]
 #: Wrapped calls, and request changes, remembered to place the recorder's entries by time.
 REMEMBERED = 1024
 #: Point-to-point operations kept while not completed (works never waited for: the newest).
@@ -254,6 +261,9 @@ class CollectiveClock:
         params = list(inspect.signature(fn).parameters)
         group_at = params.index("group") if "group" in params else None
         async_at = params.index("async_op") if "async_op" in params else None
+        op = fn.__name__
+        matched = SAME_ON_EVERY_MEMBER.get(op)
+        matched_at = params.index(matched) if matched in params else None
 
         def collective(*args: Any, **kwargs: Any) -> Any:
             if self.call is not None or threading.get_ident() != self._main:
@@ -274,7 +284,8 @@ class CollectiveClock:
                     returned = time.time_ns()
                     self._calls.append((entered, returned))  # before it is let go: see _read_recorder
                     if number is not None:
-                        self._entries.append((self._request(), *number, entered, returned if waits else 0))
+                        called = _called(op, _argument(args, kwargs, matched, matched_at)) if matched else (op,)
+                        self._entries.append((self._request(), *number, entered, returned if waits else 0, called))
                 finally:
                     self._in_call_since = None
 
@@ -334,7 +345,7 @@ class CollectiveClock:
                 continue
             self._taken[name] = seq
             if not _issued_by(calls, running, created):
-                self._entries.append((_request_at(began, created), self._key(groups[name]), -seq, created, 0))
+                self._entries.append((_request_at(began, created), self._key(groups[name]), -seq, created, 0, None))
 
     def _seen(self) -> int:
         """Operations the wrappers saw: the outermost collective calls, and the point-to-point ones."""
@@ -353,6 +364,14 @@ def _issued_by(calls: list[tuple[int, int]], running: int | None, created: int) 
         return True
     at = bisect.bisect_right(calls, (created, 1 << 63)) - 1
     return at >= 0 and calls[at][0] <= created <= calls[at][1]
+
+
+def _called(op: str, tensor: Any) -> tuple[Any, ...]:
+    """``(op, elements, dtype, shape)`` of a collective whose ``tensor`` must match on every member."""
+    try:
+        return op, tensor.numel(), _dtype_name(tensor.dtype), tuple(tensor.shape)
+    except Exception:  # noqa: BLE001 - not a tensor: torch's own error says so
+        return (op,)
 
 
 def _completed(work: Any) -> bool:

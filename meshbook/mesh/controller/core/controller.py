@@ -50,7 +50,7 @@ from ...protocol.text import format_ranks, ranks_text
 from ...protocol.topology import Topology
 from ...protocol.versions import mismatch, versions
 from ...rank.ops import interrupt_request, ready_report, resume, supersede
-from ..insight.clock import CollectiveTimes, Mispaired
+from ..insight.clock import CollectiveTimes, Mismatched, Mispaired
 from ..insight.metrics import MetricsHistory
 from ..launch.base import Launcher
 from ..launch.local import discard_standby
@@ -796,6 +796,10 @@ class Controller:
             for rank, request in found.requests.items() if meant else ():
                 if request == run.id and rank not in wrong:
                     wrong[rank] = RankFailure(rank, "CollectiveMispaired", _mispaired_text(found, said))
+        for mismatched in self.clock.mismatched(run.id):
+            for rank in mismatched.calls:
+                if rank in run.ranks and rank not in wrong:
+                    wrong[rank] = RankFailure(rank, "CollectiveMismatched", _mismatched_text(mismatched))
         return wrong, ours
 
     def _resume(self, ranks: Sequence[int], request: int) -> None:
@@ -1150,6 +1154,29 @@ def _mispaired_text(found: Mispaired, said: dict[int, str]) -> str:
             f"the n-th call of every member of its group, whichever cell made it: let a cell that calls a group's "
             f"collectives on some of its members end (or interrupt it) before one that calls them on all, then run "
             f"this again")
+
+
+def _mismatched_text(found: Mismatched) -> str:
+    """Why every member's part of a collective called with other tensors is wrong: the same
+    words on each, so they group."""
+    ops = sorted({call[0] for call in found.calls.values()})
+    grouped: dict[tuple[Any, ...], list[int]] = {}
+    for rank, call in sorted(found.calls.items()):
+        grouped.setdefault(call, []).append(rank)
+    calls = "; ".join(f"{ranks_text(ranks)} {_call_text(call, len(ops) > 1)}" for call, ranks in grouped.items())
+    what, fix = ((f"collective #{found.n}", "Call the same collective") if len(ops) > 1 else
+                 (f"{ops[0]} #{found.n}", "Pass tensors of the same size and dtype"))
+    return (f"its {what} in the group of ranks {format_ranks(sorted(found.members))} did not match across them "
+            f"({calls}): torch does not check this, the collective completed, and what every member computed "
+            f"from it is wrong. {fix} on every member of the group")
+
+
+def _call_text(call: tuple[Any, ...], with_op: bool) -> str:
+    """``passed [3] float``, or with its op ``called broadcast of [3] float``."""
+    tensor = f"{list(call[3]) if call[3] else 'scalar'} {call[2].lower()}" if len(call) > 1 else ""
+    if not with_op:
+        return f"passed {tensor}"
+    return f"called {call[0]}" + (f" of {tensor}" if tensor else "")
 
 
 def _terminal_stdin() -> bool:

@@ -33,8 +33,9 @@ from ...protocol.config import WINDOW_S
 
 #: How many requests keep their figures (the cell status reads a run's once it ended).
 KEPT_REQUESTS = 64
-#: How many collectives paired across requests are kept per request (each names its ranks).
-MISPAIRED_KEPT = 16
+#: How many collectives found wrong (paired across requests, or called with other tensors) are
+#: kept per request (each names its ranks).
+WRONG_KEPT = 16
 #: A collective still missing members after this long is dropped (a member died, or failed
 #: before joining: it will never be complete).
 OPEN_FOR_S = 120.0
@@ -83,6 +84,22 @@ class Lateness:
         return min(1.0, self.late_s.get(rank, 0.0) / self.spread_s) if self.spread_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Mismatched:
+    """A collective whose members called it with tensors of other sizes or dtypes, or called
+    other collectives as its number: what each called, by rank (``(op, elements, dtype, shape)``,
+    or ``(op,)`` for a collective whose tensors may differ)."""
+
+    group: str
+    n: int
+    members: tuple[int, ...]
+    calls: dict[int, tuple[Any, ...]]
+
+
+#: A member's part of a collective: (request, entered, left or 0, what it called or None).
+Arrival = tuple[int, int, int, tuple[Any, ...] | None]
+
+
 class CollectiveTimes:
     """The controller's book of collectives, fed by the ranks' ``COLLECTIVES`` batches."""
 
@@ -90,21 +107,23 @@ class CollectiveTimes:
         self._now_ns = now_ns
         #: (rank, the rank's own key) -> (generation, group name, members)
         self._groups: dict[tuple[int, int], tuple[int, str, tuple[int, ...]]] = {}
-        #: (generation, group name, n) -> {rank: (request, entered, left)}, until complete
-        self._open: dict[tuple[int, str, int], dict[int, tuple[int, int, int]]] = {}
+        #: (generation, group name, n) -> {rank: (request, entered, left, called)}, until complete
+        self._open: dict[tuple[int, str, int], dict[int, Arrival]] = {}
         self._requests: OrderedDict[int, RequestTimes] = OrderedDict()
         #: Complete collectives, newest last: (first entry, request, {rank: (late, waiting)},
         #: spread, the rank that came last, the last exit).
         self._recent: deque[tuple[int, int, dict[int, tuple[int, int]], int, int, int]] = deque()
-        #: Collectives paired across requests, by each request they involve (see ``mispaired``).
+        #: Collectives paired across requests, by each request they involve (see ``mispaired``),
+        #: and those whose members called them with different tensors (see ``mismatched``).
         self._mispaired: OrderedDict[int, list[Mispaired]] = OrderedDict()
+        self._mismatched: OrderedDict[int, list[Mismatched]] = OrderedDict()
 
     def add(self, rank: int, batch: dict[str, Any], offset_ns: int = 0) -> None:
         """A rank's batch; ``offset_ns`` is how far its host's clock runs ahead of ours."""
         for key, group in batch.get("keys", {}).items():
             generation, name, members = group
             self._groups[(rank, int(key))] = (int(generation), str(name), tuple(members))
-        for request, key, n, entered, left in batch.get("entries", ()):
+        for request, key, n, entered, left, called in batch.get("entries", ()):
             group = self._groups.get((rank, key))
             if group is None or request is None:
                 continue  # meshbook's own set-up, or a group it never described
@@ -118,7 +137,7 @@ class CollectiveTimes:
                 times.waiting_ns[rank] = times.waiting_ns.get(rank, 0) + left - entered
             generation, name, members = group
             arrived = self._open.setdefault((generation, name, n), {})
-            arrived[rank] = (request, entered, left)
+            arrived[rank] = (request, entered, left, called)
             if set(arrived) >= set(members):
                 del self._open[(generation, name, n)]
                 self._complete(arrived)
@@ -126,28 +145,25 @@ class CollectiveTimes:
                     self._check_pairing(name, n, members, arrived)
         self._prune()
 
-    def _check_pairing(self, name: str, n: int, members: tuple[int, ...],
-                       arrived: dict[int, tuple[int, int, int]]) -> None:
-        """Book ``arrived`` if its members issued it in different requests (every complete
-        collective passes here, on the receiver thread: the usual answer is a loop, no dict)."""
-        first = next(iter(arrived.values()))[0]
-        if all(request == first for request, _, _ in arrived.values()):
+    def _check_pairing(self, name: str, n: int, members: tuple[int, ...], arrived: dict[int, Arrival]) -> None:
+        """Book ``arrived`` if its members issued it in different requests, or called it with
+        different tensors (every complete collective passes here, on the receiver thread: the
+        usual answer is two loops, no dict)."""
+        first, _, _, called = next(iter(arrived.values()))
+        if all(request == first for request, _, _, _ in arrived.values()):
+            if called is not None and any(c is not None and c[:3] != called[:3] for _, _, _, c in arrived.values()):
+                calls = {rank: c for rank, (_, _, _, c) in arrived.items() if c is not None}
+                _keep(self._mismatched, [first], Mismatched(name, n, members, calls))
             return
-        found = Mispaired(name, n, members, {rank: request for rank, (request, _, _) in arrived.items()})
-        for request in set(found.requests.values()):
-            kept = self._mispaired.setdefault(request, [])
-            if len(kept) < MISPAIRED_KEPT:  # a loop of them says no more than its first few
-                kept.append(found)
-            self._mispaired.move_to_end(request)
-        while len(self._mispaired) > KEPT_REQUESTS:
-            self._mispaired.popitem(last=False)
+        found = Mispaired(name, n, members, {rank: request for rank, (request, _, _, _) in arrived.items()})
+        _keep(self._mispaired, set(found.requests.values()), found)
 
-    def _complete(self, arrived: dict[int, tuple[int, int, int]]) -> None:
-        first = min(e for _, e, _ in arrived.values())
-        last_at = max(e for _, e, _ in arrived.values())
+    def _complete(self, arrived: dict[int, Arrival]) -> None:
+        first = min(e for _, e, _, _ in arrived.values())
+        last_at = max(e for _, e, _, _ in arrived.values())
         latest = max(arrived, key=lambda r: arrived[r][1])
         ranks: dict[int, tuple[int, int]] = {}
-        for rank, (request, entered, left) in arrived.items():
+        for rank, (request, entered, left, _) in arrived.items():
             times = self._times(request)
             times.late_ns[rank] = times.late_ns.get(rank, 0) + entered - first
             if not left:  # async: its wait() is not seen; it waited until the last member came
@@ -159,7 +175,7 @@ class CollectiveTimes:
         times.complete += 1
         if last_at > first:
             times.last[latest] = times.last.get(latest, 0) + 1
-        exit_at = max(left or last_at for _, _, left in arrived.values())
+        exit_at = max(left or last_at for _, _, left, _ in arrived.values())
         self._recent.append((first, request, ranks, last_at - first, latest, exit_at))
 
     def _times(self, request: int) -> RequestTimes:
@@ -173,7 +189,7 @@ class CollectiveTimes:
     def _prune(self) -> None:
         now = self._now_ns()
         stale = now - int(OPEN_FOR_S * 1e9)
-        for key in [k for k, arrived in self._open.items() if min(e for _, e, _ in arrived.values()) < stale]:
+        for key in [k for k, arrived in self._open.items() if min(e for _, e, _, _ in arrived.values()) < stale]:
             del self._open[key]
         horizon = now - int(2 * WINDOW_S * 1e9)
         while self._recent and self._recent[0][0] < horizon:
@@ -187,13 +203,18 @@ class CollectiveTimes:
         a later cell on rank 1 that receives, pair across cells on purpose."""
         return list(self._mispaired.get(request, ()))
 
+    def mismatched(self, request: int) -> list[Mismatched]:
+        """The collectives ``request`` issued whose members called them with tensors of other
+        sizes or dtypes (or called other collectives as the same one): what they computed is wrong."""
+        return list(self._mismatched.get(request, ()))
+
     def unsettled(self, request: int, ranks: Collection[int]) -> bool:
         """Whether a collective that one of ``ranks`` (those that ran ``request`` to its end)
         issued there and left waits for another member's report: it completed, so every
         member issued it, but in which request is unknown until that member says. Usually
         nothing is open."""
         return any(req == request and left and rank in ranks
-                   for arrived in self._open.values() for rank, (req, _, left) in arrived.items())
+                   for arrived in self._open.values() for rank, (req, _, left, _) in arrived.items())
 
     @property
     def incomplete(self) -> int:
@@ -244,3 +265,15 @@ class CollectiveTimes:
                 waiting[rank] = waiting.get(rank, 0) + waited
         return request, Lateness({r: ns / 1e9 for r, ns in late.items()}, last, spread / 1e9, count,
                                  (end - first) / 1e9, {r: ns / 1e9 for r, ns in waiting.items()})
+
+
+def _keep(book: "OrderedDict[int, list[Any]]", requests: Collection[int], found: Any) -> None:
+    """Book ``found`` under each of ``requests``: the first few of each request (a loop of them
+    says no more), for the newest requests."""
+    for request in requests:
+        kept = book.setdefault(request, [])
+        if len(kept) < WRONG_KEPT:
+            kept.append(found)
+        book.move_to_end(request)
+    while len(book) > KEPT_REQUESTS:
+        book.popitem(last=False)
