@@ -140,6 +140,22 @@ def test_breakpoint_opens_pdb_for_the_rank_in_the_notebook(kernel: Kernel) -> No
     assert result_text(reply) == "[2] 42"
 
 
+def test_a_rank_paused_in_the_debugger_is_told_the_others_wait_for_it_and_until_when(kernel: Kernel) -> None:
+    """Rank 0 stops at a breakpoint before an all_reduce the others wait in: their collective's
+    timeout runs while the user reads variables, and nothing said so. The note comes once, at
+    the first prompt after they are seen waiting (the answer keeps rank 0 in pdb 1.5 s: a
+    heartbeat comes meanwhile)."""
+    reply, prompts = kernel.execute_with_input(
+        "%%mesh\nt = torch.ones(1)\nif rank == 0:\n    breakpoint()\ndist.all_reduce(t)\nt.item()",
+        ["import time; time.sleep(1.5)", "p 1", "p 2", "c"])
+    assert reply.status == "ok", reply.error_text
+    note = re.findall(r"ranks 1-3 wait in a collective while rank 0 is paused in the debugger: it fails with a "
+                      r"timeout 300 s after entering it \(the mesh's collective timeout: about (\d+) s from now\) "
+                      r"unless rank 0 joins it first \(c continues\)\.", reply.stream("stderr"))
+    assert len(note) == 1 and 290 <= int(note[0]) <= 300, reply.stream("stderr")
+    assert result_text(reply) == "[0-3] 4.0"
+
+
 def test_several_ranks_at_breakpoints_are_served_one_after_another(kernel: Kernel) -> None:
     reply, prompts = kernel.execute_with_input(
         "%%mesh --ranks 0,1\nbreakpoint()\nrank", ["p rank", "c", "p rank", "c"])

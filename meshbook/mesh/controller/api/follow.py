@@ -54,6 +54,9 @@ class Watched(Protocol):
 
     def diagnose(self) -> Any: ...
 
+    @property
+    def collective_timeout(self) -> float: ...
+
     def recover(self) -> Any: ...
 
 
@@ -103,6 +106,8 @@ class _Follow:
         self.interrupt_explained = False  # the "did not stop after the interrupt" note was printed
         self.asked_at = float("-inf")  # when the diagnosis was last asked whether a collective is blocked
         self.recovery_report = ""
+        self.paused_explained = False  # the note that ranks wait for one paused in the debugger was printed
+        renderer.prompts.before_asking = self._paused
 
     def show(self) -> RankValues:
         try:
@@ -270,6 +275,20 @@ class _Follow:
                 self.explained = True
                 self._explain(f"{headline} that a rank of its group has not joined: without it, only the "
                               f"collective timeout ends the call ({self.options.stop_this}).", said)
+
+    def _paused(self, rank: int) -> None:
+        """Before a debugger prompt of ``rank``: say once that other ranks of the run wait in a
+        collective meanwhile (while the user reads variables, their collective's timeout runs,
+        and it failed them silently, as far as the prompt showed), and when it runs out."""
+        waiting = {r: s for r, s in self.mesh.stuck(self.run).items() if r != rank}
+        if self.paused_explained or not waiting:
+            return
+        self.paused_explained = True
+        timeout = self.mesh.collective_timeout
+        left = max(0.0, timeout - max(waiting.values()))
+        _note(f"{ranks_text(waiting)} {agree('waits', waiting)} in a collective while rank {rank} is paused in the "
+              f"debugger: it fails with a timeout {timeout:g} s after entering it (the mesh's collective timeout: "
+              f"about {left:.0f} s from now) unless rank {rank} joins it first (c continues).")
 
     def _explain(self, headline: str, said: str | None = None) -> None:
         self.renderer.flush()

@@ -454,6 +454,12 @@ class Mesh(DebugOps, DataOps, PlanOps):
         (a cell that outlived its wait, a ``mesh.run`` nobody waited for), and what that is."""
         return self.controller.queued_behind(run)
 
+    @property
+    def collective_timeout(self) -> float:
+        """Seconds a collective may wait before it fails (``start(collective_timeout=)``; a
+        script's own ``init_process_group(timeout=)`` sets its groups' own)."""
+        return self.controller.collective_timeout
+
     def stuck(self, run: Run) -> dict[int, float]:
         """Seconds each rank of ``run`` has waited inside its current collective call, from
         its last heartbeat (ranks not in a collective are left out)."""

@@ -33,6 +33,9 @@ class PromptServer:
         self.used = False
         #: Seconds spent waiting for the user's answers: a cell's ``--timeout`` leaves them out.
         self.answering_s = 0.0
+        #: Called with the rank before each of its prompts is asked (whoever follows the run
+        #: says there what the other ranks do meanwhile).
+        self.before_asking: Callable[[int], None] = lambda rank: None
 
     def feed(self, event: Event) -> None:
         if isinstance(event, InputRequest):
@@ -52,6 +55,7 @@ class PromptServer:
             self._serving = request.rank
             if request.before:
                 self._show(request.rank, request.before)
+            self.before_asking(request.rank)
             asked = time.monotonic()
             answer = self._ask(request.prompt)
             self.answering_s += time.monotonic() - asked
