@@ -121,6 +121,17 @@ def test_step_time_prices_flops_exposed_traffic_and_the_bubble() -> None:
     assert ac.time["recompute"] == 1.0 and ac.time["compute"] == 3.0
 
 
+def test_an_invalid_row_shows_its_error_on_one_line() -> None:
+    """A trace's error is a traceback: its many lines broke the report's text table."""
+    from meshbook.mesh.controller.api.plan import PlanReport
+
+    error = "RuntimeError: shapes differ\n  at line 3\n"
+    row = predict(Trace(Layout(tp=2), (stage(0, 1000),), 0.1, error=error), PROBE)
+    assert (row.status, row.summary, row.reason) == ("INVALID", "RuntimeError: shapes differ", error)
+    table = repr(PlanReport([row], [], GPT, PROBE, PROBE.budget, (8, 16), 0.1, []))
+    assert "INVALID (RuntimeError: shapes differ)" in table and "line 3" not in table, table
+
+
 def test_a_row_beaten_in_memory_and_time_is_dominated() -> None:
     fast_small = predict(Trace(Layout(dp_shard=2), (stage(0, 100, 1e9),), 0.1), PROBE)
     slow_big = predict(Trace(Layout(dp_replicate=2), (stage(0, 900, 2e9),), 0.1), PROBE)

@@ -115,6 +115,11 @@ class Row:
         return sum(self.time.values())
 
     @property
+    def summary(self) -> str:
+        """The reason's first line: a traceback's error, in a table's cell."""
+        return self.reason.splitlines()[0] if self.reason else ""
+
+    @property
     def fits(self) -> bool:
         """Predicted to fit the budget (the fastest, a dominated one or an estimate)."""
         return self.status in ("OK", "DOMINATED", "UNTRACEABLE")

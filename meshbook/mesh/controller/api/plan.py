@@ -175,8 +175,8 @@ class PlanReport:
             cells.update({SHORT[k]: format_bytes(row.memory[k]) for k in KINDS})
             cells["step ms"] = f"{row.step_s * 1e3:.1f}"
             cells.update({SHORT[k]: f"{v * 1e3:.1f}" for k, v in row.time.items()})
-            cells["status"] = f"{row.status} {row.reason}" if row.status == "DOMINATED" else (
-                f"{row.status} ({row.reason})" if row.reason else row.status)
+            cells["status"] = f"{row.status} {row.summary}" if row.status == "DOMINATED" else (
+                f"{row.status} ({row.summary})" if row.reason else row.status)
             out.append(cells)
         return out
 
@@ -326,7 +326,7 @@ def _check_row(row: Row) -> None:
     with a warning (on a GPU it would run out of memory)."""
     name = f"{row.layout.describe()}"
     if row.status == "INVALID":
-        raise MeshError(f"the plan found {name} INVALID: {row.reason.splitlines()[0] if row.reason else 'no reason'}; "
+        raise MeshError(f"the plan found {name} INVALID: {row.summary or 'no reason'}; "
                         f"apply a row that fits (report.best)")
     if row.status == "OOM":
         warnings.warn(f"the plan predicts {name} does not fit its budget ({row.reason}): it is built all the same",
