@@ -294,6 +294,39 @@ def test_ranks_waiting_in_a_send_or_recv_on_a_peer_that_finished_are_freed(mesh:
     assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}
 
 
+HAND_WRITTEN_PIPELINE = """from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+class Stage(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls, self.fail_at = torch.nn.Linear(16, 16), 0, None
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError(f"stage {rank} got a bad micro-batch")
+        return torch.relu(self.lin(x))
+
+mod = Stage()
+schedule = ScheduleGPipe(PipelineStage(mod, rank, world_size, torch.device("cpu")), n_microbatches=4,
+                         loss_fn=lambda out, target: ((out - target) ** 2).mean())
+"""
+
+
+def test_a_hand_written_pipeline_whose_stage_fails_mid_step_frees_the_stages_after_it(mesh: meshbook.Mesh) -> None:
+    """Stage 1 raises at its third micro-batch: stage 2 waits on the work of a receive from it
+    while its own sends to stage 3 are open too. The diagnosis took the open send for what
+    stage 2 waits in ("stage 3 is at the other end: it should complete"), and stages 2 and 3
+    waited out the 300 s collective timeout. The headline names stage 1's own error."""
+    mesh.run(HAND_WRITTEN_PIPELINE).result()
+    step = ("mod.calls, mod.fail_at = 0, 3 if rank == 1 else None\nx = torch.ones(8, 16)\n"
+            "schedule.step(x) if rank == 0 else schedule.step(target=x) if rank == 3 else schedule.step()")
+    run, failures = failed_within(mesh, step, 20)
+    assert sorted(failures) == [0, 1, 2, 3] and "stage 1 got a bad micro-batch" in failures[1].detail
+    assert str(run.exception()).startswith("4 ranks failed; first: [1] RuntimeError: [Stage 1] failed to run forward")
+    run.step_report()
+    assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}
+
+
 def test_a_send_recv_deadlock_is_diagnosed_and_one_interrupt_frees_it(mesh: meshbook.Mesh) -> None:
     """Each rank receives from its neighbour first: no rank ever sends. The diagnosis names the
     cycle, and one interrupt ends it (gloo does not stop for an interrupt: before, it took a

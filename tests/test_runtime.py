@@ -404,6 +404,19 @@ def test_ranks_that_failed_alike_but_for_their_peers_address_are_one_group(mesh4
     assert info.value.failures[2].message == "Connection closed by peer [127.0.0.1]:5002", "each rank's own, kept"
 
 
+def test_the_headline_names_the_rank_whose_own_code_failed_and_its_text() -> None:
+    """A pipeline stage raised; the stages waiting on it were aborted, or saw gloo's closed
+    connection: the headline named rank 0's echo of it. torch's pipelining wraps the stage's
+    error in a message that begins with a blank line and an indent: the headline was blank."""
+    from meshbook.mesh.protocol.errors import RankFailure
+
+    failed = RemoteError({0: RankFailure(0, "RuntimeError", "[gloo/pair.cc:553] Connection closed by peer"),
+                          1: RankFailure(1, "CollectiveAborted", "meshbook aborted its recv #3 from rank 2"),
+                          2: RankFailure(2, "RuntimeError", "\n            [Stage 2] failed to run forward:\n  x")})
+    assert str(failed).startswith("3 ranks failed; first: [2] RuntimeError: [Stage 2] failed to run forward:\n")
+    assert [ranks for ranks, _ in failed.groups] == [[2], [0], [1]]
+
+
 def test_only_a_peers_address_is_left_out_when_failures_are_grouped() -> None:
     """A user's own text that looks like an index and a number ("row [3]:1") still tells ranks apart."""
     from meshbook.mesh.protocol.errors import RankFailure

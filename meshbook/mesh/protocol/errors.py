@@ -254,7 +254,9 @@ class RankFailure:
 
     @property
     def headline(self) -> str:
-        return f"{self.type_name}: {self.message}" if self.message else self.type_name
+        """``ValueError: bad batch``; a message torch begins with a blank line and indents, with its text."""
+        message = self.message.lstrip()
+        return f"{self.type_name}: {message}" if message else self.type_name
 
     def body(self) -> str:
         """The rank-independent part: identical bodies are grouped across ranks."""
@@ -299,10 +301,12 @@ class RemoteError(MeshError):
 
     def __post_init__(self) -> None:
         super().__init__()
-        # Deaths first: a rank that died is what its peers' failures follow from (their
-        # collective's connection closed), so the headline names the cause, not gloo's echo of it.
+        # Deaths first, then failures of the ranks' own code: a rank that died or raised is what
+        # its peers' failures follow from (their collective aborted, or its connection closed),
+        # so the headline names the cause, not gloo's echo of it.
         self.groups = sorted(group_by_text({r: _alike(f.body()) for r, f in self.failures.items()}),
-                             key=lambda group: self.failures[group[0][0]].died is None)
+                             key=lambda group: (self.failures[group[0][0]].died is None,
+                                                knock_on(self.failures[group[0][0]])))
 
     @property
     def ranks(self) -> list[int]:

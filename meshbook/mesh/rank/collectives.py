@@ -195,17 +195,19 @@ class CollectiveClock:
         self.codes.add(point_to_point.__code__)  # the sampler walks through it to the caller's line
         return functools.wraps(fn)(point_to_point)
 
-    def open_point_to_point(self) -> list[Collective]:
-        """The point-to-point operations not completed: the ``send``/``recv`` the main thread
-        blocks in last, the ``isend``/``irecv`` whose work has not completed before it, newest
-        first (a pipeline waits for them in the order it issued them: the oldest is what it
-        waits for). gloo's flight recorder leaves them out, so without these a rank waiting for
-        a pipeline stage that failed looked idle to the hang diagnosis, and waited out the
-        collective timeout."""
+    def open_point_to_point(self, frame: Any = None) -> list[Collective]:
+        """The point-to-point operations not completed, the one the main thread waits in last:
+        the ``send``/``recv`` it blocks in; else the work whose ``wait()`` its innermost frame
+        (``frame``) is in (a pipeline schedule waits on its batch's works one by one); else the
+        oldest receive (a stage waits to receive: its sends complete as the peers receive them).
+        gloo's flight recorder leaves them out, so without these a rank waiting for a pipeline
+        stage that failed looked idle to the hang diagnosis, and waited out the collective
+        timeout."""
         with self._open_lock:
             opened = list(self._opened)
         waiting = [o for o in opened if o.work is None or not _completed(o.work)]
-        waiting.sort(key=lambda o: (o.work is None, -o.since))
+        awaited = {id(v) for v in _locals(frame)}
+        waiting.sort(key=lambda o: (o.work is None, id(o.work) in awaited, o.op == "recv", -o.since))
         return [Collective(o.op, o.number, group_description(o.group), (tuple(o.shape),), (_dtype_name(o.dtype),), (),
                            o.peer) for o in waiting]
 
@@ -372,6 +374,15 @@ def _called(op: str, tensor: Any) -> tuple[Any, ...]:
         return op, tensor.numel(), _dtype_name(tensor.dtype), tuple(tensor.shape)
     except Exception:  # noqa: BLE001 - not a tensor: torch's own error says so
         return (op,)
+
+
+def _locals(frame: Any) -> list[Any]:
+    """The values of ``frame``'s local variables (none without a frame). Read from another
+    thread while the frame waits in C: it runs no bytecode meanwhile."""
+    try:
+        return list(frame.f_locals.values()) if frame is not None else []
+    except Exception:  # noqa: BLE001 - a frame that ended meanwhile
+        return []
 
 
 def _completed(work: Any) -> bool:
