@@ -286,12 +286,20 @@ def test_a_pipeline_stage_that_fails_frees_the_stages_waiting_for_it(mesh: meshb
     with pytest.raises(RemoteError) as info:
         run.result(timeout=60, echo=False)
     assert time.monotonic() - started < 20
-    assert "re-created the process groups" in run.step_report()
+    report = run.step_report()
+    assert "re-created the process groups" in report
     failures = info.value.failures
     assert failures[2].type_name == "ZeroDivisionError"
+    assert str(info.value).startswith("4 ranks failed; first: [2] ZeroDivisionError")  # not a stage it stopped
     for stage in (1, 3):
         assert re.match(r"meshbook aborted its recv #\d+ from rank 2 .*: rank 2 failed the cell without joining it",
                         failures[stage].message), failures[stage].message
+    # The stages keep the group they were built on: step is named with what to do, now and when called
+    assert "bound to the old groups, re-create: step, and the model and optimizer made with it" in report, report
+    with pytest.raises(RemoteError) as stale:
+        mesh.run("step(torch.ones(8, 64), torch.ones(8, 64))").result(timeout=60, echo=False)
+    assert stale.value.failures[0].message.startswith("step (parallelize step) still uses process groups meshbook "
+                                                      "re-created"), stale.value.failures[0].message
 
 
 def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:

@@ -208,6 +208,12 @@ def knock_on(failure: "RankFailure") -> bool:
     return failure.type_name in KNOCK_ON_TYPES or broke_its_group(failure)
 
 
+def _blame_order(failure: "RankFailure") -> tuple[bool, bool, bool]:
+    """Where ``failure`` goes among a run's failures: a death, the rank's own error, meshbook's
+    abort, a broken group's bare error."""
+    return failure.died is None, knock_on(failure), broke_its_group(failure)
+
+
 def broke_its_group(failure: "RankFailure") -> bool:
     """Does ``failure`` say its process group broke (:data:`BROKEN_GROUP`), in its message or
     in an exception it was raised from or while handling (a Ctrl-C that landed as gloo timed
@@ -301,12 +307,12 @@ class RemoteError(MeshError):
 
     def __post_init__(self) -> None:
         super().__init__()
-        # Deaths first, then failures of the ranks' own code: a rank that died or raised is what
-        # its peers' failures follow from (their collective aborted, or its connection closed),
-        # so the headline names the cause, not gloo's echo of it.
+        # Deaths first, then failures of the ranks' own code, then meshbook's word on the others
+        # (a collective it aborted says whom it waited for): a rank that died or raised is what
+        # its peers' failures follow from, so the headline names the cause, not gloo's echo of it
+        # ("Connection closed by peer ... typically caused by a remote worker crashing").
         self.groups = sorted(group_by_text({r: _alike(f.body()) for r, f in self.failures.items()}),
-                             key=lambda group: (self.failures[group[0][0]].died is None,
-                                                knock_on(self.failures[group[0][0]])))
+                             key=lambda group: _blame_order(self.failures[group[0][0]]))
 
     @property
     def ranks(self) -> list[int]:

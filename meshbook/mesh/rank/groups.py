@@ -17,15 +17,16 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .torch_compat import fsdp2_groups, process_groups
+from .torch_compat import fsdp2_groups, pipeline_groups, process_groups
 
 #: How many elements of a tensor are summed at once for its print (32 MiB in float64).
 PRINT_SLICE = 1 << 22
 
 #: The kind of ``step`` as parallelize binds it (its model and optimizer are told with it).
 PARALLELIZED = "parallelize step"
-#: What torch says when a collective is called on a group that was destroyed (FSDP2 kept it).
-DESTROYED_GROUP = re.compile(r"Process group .* is not initialized in the world group map")
+#: What torch says when a collective is called on a group that was destroyed (FSDP2 kept it; a
+#: pipeline stage looks its peers up in it).
+DESTROYED_GROUP = re.compile(r"Process group .* is not initialized in the world group map|Group .* is not registered")
 
 
 def stale_objects(namespace: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -202,7 +203,8 @@ def _binding(torch: Any, value: Any) -> tuple[str, list[Any]]:
         meshes = _meshes(DTensor, (p for g in value.param_groups for p in g["params"]))
         return ("optimizer over DTensor parameters" if meshes else ""), meshes
     if isinstance(value, _loaded("meshbook.mesh.rank.parallel", "Reporting")):
-        return PARALLELIZED, _binding(torch, value.built.model)[1]
+        # A pipeline's stage keeps its group, taken when it was built, and sends on it each step.
+        return PARALLELIZED, _binding(torch, value.built.model)[1] + pipeline_groups(value.built.schedule)
     return "", []
 
 

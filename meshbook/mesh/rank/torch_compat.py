@@ -196,6 +196,15 @@ def fsdp2_groups(module: Any) -> list[Any]:
     return list(found.values())
 
 
+def pipeline_groups(schedule: Any) -> list[Any]:
+    """The process groups the stages of a pipeline ``schedule`` send and receive on (none for
+    None, or a stage on the default group, which it looks up each time)."""
+    if schedule is None:
+        return []
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    return [stage.group for stage in stages if getattr(stage, "group", None) is not None]
+
+
 def abort_process_groups() -> bool:
     """Abort every NCCL communicator of this process (any thread may call it): a collective
     or CUDA sync blocked on one fails at once, where ``destroy_process_group`` would wait for
