@@ -302,6 +302,24 @@ def test_a_pipeline_stage_that_fails_frees_the_stages_waiting_for_it(mesh: meshb
                                                       "re-created"), stale.value.failures[0].message
 
 
+def test_a_layout_rebuilt_after_the_groups_were_re_created_runs_on_the_new_groups(mesh: meshbook.Mesh) -> None:
+    """A DeviceMesh equals any other of the same ranks and names, and DTensor caches its sharding
+    decisions, old meshes inside, by it. Groups are named 1, 2, ... again once re-created, so after
+    a few groups of the user's own the rebuilt layout's tensor parallel all_reduce ran on one of
+    those (the name its old tp group had) and hung."""
+    step = "step(torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16))).item()"
+    mesh.parallelize(BUILD, Layout(dp_shard=2, tp=2))
+    mesh.run(step).result(echo=False)
+    failed = mesh.run("x = torch.ones(2)\nif rank != 1:\n    raise ValueError('bad batch')\ndist.all_reduce(x)")
+    with pytest.raises(RemoteError):
+        failed.result(timeout=60, echo=False)
+    assert "re-created the process groups" in failed.step_report()
+    mesh.run("extra = [dist.new_group([0, 1, 2, 3]) for _ in range(5)]").result()
+    mesh.parallelize(BUILD, Layout(dp_shard=2, tp=2))
+    losses = mesh.run(step).result(timeout=60, echo=False)
+    assert len(losses) == 4 and all(0 < loss < 10 for loss in losses.values()), losses
+
+
 def test_bad_builds_and_batches_are_clear_errors(mesh: meshbook.Mesh) -> None:
     def broken():  # type: ignore[no-untyped-def]
         raise ValueError("no config")

@@ -196,6 +196,29 @@ def fsdp2_groups(module: Any) -> list[Any]:
     return list(found.values())
 
 
+def forget_device_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions (this thread's: they are per thread), which
+    hold the device meshes they were made on. A DeviceMesh equals any other of the same ranks
+    and names, whatever its groups: after meshbook re-created the groups (their names count up
+    from 1 again), a new mesh found the old mesh's decisions, and its collectives ran on
+    whichever new group took an old one's name (a tensor parallel step's all_reduce went to a
+    group of the user's own and hung)."""
+    propagator = sys.modules.get("torch.distributed.tensor._sharding_prop")
+    if propagator is None:
+        return  # DTensor never used: nothing cached
+    from torch.distributed.tensor import DTensor
+
+    clear_native = getattr(sys.modules["torch"]._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # the C++ dispatch's cache, which the Python one's stands behind
+        clear_native()
+    sharding = DTensor._op_dispatcher.sharding_propagator
+    sharding.propagate_op_sharding.cache_clear()
+    getattr(propagator.ShardingPropagator, "_propagate_tensor_meta_cached").cache_clear()
+    topology = sys.modules.get("torch.distributed.tensor._collective_utils")
+    if topology is not None:
+        topology.MeshTopoInfo.build_from_mesh.cache_clear()
+
+
 def pipeline_groups(schedule: Any) -> list[Any]:
     """The process groups the stages of a pipeline ``schedule`` send and receive on (none for
     None, or a stage on the default group, which it looks up each time)."""

@@ -71,7 +71,7 @@ from .ipython import route_display
 from .memory import CudaStats, host_memory_probe
 from .sampling import MainThreadSampler, see_through
 from .streams import FdPump, RankStream, install_thread_tagging
-from .torch_compat import FLIGHT_RECORDER_ENTRIES, oldest_nccl_pending
+from .torch_compat import FLIGHT_RECORDER_ENTRIES, forget_device_meshes, oldest_nccl_pending
 
 TICK_S = 0.2
 #: How often a control thread whose ticks keep failing says so again: the first failure is
@@ -282,6 +282,7 @@ class Worker:
         self.failed_before = None  # new groups: every rank at their first collective
         if dist.is_initialized():
             self.destroy_group()
+            forget_device_meshes()  # DTensor's decisions name the old groups
         self.group_since_ns = time.time_ns()  # the flight recorder's calls of these groups come after
         if cfg.device_type == "cuda":
             torch.cuda.set_device(cfg.local_rank)
