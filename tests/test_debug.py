@@ -327,15 +327,18 @@ def test_a_hand_written_pipeline_whose_stage_fails_mid_step_frees_the_stages_aft
     assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}
 
 
-def test_a_send_recv_deadlock_is_diagnosed_and_one_interrupt_frees_it(mesh: meshbook.Mesh) -> None:
-    """Each rank receives from its neighbour first: no rank ever sends. The diagnosis names the
-    cycle, and one interrupt ends it (gloo does not stop for an interrupt: before, it took a
-    second one, a recovery)."""
+def test_a_send_recv_deadlock_is_diagnosed_and_one_interrupt_frees_it(mesh: meshbook.Mesh, capsys) -> None:
+    """Each rank receives from its neighbour first: no rank ever sends. The hint says it is a
+    deadlock (it said a rank of the group had not joined), the diagnosis names each pair, and
+    one interrupt ends it (gloo does not stop for an interrupt: before, it took a second one,
+    a recovery)."""
     run = mesh.run("x = torch.ones(3)\ndist.recv(x, rank ^ 1)\ndist.send(x, rank ^ 1)")
-    wait_until(lambda: in_all_reduce(mesh, [0, 1, 2, 3]))
-    verdict = mesh.diagnose().verdict
+    note = hint_until_timeout(mesh, run, capsys)
+    assert ("ranks 0-3 wait in a collective (for over 2 s), each for another that waits too (a deadlock): none "
+            "can go on, and only the collective timeout ends their calls") in note, note
     assert ("rank 0 waits in recv #1 from rank 1 ([3] float) at cell line 2 (dist.recv(x, rank ^ 1)); "
-            "rank 1 waits in recv #1 from rank 0 ([3] float) instead") in verdict, verdict
+            "rank 1 waits in recv #1 from rank 0 ([3] float) instead") in note, note
+    assert mesh.diagnose().deadlocked == [0, 1, 2, 3]
     run.interrupt()
     with pytest.raises(RemoteError) as info:
         run.result(timeout=60, echo=False)

@@ -264,14 +264,21 @@ class _Follow:
             return
         headline = (f"{ranks_text(waiting)} {agree('waits', waiting)} in a collective "
                     f"(for over {self.options.stuck_hint:g} s)")
-        elsewhere = [r for r in self.run.ranks if r not in waiting]
-        if elsewhere:
+        busy = [r for r in self.run.pending if r not in waiting]
+        finished = [r for r in self.run.ranks if r not in waiting and r not in busy]
+        if busy or finished:
             self.explained = True  # once per run: the heartbeats say the same every half second
-            self._explain(f"{headline} while {ranks_text(elsewhere)} {agree('is', elsewhere)} elsewhere.")
+            where = [*([f"{ranks_text(busy)} {agree('is', busy)} elsewhere"] if busy else []),
+                     *([f"{ranks_text(finished)} finished the {self.run.noun}"] if finished else [])]
+            self._explain(f"{headline} while {' and '.join(where)}.")
         elif now >= self.asked_at + self.options.stuck_hint:
             self.asked_at = now
             diagnosis, said = self._diagnose()
-            if diagnosis is not None and diagnosis.blocked:
+            if diagnosis is not None and diagnosis.deadlocked:
+                self.explained = True
+                self._explain(f"{headline}, each for another that waits too (a deadlock): none can go on, and "
+                              f"only the collective timeout ends their calls ({self.options.stop_this}).", said)
+            elif diagnosis is not None and diagnosis.blocked:
                 self.explained = True
                 self._explain(f"{headline} that a rank of its group has not joined: without it, only the "
                               f"collective timeout ends the call ({self.options.stop_this}).", said)

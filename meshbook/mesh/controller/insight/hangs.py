@@ -13,7 +13,8 @@ The same snapshots, merged into a call tree, follow the verdict.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ...protocol.reports import Collective, RankSnapshot
@@ -29,6 +30,9 @@ class Diagnosis:
     #: Some rank waits in a collective that a member of its group has not joined (it cannot
     #: complete as things are), where a long collective every member is in may yet complete.
     blocked: bool = False
+    #: The ranks that wait only for ranks that wait too (two that each ``recv`` from the other):
+    #: none can go on, however long they wait.
+    deadlocked: list[int] = field(default_factory=list)
 
     @property
     def snapshots(self) -> dict[int, RankSnapshot]:
@@ -49,6 +53,7 @@ def diagnose(snapshots: dict[int, RankSnapshot], topology: Topology,
     for rank, collective in sorted(waiting.items()):
         groups.setdefault((collective.group, collective.seq, collective.op, collective.peer), []).append(rank)
     explained = [_explain(ranks, waiting, snapshots, topology, nouns or {}) for ranks in groups.values()]
+    cycle = deadlocked({r: missing_members(r, waiting, topology) or [] for r in waiting})
     verdict = [line for line, _ in explained]
     if not verdict:
         busy = [r for r, s in snapshots.items() if s.busy]
@@ -58,7 +63,8 @@ def diagnose(snapshots: dict[int, RankSnapshot], topology: Topology,
                 f"{ranks_text(r)} at {where}" for r, where in places))
         else:
             verdict.append("every rank is idle")
-    return Diagnosis(verdict, Stacks(snapshots), blocked=any(blocked for _, blocked in explained))
+    return Diagnosis(verdict, Stacks(snapshots), blocked=any(blocked for _, blocked in explained),
+                     deadlocked=sorted(cycle))
 
 
 def _explain(ranks: list[int], waiting: dict[int, Collective],
@@ -116,6 +122,18 @@ def missing_members(rank: int, waiting: Mapping[int, Collective], topology: Topo
     if members is None:
         return None
     return [m for m in members if m != rank and not _joins(waiting.get(m), collective, rank)]
+
+
+def deadlocked(missing: Mapping[int, list[int]], gone: Callable[[int], bool] = lambda rank: False) -> set[int]:
+    """The ranks that wait for members (``missing``: each waiting rank's) that all wait too, for
+    members that all wait...: none of them can go on. A member that went on is ``gone`` (it
+    will never come); any other member not waiting could still come."""
+    stuck = {rank for rank, members in missing.items() if members}
+    while True:
+        free = {r for r in stuck if any(m not in stuck and not gone(m) for m in missing[r])}
+        if not free:
+            return stuck
+        stuck -= free
 
 
 def _joins(theirs: Collective | None, collective: Collective, rank: int) -> bool:

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ...protocol.errors import MeshError
 from ...protocol.reports import Collective
 from ...protocol.text import agree, group_by_text, ranks_text
 from ...rank.ops import collective_called, snapshot
-from ..insight.hangs import missing_members
+from ..insight.hangs import deadlocked, missing_members
 from .ladder import abort
 from .step import held_for
 
@@ -93,7 +93,7 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
         return (m not in run.pending if m in run.ranks else run.interrupted and m in alive) \
             and (not controller.queued(m) or m in held)
 
-    stuck = _deadlocked(missing, gone) if run.interrupted else set()
+    stuck = deadlocked(missing, gone) if run.interrupted else set()
     blocked = {rank: (waiting[rank], out) for rank, members in missing.items()
                if (out := [m for m in members if gone(m) or m in stuck])}
     if not blocked or run.done():
@@ -103,17 +103,6 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
     run.notes.extend(_mismatches(blocked.values(), called))
     run.forced_resync = True  # before the abort: the run may end (and its check start) at once
     abort(controller, list(reasons), reasons)
-
-
-def _deadlocked(missing: dict[int, list[int]], gone: Callable[[int], bool]) -> set[int]:
-    """The ranks that wait for members (``missing``) that all wait too, for members that all
-    wait...: none of them can go on (a member that went on is ``gone``, or could still come)."""
-    stuck = {rank for rank, members in missing.items() if members}
-    while True:
-        free = {r for r in stuck if any(m not in stuck and not gone(m) for m in missing[r])}
-        if not free:
-            return stuck
-        stuck -= free
 
 
 def _called_instead(controller: "Controller", blocked: Iterable[tuple[Collective, list[int]]]
