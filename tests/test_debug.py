@@ -322,6 +322,8 @@ def test_a_hand_written_pipeline_whose_stage_fails_mid_step_frees_the_stages_aft
             "schedule.step(x) if rank == 0 else schedule.step(target=x) if rank == 3 else schedule.step()")
     run, failures = failed_within(mesh, step, 20)
     assert sorted(failures) == [0, 1, 2, 3] and "stage 1 got a bad micro-batch" in failures[1].detail
+    # Each stage is told that the schedule is spent (its next step failed, "Expecting 4 losses but got 5")
+    assert all(f.detail.endswith("(for parallelize's step: mesh.parallelize(...) again)") for f in failures.values())
     assert str(run.exception()).startswith("4 ranks failed; first: [1] RuntimeError: [Stage 1] failed to run forward")
     run.step_report()
     assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}

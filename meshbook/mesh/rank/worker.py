@@ -380,7 +380,7 @@ class Worker:
             reason = self.abort_reasons.pop(request, "")
             if reason:
                 failure = replace(failure, type_name="CollectiveAborted", message=reason, detail="")
-            self._finish(request, failure=failure, reply=reply)
+            self._finish(request, failure=_stopped_pipeline(exc, failure), reply=reply)
         else:
             if value is not None and _holds_dtensors(value):
                 print(DTENSOR_RESULT, file=sys.stderr)  # before the answer: flushed with the run's output
@@ -772,6 +772,25 @@ def _explain_stale(exc: BaseException, failure: RankFailure, namespace: dict[str
         f"since {'it was' if len(stale) == 1 else 'they were'} built (the old ones are closed): re-create "
         f"{'it' if len(stale) == 1 else 'them'} on the new groups: {remaking(stale)}. The collective said: "
         f"{failure.message}"))
+
+
+#: What a rank whose failure stopped a pipeline schedule mid-step is told (the same on every stage).
+STOPPED_PIPELINE = ("meshbook: the pipeline schedule stopped in the middle of its step: its stages keep that step's "
+                    "micro-batches, and its next step fails or hangs. Make the stages and the schedule again before "
+                    "the next step (for parallelize's step: mesh.parallelize(...) again)")
+_SCHEDULES = os.path.join("pipelining", "schedules.py")
+
+
+def _stopped_pipeline(exc: BaseException, failure: RankFailure) -> RankFailure:
+    """A failure raised inside a torch pipeline schedule's step (a stage's own error, or a
+    receive meshbook aborted): the schedule is not fit for another step, which failed with
+    "Expecting 4 losses but got 5" or "Trying to backward through the graph a second time"."""
+    tb = exc.__traceback__
+    while tb is not None and not tb.tb_frame.f_code.co_filename.endswith(_SCHEDULES):
+        tb = tb.tb_next
+    if tb is None:
+        return failure
+    return replace(failure, detail="\n".join(filter(None, [failure.detail, STOPPED_PIPELINE])))
 
 
 #: What a rank says of a result that holds DTensors (each travels as its local shard): the
