@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from ...protocol.errors import MeshError
 from ...protocol.reports import Collective
-from ...protocol.text import agree, group_by_text, ranks_text
+from ...protocol.text import agreed, group_by_text, ranks_text
 from ...rank.ops import collective_called, snapshot
 from ..insight.hangs import deadlocked, missing_members
 from .ladder import abort
@@ -145,10 +145,10 @@ def _reason(run: "Run", collective: Collective, gone: list[int], waiting: dict[i
         return (f"meshbook aborted its {collective.describe()}: the calls do not match ({calls}, and went "
                 f"on), so it could never complete")
     if run.interrupted:
-        elsewhere = {r: f"{agree('waits', [r])} in {waiting[r].describe()}" for r in gone if r in waiting}
+        elsewhere = {r: f"waits in {waiting[r].describe()}" for r in gone if r in waiting}
         stopped = [r for r in gone if r in run.ranks and r not in waiting]
         outside = [r for r in gone if r not in run.ranks]
-        who = " and ".join([*(f"{ranks_text(r)} {why}" for r, why in group_by_text(elsewhere)),
+        who = " and ".join([*(f"{ranks_text(r)} {agreed(why, r)}" for r, why in group_by_text(elsewhere)),
                             *([f"{ranks_text(stopped)} stopped before joining"] if stopped else []),
                             *([f"{ranks_text(outside)} took no part in this {run.noun}"] if outside else [])])
         return f"interrupted: meshbook aborted its {collective.describe()}: {who}, and would never join it"
