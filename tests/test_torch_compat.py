@@ -46,12 +46,14 @@ def test_a_pending_collective_is_seen_from_the_control_thread(pair: meshbook.Mes
 def test_a_call_that_did_not_match_is_found_in_the_recorder_of_the_rank_that_went_on(pair: meshbook.Mesh) -> None:
     """gloo completes rank 0's all_reduce of 2 floats against rank 1's of 4, and rank 1 waits:
     the recorder keeps rank 0's finished call (flight_records(done_too=True)), so the abort
-    says the calls do not match, not that rank 0 never joined, and that rank 0's result is wrong."""
+    says the calls do not match, not that rank 0 never joined, and rank 0's result is refused."""
     with pytest.raises(meshbook.RemoteError) as info:
         pair.run("x = torch.ones(4 if rank else 2) * (rank + 1)\ndist.all_reduce(x)\nx.tolist()").result(
             timeout=60, echo=False)
     failure = info.value.failures[1]
-    assert failure.type_name == "CollectiveAborted" and set(info.value.failures) == {1}
+    assert failure.type_name == "CollectiveAborted" and set(info.value.failures) == {0, 1}
+    # Rank 0's call completed: its result, a success by gloo's word, is refused as wrong
+    assert info.value.failures[0].type_name == "CollectiveMismatched", info.value.failures[0]
     assert failure.message.startswith("meshbook aborted its all_reduce #1 ([4] float): the calls do not match (rank 0 "
                                       "called all_reduce #1 ([2] float), and went on)"), failure.message
     assert "rank 0's all_reduce #1 ([2] float) was paired with the others' all_reduce #1 ([4] float): whatever " \
