@@ -179,10 +179,10 @@ class CollectiveClock:
             self._p2p_run += 1
             peer, group_peer = (_argument(args, kwargs, name, at) for name, at in peer_at)
             opened = self._opening(direction, group, peer, group_peer, tensor)
-            if blocks:
-                self._open(opened)
-            inside.on = True
-            try:
+            try:  # opened inside: an interrupt must never leave a blocking call open for later snapshots
+                if blocks:
+                    self._open(opened)
+                inside.on = True
                 work = fn(*args, **kwargs)
             finally:
                 inside.on = False
@@ -232,7 +232,7 @@ class CollectiveClock:
 
     def _close(self, opened: _Opened) -> None:
         with self._open_lock:
-            self._opened.remove(opened)
+            self._opened = [o for o in self._opened if o is not opened]
 
     def new_generation(self, generation: int) -> None:
         """The process groups were re-created: numbering starts again in the new ones."""

@@ -107,10 +107,11 @@ def heartbeat(worker: "Worker") -> dict[str, Any]:
 @rank_op(channel=msg.CONTROL)
 def snapshot(worker: "Worker") -> RankSnapshot:
     busy = worker.request is not None
-    frames = stack_frames(worker.main_frame()) if busy else ()
+    main = worker.main_frame() if busy else None
+    frames = stack_frames(main) if busy else ()
     busy_s = time.monotonic() - worker.started_at if busy else 0.0
     # An idle rank waits in nothing: what it left open is its groups' to end (a recovery's).
-    pending = pending_collectives() + (tuple(worker.clock.open_point_to_point(worker.main_frame())) if busy else ())
+    pending = pending_collectives() + (tuple(worker.clock.open_point_to_point(main)) if busy else ())
     return RankSnapshot(worker.rank, busy, worker.request, busy_s, frames, pending,
                         last="" if busy and worker.running_user_code else worker.last_outcome,
                         last_request=worker.last_user_request, knock_on=worker.last_knock_on)

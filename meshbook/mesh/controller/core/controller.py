@@ -755,7 +755,7 @@ class Controller:
         request, failed = run.id, isinstance(event, Error)
         check = None if self.stopped else self.on_irregular_end
         events = [event]
-        wrong, ours = self._mispaired(run) if answer.done and run.in_step else ({}, False)
+        wrong, ours = self._wrong_collectives(run) if answer.done and run.in_step else ({}, False)
         if wrong:  # answers that said success, and are not: told as failures
             run.revoke(wrong)
             events = _without(event, wrong)
@@ -774,14 +774,15 @@ class Controller:
         with self._lock:
             self.book.settle(request)
 
-    def _mispaired(self, run: Run) -> tuple[dict[int, RankFailure], bool]:
+    def _wrong_collectives(self, run: Run) -> tuple[dict[int, RankFailure], bool]:
         """The ranks of ``run`` whose collectives paired with another request's on some member
         (the collective clock lines them up), where that is wrong: one of the requests went to
         every member of the group, so its calls were meant to pair with each other. A run on
         rank 0 only that waits in an all_reduce over ranks 0,1, then a cell on both:
         rank 1's all_reduce pairs with rank 0's old one, and both compute from the wrong data.
         (A send in one cell and its recv in the next, each on its own rank, pair on purpose.)
-        Also says whether ``run`` is itself such a request."""
+        Also says whether ``run`` is itself such a request. And the ranks whose collectives
+        completed with members that called them with other tensors (``clock.mismatched``)."""
         wrong: dict[int, RankFailure] = {}
         ours = False
         for found in self.clock.mispaired(run.id):
