@@ -2,10 +2,15 @@
 
 After each test: no mesh the test started is still running, and no host agent or rank
 outlived its controller. After the session (nbval's kernels included): none at all.
+
+Ctrl-C raises KeyboardInterrupt in the test process whoever started it: a shell without job
+control starts a background command with SIGINT ignored, and the tests that press Ctrl-C
+would then wait for an interrupt that never comes.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Iterator
 
@@ -14,6 +19,10 @@ import pytest
 
 from meshbook.mesh.controller.core.controller import live_controllers
 from meshbook.mesh.controller.launch import base, local
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def meshbook_processes() -> list[psutil.Process]:
