@@ -23,6 +23,7 @@ import pytest
 import zmq
 
 import meshbook
+from meshbook import Output
 from meshbook.mesh.protocol import messages as msg
 from meshbook.mesh.protocol.wire import Wire, rank_address
 
@@ -89,13 +90,19 @@ def test_the_controller_counts_and_logs_a_kind_it_has_no_handler_for(mesh2: mesh
 
 
 @pytest.mark.parametrize("channel", [msg.MAIN, msg.CONTROL])
-def test_a_rank_counts_and_logs_a_kind_it_has_no_handler_for(mesh2: meshbook.Mesh, channel: str) -> None:
-    """The rank's stderr reaches the notebook: the request is unknown here, so the controller's
-    receiver thread prints it as is. (Read from a stream nothing truncates: pytest's capture,
-    read while that thread wrote, lost the line 3 times in 26.)"""
+def test_a_rank_counts_and_logs_a_kind_it_has_no_handler_for(mesh2: meshbook.Mesh, channel: str,
+                                                             tmp_path: Path) -> None:
+    """The rank's line reaches the notebook at once, as output of no run: the controller's
+    receiver thread prints it as is. On the control channel it comes while rank 0 runs a cell,
+    whose output it is not (it was, through fd 2, and nobody showed it). Read from a stream
+    nothing truncates: pytest's capture, read while that thread wrote, lost the line 3 in 26."""
     controller = mesh2.controller
     # A sender of its own: its sequence numbers do not race the controller's on the same thread.
     sender = Wire(controller.wire.key)
+    started, busy = tmp_path / "started", None
+    if channel == msg.CONTROL:
+        busy = mesh2.run(f"import time, pathlib; pathlib.Path({str(started)!r}).touch(); time.sleep(1.5)", ranks=[0])
+        assert _eventually(started.exists)
     with contextlib.redirect_stderr(io.StringIO()) as logged:
         _send(rank_address(controller.rundir, 0, 0, channel), sender.pack({msg.KIND: "bogus", msg.ID: 10**9}))
 
@@ -104,8 +111,11 @@ def test_a_rank_counts_and_logs_a_kind_it_has_no_handler_for(mesh2: meshbook.Mes
 
         assert _eventually(lambda: counted() == 1)
         name = "main" if channel == msg.MAIN else "control"
-        assert _eventually(lambda: f"no handler for 'bogus' messages on its {name} channel" in logged.getvalue()), \
-            logged.getvalue()
+        line = f"[0] meshbook: rank 0 has no handler for 'bogus' messages on its {name} channel (1 so far)"
+        assert _eventually(lambda: line in logged.getvalue()), logged.getvalue()
+    if busy is not None:
+        assert busy.result() == {0: None}
+        assert not [e for e in busy.events() if isinstance(e, Output)], "the line is no output of the cell"
     assert mesh2.run("rank").result() == {0: 0, 1: 1}
 
 

@@ -485,11 +485,18 @@ class Worker:
                   f"({self.unknown_kinds[kind]} so far)")
 
     def _log(self, text: str) -> None:
-        """``meshbook: rank N <text>`` on the rank's own stderr (the notebook shows it)."""
-        stderr = sys.__stderr__
-        assert stderr is not None  # a rank inherits its agent's
-        stderr.write(f"meshbook: rank {self.rank} {text}\n")
-        stderr.flush()
+        """``meshbook: rank N <text>``, output of no request: the notebook shows it at once.
+        Not through fd 2, whose pump tags a line with the request running when it reads it:
+        a control call answered meanwhile took the line into its own run, which nobody shows.
+        Where the socket fails (a tick that fails may be failing on it), the rank's stderr."""
+        line = f"meshbook: rank {self.rank} {text}\n"
+        try:
+            self.emit(msg.OUTPUT, None, {"stream": "stderr", "text": line})
+        except Exception:  # noqa: BLE001 - a log line must never end the thread that logs
+            stderr = sys.__stderr__
+            assert stderr is not None  # a rank inherits its agent's
+            stderr.write(line)
+            stderr.flush()
 
     def _rebind(self, fn: FunctionType) -> None:
         """A notebook function sees the rank's namespace first, then what it carried along, and
