@@ -6,7 +6,9 @@ cloudpickle: the ranks cannot import it).
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import os
 import re
 import sys
@@ -204,40 +206,42 @@ def test_an_interrupt_that_finds_its_request_waiting_is_not_lost_as_the_rank_tak
 
 
 def _fail_every_tick(worker: Any) -> None:
-    """On rank 0's control thread: each tick from now on fails once it answered what came, and
-    the rank's log is kept for the test to read."""
-    import io
-
-    worker.failed_ticks, worker.log, worker.stderr_was = 0, io.StringIO(), sys.__stderr__
+    """On rank 0's control thread: each tick from now on fails once it answered what came."""
+    worker.failed_ticks = 0
 
     def fails(now: float) -> None:
         worker.failed_ticks += 1
         raise OSError(errno.EBADF, os.strerror(errno.EBADF))
 
-    sys.__stderr__ = worker.log  # type: ignore[misc]  # where the rank logs
     worker.lent.expire = fails
 
 
 def test_a_control_thread_failing_every_tick_logs_the_traceback_once_then_counts(mesh2: meshbook.Mesh) -> None:
     """A persistent error fails five ticks a second: its traceback is logged once, and then a line
-    now and then says how many more failed (each tick logged its traceback, without end)."""
-    def log() -> str:
-        return mesh2.call(lambda worker: worker.log.getvalue(), ranks=[0], control=True).result(timeout=10)[0]
+    now and then says how many more failed (each tick logged its traceback, without end). The
+    notebook shows the rank's log as it comes, each line marked with the rank."""
+    def failed_ticks() -> int:  # also: what the rank logged before this answer has been shown
+        return mesh2.call(lambda worker: worker.failed_ticks, ranks=[0], control=True).result(timeout=10)[0]
 
-    mesh2.call(_fail_every_tick, ranks=[0], control=True).result(timeout=10)
-    while mesh2.call(lambda worker: worker.failed_ticks, ranks=[0], control=True).result(timeout=10)[0] < 10:
-        pass
-    first = log()
-    assert first.count("Traceback") == 1 and first.count("meshbook: rank 0 failed a tick") == 1, first
-    assert first.startswith("meshbook: rank 0 failed a tick of its control thread:\nTraceback"), first
+    with contextlib.redirect_stderr(io.StringIO()) as shown:
+        def log() -> str:
+            return "".join(line.removeprefix("[0] ") for line in shown.getvalue().splitlines(keepends=True))
 
-    def report_every_tick(worker: Any) -> None:  # the next failing tick says how many failed since
-        from meshbook.mesh.rank import worker as module
+        mesh2.call(_fail_every_tick, ranks=[0], control=True).result(timeout=10)
+        while failed_ticks() < 10:
+            pass
+        first = log()
+        assert first.count("Traceback") == 1 and first.count("meshbook: rank 0 failed a tick") == 1, first
+        assert first.startswith("meshbook: rank 0 failed a tick of its control thread:\nTraceback"), first
 
-        module.TICK_ERRORS_EVERY_S = 0.0
+        def report_every_tick(worker: Any) -> None:  # the next failing tick says how many failed since
+            from meshbook.mesh.rank import worker as module
 
-    mesh2.call(report_every_tick, ranks=[0], control=True).result(timeout=10)
-    later = log()
+            module.TICK_ERRORS_EVERY_S = 0.0
+
+        mesh2.call(report_every_tick, ranks=[0], control=True).result(timeout=10)
+        failed_ticks()  # answered a tick later: the one that answered report_every_tick has logged
+        later = log()
     assert later.startswith(first) and later.count("Traceback") == 1, later
     counted = re.match(r"meshbook: rank 0 failed (\d+) more ticks of its control thread in the last \d+ s "
                        r"\(the same error as before\)$", later[len(first):].splitlines()[0])
@@ -245,7 +249,6 @@ def test_a_control_thread_failing_every_tick_logs_the_traceback_once_then_counts
 
     def recover(worker: Any) -> None:
         del worker.lent.expire
-        sys.__stderr__ = worker.stderr_was  # type: ignore[misc]
 
     mesh2.call(recover, ranks=[0], control=True).result(timeout=10)
 
