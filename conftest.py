@@ -17,8 +17,11 @@ from typing import Iterator
 import psutil
 import pytest
 
+from meshbook.mesh.controller.api import planners
 from meshbook.mesh.controller.core.controller import live_controllers
 from meshbook.mesh.controller.launch import base, local
+
+PLANNER_MODULE = "meshbook.mesh.planner"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -26,11 +29,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def meshbook_processes() -> list[psutil.Process]:
-    """Host agents and ranks (ranks are forks of an agent, so they share its command line)."""
+    """Host agents and ranks (ranks are forks of an agent, so they share its command line), and
+    planner zygotes and their planners (forks of a zygote)."""
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if base.AGENT_MODULE in (proc.info["cmdline"] or []):
+            if {base.AGENT_MODULE, PLANNER_MODULE} & set(proc.info["cmdline"] or []):
                 found.append(proc)
         except psutil.Error:
             continue
@@ -63,10 +67,10 @@ def orphans(timeout: float = 10.0) -> list[str]:
 
 def _expected_parent(proc: psutil.Process, parent: psutil.Process) -> int:
     """An agent started with ``--parent PID`` belongs to that controller; a rank (a fork of an
-    agent, same command line) belongs to its agent."""
+    agent, same command line) belongs to its agent, a planner to its zygote."""
     cmdline = proc.cmdline()
-    if base.AGENT_MODULE in parent.cmdline() and parent.cmdline() == cmdline:
-        return parent.pid  # a rank under its agent
+    if parent.cmdline() == cmdline:
+        return parent.pid  # a rank under its agent, a planner under its zygote
     if "--parent" in cmdline:
         return int(cmdline[cmdline.index("--parent") + 1])
     return parent.pid  # started off the main thread: any live, non-init parent will do
@@ -88,6 +92,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for ctl in live_controllers():
         ctl.stop("test session over")
     local.discard_standby()
+    planners.discard_zygote()
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
     left = [p for p in meshbook_processes() if p.pid in mine or _ppid(p) == 1]
     gone, alive = psutil.wait_procs(left, timeout=10)

@@ -56,9 +56,10 @@ def report(mesh: meshbook.Mesh) -> meshbook.PlanReport:
                      only=lambda lay: lay.family in keep and lay.reshard and lay.microbatches <= 2)
 
 
-def planners_left() -> list[str]:
-    return [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
-            if "meshbook.mesh.planner" in " ".join(p.cmdline())]
+def planners_left() -> list[int]:
+    """Planners still there: the zygote's children (the zygote itself is kept for the next plan)."""
+    return [p.pid for zygote in psutil.Process().children() if "meshbook.mesh.planner" in zygote.cmdline()
+            for p in zygote.children()]
 
 
 def row(report: meshbook.PlanReport, family: str) -> meshbook.Row:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench import models
-from meshbook.mesh.controller.api.plan import Planners
+from meshbook.mesh.controller.api.planners import Planners
 from meshbook.mesh.protocol.layout import Layout, ModelFacts
 from meshbook.mesh.protocol.plan import Trace
 
@@ -148,3 +148,4 @@ class NonzeroNet(models.Residual):
 
     def forward(self, x):  # type: ignore[no-untyped-def]
         return super().forward(x)[x[:, 0].nonzero()]
+

@@ -403,6 +403,39 @@ def _planning_time(model: Model) -> tuple[Any, float, str]:
         return report, time.monotonic() - started, share.describe()[0]
 
 
+def _plan_start(repeats: int = 3) -> tuple[list[float], list[float]]:
+    """A plan whose build raises, which its first planner reports before anything else runs:
+    with the planner zygote stopped first, so the planner process starts and imports torch as
+    every plan's did before the zygote; and with the zygote kept, the planner forked from it."""
+    from meshbook.mesh.controller.api import planners
+
+    def broken() -> torch.nn.Module:
+        raise ValueError("no config")
+
+    taken: tuple[list[float], list[float]] = ([], [])
+    with _mesh(RANKS) as mesh:
+        for _ in range(repeats):
+            for anew, into in zip((True, False), taken):
+                if anew:
+                    planners.discard_zygote()
+                started = time.monotonic()
+                with contextlib.suppress(meshbook.MeshError):
+                    mesh.plan(broken, (8, 16))
+                into.append(time.monotonic() - started)
+    return taken
+
+
+def _start_table(anew: list[float], kept: list[float]) -> Table:
+    table = Table("Plan start: a build that raises, reported by the first planner",
+                  ["zygote started anew (a planner process starts, as every plan's did before)",
+                   "zygote kept (the planner forked from it)", "anew / kept"])
+    a, k = statistics.median(anew), statistics.median(kept)
+    table.add(duration(a), duration(k), f"{a / k:.0f}x")
+    table.notes.append(f"median of {len(anew)} each, taken in turns on one {RANKS}-rank mesh; the zygote imports "
+                       f"torch once and forks each plan's planners (mesh/controller/api/planners.py)")
+    return table
+
+
 def _paired_steps(model: Model, layout: Layout, rounds: int) -> tuple[list[float], list[float]]:
     """Step times with parallelize's fixed mmap threshold and with glibc's sliding one, on two
     meshes side by side, a step on one then a step on the other, so load that comes and goes
@@ -589,9 +622,9 @@ def _timing_table(report: Any, seconds: float, load: str) -> Table:
               duration(seconds / max(1, len(report.rows))),
               f"{duration(statistics.median(traced))}, {duration(traced[-1])}")
     table.notes += [
-        ("plan: the whole mesh.plan call on a fresh mesh (planner processes started, ranks probed, "
-         "every candidate traced by up to 2 planner processes at once); one trace: Row.traced_s, "
-         "inside a planner process"),
+        ("plan: the whole mesh.plan call on a fresh mesh (planner processes forked from the zygote an "
+         "earlier plan of this run started, ranks probed, every candidate traced by up to 2 planner "
+         "processes at once); one trace: Row.traced_s, inside a planner process"),
         f"while it planned: {load[0].lower() + load[1:]}"]
     return table
 
@@ -828,6 +861,7 @@ def run(ctx: Context) -> Outcome:
             paired[name, label] = got
     collectives = ctx.attempt("plan: gloo collectives' own memory", _collectives)
     planned = ctx.attempt(f"plan: every layout of gpt on {RANKS} ranks, timed", partial(_planning_time, gpt))
+    start = ctx.attempt("plan: a build that raises, zygote anew and kept", _plan_start)
     tables = [_accuracy_table(cells, chosen), _sources_table(cells), _sliding_table(cells, sliding)]
     if paired:
         tables.append(_cost_table(paired))
@@ -836,5 +870,7 @@ def run(ctx: Context) -> Outcome:
         tables.append(_collectives_table(collectives))
     if planned is not None:
         tables.append(_timing_table(*planned))
+    if start is not None:
+        tables.append(_start_table(*start))
     tables.append(_step_table(cells))
     return Outcome(tables, _checks(cells, sliding, tiny, collectives, planned))

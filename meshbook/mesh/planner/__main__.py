@@ -1,4 +1,6 @@
 """A planner process: read jobs from stdin, answer each on stdout, until stdin closes.
+Planners are forked by the zygote (:mod:`.zygote`), which ``python -m meshbook.mesh.planner
+FD`` starts.
 
 Frames are a 4-byte length and a cloudpickle (the model's factory travels by value from the
 notebook); stdout carries frames only, so torch's warnings go to stderr, which the
@@ -29,4 +31,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from .zygote import serve
+
+    serve(int(sys.argv[1]))

@@ -226,3 +226,10 @@ def read_frame(stream: BinaryIO) -> Any:
         return None
     (size,) = struct.unpack("!I", head)
     return cloudpickle.loads(stream.read(size))
+
+
+#: The planner zygote's notes to the controller, on its socket: a planner forked (its pid and
+#: the request's number), or one exited (its pid and exit code, negative for a signal, as
+#: subprocess says it).
+FORKED, EXITED = b"F", b"X"
+ZYGOTE_NOTE = struct.Struct("<cii")

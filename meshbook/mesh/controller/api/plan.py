@@ -4,7 +4,7 @@
 measures the ranks once (process overhead, FLOP/s, bandwidth, memory; see
 :func:`meshbook.mesh.rank.probe.probe`), enumerates every layout of the mesh and drops the
 impossible ones with their reasons (:mod:`meshbook.mesh.protocol.layout`), traces the rest in
-throwaway planner processes (:mod:`meshbook.mesh.planner`) and turns traces into predictions
+throwaway planner processes (:mod:`meshbook.mesh.planner`, forked by :mod:`.planners`) and turns traces into predictions
 (:mod:`meshbook.mesh.protocol.plan`). ``parallelize`` then builds the chosen layout on every
 rank with the very code the planner traced.
 """
@@ -12,11 +12,6 @@ rank with the very code the planner traced.
 from __future__ import annotations
 
 import os
-import queue
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import warnings
 from collections import Counter
@@ -43,16 +38,13 @@ from ...protocol.plan import (
     largest_part,
     mark_dominated,
     predict,
-    read_frame,
-    write_frame,
 )
 from ...protocol.text import format_bytes, status_table
 from ...protocol.values import RankValues
 from ...rank import ops
+from .planners import PLAN_TIMEOUT_S, Planners
 from .view import MeshView
 
-#: Seconds a plan may take before it is given up (planner processes are stopped).
-PLAN_TIMEOUT_S = 600.0
 #: Seconds the ranks have to measure themselves, or to build a layout.
 RANK_TIMEOUT_S = 300.0
 #: Planner processes at once: tracing is CPU-bound, one per core (at most this many).
@@ -207,86 +199,6 @@ class PlanReport:
         return (f"<div><b>Plan</b><ul>{notes}</ul><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody>"
                 f"</table>" + (f"<details><summary>Dropped before tracing ({len(self.rejected)})</summary>"
                                f"<ul>{dropped}</ul></details>" if self.rejected else "") + "</div>")
-
-
-# -- the planner processes ------------------------------------------------------------------
-
-
-class Planners:
-    """Throwaway planner processes, fed jobs over their stdin; all stopped on leaving."""
-
-    def __init__(self, n: int) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.logs = [tempfile.TemporaryFile() for _ in range(n)]
-        self.procs = [subprocess.Popen([sys.executable, "-m", "meshbook.mesh.planner"], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, stderr=log, env=env) for log in self.logs]
-
-    def __enter__(self) -> "Planners":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        for stream in [p.stdin for p in self.procs] + [p.stdout for p in self.procs] + self.logs:
-            if stream is not None:
-                stream.close()
-
-    def ask(self, i: int, kind: str, *args: Any) -> Any:
-        proc = self.procs[i]
-        try:
-            write_frame(proc.stdin, (kind, args))  # type: ignore[arg-type]
-            answer = read_frame(proc.stdout)  # type: ignore[arg-type]
-        except (BrokenPipeError, OSError):
-            answer = None
-        if answer is None:
-            raise MeshError(f"a planner process died ({self._death(i)}); the mesh and the kernel are untouched")
-        status, value = answer
-        if status == "error":
-            raise MeshError(value)
-        return value
-
-    def _death(self, i: int) -> str:
-        proc = self.procs[i]
-        try:
-            code = proc.wait(5)
-        except subprocess.TimeoutExpired:
-            code = None
-        self.logs[i].seek(0)
-        tail = self.logs[i].read().decode(errors="replace").strip().splitlines()[-3:]
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
-        return how + (": " + " | ".join(tail) if tail else "")
-
-    def map(self, kind: str, jobs: list[tuple[Any, ...]], deadline: float) -> list[Any]:
-        """Each job on the next free process, answers in the jobs' order."""
-        todo: queue.Queue[int] = queue.Queue()
-        for i in range(len(jobs)):
-            todo.put(i)
-        answers: list[Any] = [None] * len(jobs)
-        failures: list[BaseException] = []
-
-        def drive(p: int) -> None:
-            while not failures:
-                try:
-                    i = todo.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    answers[i] = self.ask(p, kind, *jobs[i])
-                except BaseException as exc:  # reported below, in the caller's thread
-                    failures.append(exc)
-
-        threads = [threading.Thread(target=drive, args=(p,), daemon=True) for p in range(len(self.procs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                raise MeshError(f"planning took longer than {PLAN_TIMEOUT_S:.0f} s; narrow it with only=...")
-        if failures:
-            raise failures[0]
-        return answers
 
 
 def probe(mesh: MeshView, build: Callable[[], Any], ranks_on_host: dict[int, int],

@@ -1,0 +1,266 @@
+"""The planner processes a plan traces its layouts in, forked by a zygote that outlives plans.
+
+Why: a planner imports torch before it traces anything, seconds on a small machine, and every
+plan (every mistake it reports: a build that raises, a batch of the wrong shape) paid them
+again. The zygote (:mod:`meshbook.mesh.planner.zygote`) imports torch once, runs no plan's
+code, and forks each planner: a fresh process in milliseconds. It is started at the first plan
+and stopped as this process exits. A zygote is only as fresh as the environment it started
+with, so one started before ``os.environ`` or ``sys.path`` changed is replaced at the next plan
+(as a standby agent is, :mod:`..launch.local`); each planner works in the directory the
+notebook is in when the plan starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, BinaryIO
+
+from ...protocol.errors import MeshError
+from ...protocol.plan import EXITED, FORKED, ZYGOTE_NOTE, read_frame, write_frame
+
+#: Seconds a plan may take before it is given up (planner processes are stopped).
+PLAN_TIMEOUT_S = 600.0
+
+
+class Zygote:
+    """The zygote process, and its socket: forks asked, exits heard."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.log = tempfile.TemporaryFile()
+        with theirs:
+            self.proc = subprocess.Popen([sys.executable, "-m", "meshbook.mesh.planner", str(theirs.fileno())],
+                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                         stdout=self.log, stderr=self.log, env=env)
+        self.sock = ours
+        self.exits: dict[int, int] = {}
+        self._asked = 0
+        self._unread = b""
+        self._lock = threading.Lock()
+
+    def fork(self, cwd: str) -> "Planner":
+        """A planner, working in ``cwd``: its jobs go to its stdin, its answers come on its
+        stdout, and its stderr goes to a file kept to quote should it die. Interrupted, it
+        leaves no planner waiting: one forked meanwhile finds its stdin closed and exits, and
+        its note (numbered) is passed over by the next fork."""
+        jobs_in, jobs_out = os.pipe()
+        answers_in, answers_out = os.pipe()
+        log = tempfile.TemporaryFile()
+        try:
+            with self._lock:
+                self._asked += 1
+                socket.send_fds(self.sock, [f"{self._asked}\n{cwd}".encode()], [jobs_in, answers_out, log.fileno()])
+                pid = self._forked(self._asked)
+        except BaseException as exc:
+            for fd in (jobs_out, answers_in):
+                os.close(fd)
+            log.close()
+            if isinstance(exc, (OSError, EOFError)):
+                raise MeshError(f"the planner zygote died ({self.death()}); the mesh and the kernel are "
+                                f"untouched") from None
+            raise
+        finally:
+            os.close(jobs_in)
+            os.close(answers_out)
+        return Planner(self, pid, os.fdopen(jobs_out, "wb"), os.fdopen(answers_in, "rb"), log)
+
+    def exit_code(self, pid: int, timeout: float) -> int | None:
+        """``pid``'s exit code once the zygote says it exited, waiting up to ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while pid not in self.exits:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._hear(left):
+                    break
+            return self.exits.get(pid)
+
+    def _forked(self, asked: int) -> int:
+        """The pid of the planner of request ``asked`` (exits heard meanwhile are kept)."""
+        while True:
+            kind, pid, number = self._read()
+            if kind == FORKED and number == asked:
+                return pid
+
+    def _hear(self, timeout: float) -> bool:
+        """One note, if one comes within ``timeout``: False when none did (or the zygote was
+        stopped: its planners' ends are not heard any more)."""
+        if self.sock.fileno() == -1:
+            return False
+        self.sock.settimeout(timeout)
+        try:
+            self._read()
+            return True
+        except (TimeoutError, OSError, EOFError):
+            return False
+        finally:
+            self.sock.settimeout(None)
+
+    def _read(self) -> tuple[bytes, int, int]:
+        while len(self._unread) < ZYGOTE_NOTE.size:
+            got = self.sock.recv(4096)
+            if not got:
+                raise EOFError("the zygote's socket closed")
+            self._unread += got
+        note = ZYGOTE_NOTE.unpack_from(self._unread)
+        self._unread = self._unread[ZYGOTE_NOTE.size:]
+        if note[0] == EXITED:
+            self.exits[note[1]] = note[2]
+        return note
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def death(self) -> str:
+        self.log.seek(0)
+        tail = self.log.read().decode(errors="replace").strip().splitlines()[-3:]
+        return _how(self.proc.poll()) + (": " + " | ".join(tail) if tail else "")
+
+    def stop(self) -> None:
+        """Close its socket (it exits, and the planners it forked finish their jobs alone)."""
+        self.sock.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class Planner:
+    """One forked planner: its pipes, its log, and what the zygote says of its end."""
+
+    def __init__(self, zygote: Zygote, pid: int, stdin: BinaryIO, stdout: BinaryIO, log: BinaryIO) -> None:
+        self.zygote, self.pid, self.stdin, self.stdout, self.log = zygote, pid, stdin, stdout, log
+
+    def kill(self) -> None:
+        if self.zygote.exit_code(self.pid, 0) is None:  # not reaped: the pid is still this planner's
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def death(self) -> str:
+        """How it ended, and the last lines of its log."""
+        code = self.zygote.exit_code(self.pid, 5)
+        self.log.seek(0)
+        tail = self.log.read().decode(errors="replace").strip().splitlines()[-3:]
+        return _how(code) + (": " + " | ".join(tail) if tail else "")
+
+    def close(self) -> None:
+        for stream in (self.stdin, self.stdout, self.log):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+
+def _how(code: int | None) -> str:
+    return f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+
+
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def zygote() -> Zygote:
+    """The zygote, started with this process's environment as it is now; one started with
+    another is replaced."""
+    global _zygote
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    with _zygote_lock:
+        if _zygote is not None and (not _zygote.alive() or _zygote.env != env):
+            _zygote.stop()
+            _zygote = None
+        if _zygote is None:
+            _zygote = Zygote(env)
+        return _zygote
+
+
+def discard_zygote() -> None:
+    """Stop the zygote, if any (a new one starts at the next plan)."""
+    global _zygote
+    with _zygote_lock:
+        old, _zygote = _zygote, None
+    if old is not None:
+        old.stop()
+
+
+atexit.register(discard_zygote)
+
+
+class Planners:
+    """Planner processes for one plan, fed jobs over their stdin; all stopped on leaving."""
+
+    def __init__(self, n: int) -> None:
+        forks, cwd = zygote(), os.getcwd()
+        self.procs: list[Planner] = []
+        try:
+            for _ in range(n):
+                self.procs.append(forks.fork(cwd))
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __enter__(self) -> "Planners":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.zygote.exit_code(proc.pid, 5)  # reaped: nothing of the plan outlives it
+            proc.close()
+
+    def ask(self, i: int, kind: str, *args: Any) -> Any:
+        proc = self.procs[i]
+        try:
+            write_frame(proc.stdin, (kind, args))
+            answer = read_frame(proc.stdout)
+        except (BrokenPipeError, OSError):
+            answer = None
+        if answer is None:
+            raise MeshError(f"a planner process died ({proc.death()}); the mesh and the kernel are untouched")
+        status, value = answer
+        if status == "error":
+            raise MeshError(value)
+        return value
+
+    def map(self, kind: str, jobs: list[tuple[Any, ...]], deadline: float) -> list[Any]:
+        """Each job on the next free process, answers in the jobs' order."""
+        todo: queue.Queue[int] = queue.Queue()
+        for i in range(len(jobs)):
+            todo.put(i)
+        answers: list[Any] = [None] * len(jobs)
+        failures: list[BaseException] = []
+
+        def drive(p: int) -> None:
+            while not failures:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    answers[i] = self.ask(p, kind, *jobs[i])
+                except BaseException as exc:  # reported below, in the caller's thread
+                    failures.append(exc)
+
+        threads = [threading.Thread(target=drive, args=(p,), daemon=True) for p in range(len(self.procs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise MeshError(f"planning took longer than {PLAN_TIMEOUT_S:.0f} s; narrow it with only=...")
+        if failures:
+            raise failures[0]
+        return answers

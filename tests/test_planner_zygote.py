@@ -1,0 +1,104 @@
+"""The zygote planners are forked from: torch imported once, each plan's planners fresh forks,
+in the notebook's directory; a changed environment gets a new zygote, and none outlives the
+process that started it. (Apart from tests/test_planner.py, whose planner lives through its
+module: the old zygote replaced here would leave it an orphan.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+
+import psutil
+import pytest
+
+from bench import models
+from meshbook import MeshError
+from meshbook.mesh.controller.api import planners
+from meshbook.mesh.controller.api.planners import Planners
+
+BUILD = partial(models.gpt, vocab=512, dim=128, layers=4, heads=4)
+
+
+def _planner_pids(pool: Planners) -> list[int]:
+    return [proc.pid for proc in pool.procs]
+
+
+def test_each_plans_planners_are_fresh_forks_of_one_zygote_and_none_outlives_its_plan(tmp_path) -> None:
+    """The zygote imported torch once: a second plan's planners are new processes (none ran the
+    first plan's code), forked from the same zygote, in the directory the notebook is in now."""
+    def where():  # type: ignore[no-untyped-def]
+        raise ValueError(f"cwd={os.getcwd()}")
+
+    with Planners(2) as first:
+        pids = _planner_pids(first)
+        zygote = first.procs[0].zygote
+        assert {psutil.Process(pid).ppid() for pid in pids} == {zygote.proc.pid}
+    assert not psutil.Process(zygote.proc.pid).children(), "the plan's planners outlived it"
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with Planners(1) as second:
+            assert second.procs[0].zygote is zygote and second.procs[0].pid not in pids
+            with pytest.raises(MeshError, match=f"cwd={tmp_path}"):
+                second.ask(0, "inspect", where)
+    finally:
+        os.chdir(here)
+
+
+def test_a_planner_killed_says_its_signal_and_a_changed_environment_gets_a_new_zygote(monkeypatch) -> None:
+    def killed():  # type: ignore[no-untyped-def]
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with Planners(1) as pool:
+        old = pool.procs[0].zygote
+        with pytest.raises(MeshError, match=r"a planner process died \(signal 9\)"):
+            pool.ask(0, "inspect", killed)
+    monkeypatch.setenv("MESHBOOK_TEST_PLANNER_ENV", "changed")  # what a zygote started before would not see
+    with Planners(1) as pool:
+        assert pool.procs[0].zygote is not old
+        assert pool.ask(0, "inspect", BUILD).blocks == "Block"
+    assert _gone(old.proc.pid)
+
+
+def test_the_zygote_ends_with_the_process_that_started_it() -> None:
+    """Even one that ends without running its exit handlers (killed, or os._exit)."""
+    script = ("import os\nfrom meshbook.mesh.controller.api.planners import Planners\n"
+              "with Planners(1) as pool:\n    print(pool.procs[0].zygote.proc.pid, flush=True)\nos._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    zygote = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not _gone(zygote) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(zygote), "the zygote outlived the process that started it"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # exited; its parent has yet to reap it
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_fork_whose_note_was_never_read_leaves_no_planner_and_misleads_no_later_fork() -> None:
+    """As a Ctrl-C between asking for a planner and hearing its pid leaves things: that planner's
+    stdin is closed (it exits), and the next fork is given its own pid, not that one's."""
+    zygote = planners.zygote()
+    jobs_in, jobs_out = os.pipe()
+    answers_in, answers_out = os.pipe()
+    with tempfile.TemporaryFile() as log:
+        socket.send_fds(zygote.sock, [f"999999\n{os.getcwd()}".encode()], [jobs_in, answers_out, log.fileno()])
+    for fd in (jobs_in, jobs_out, answers_in, answers_out):
+        os.close(fd)
+    with Planners(1) as pool:
+        assert pool.ask(0, "inspect", BUILD).blocks == "Block"
+        assert pool.procs[0].pid in {p.pid for p in psutil.Process(zygote.proc.pid).children()}
+    deadline = time.monotonic() + 10
+    while psutil.Process(zygote.proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.Process(zygote.proc.pid).children(), "the unheard planner was left waiting"
