@@ -26,6 +26,7 @@ import sys
 import traceback
 
 from ..protocol.plan import EXITED, FORKED, ZYGOTE_NOTE
+from ..protocol.proc import exited_children
 
 
 def serve(fd: int) -> None:
@@ -65,13 +66,7 @@ def serve(fd: int) -> None:
 
 
 def _reap(sock: socket.socket) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    for pid, status in exited_children():
         sock.sendall(ZYGOTE_NOTE.pack(EXITED, pid, os.waitstatus_to_exitcode(status)))
 
 
