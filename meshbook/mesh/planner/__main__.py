@@ -1,36 +1,11 @@
-"""A planner process: read jobs from stdin, answer each on stdout, until stdin closes.
-Planners are forked by the zygote (:mod:`.zygote`), which ``python -m meshbook.mesh.planner
-FD`` starts.
-
-Frames are a 4-byte length and a cloudpickle (the model's factory travels by value from the
-notebook); stdout carries frames only, so torch's warnings go to stderr, which the
-controller keeps to quote if the process dies.
-"""
+"""``python -m meshbook.mesh.planner FD``: the planner zygote (:mod:`.zygote`), which forks the
+planner processes a plan traces its layouts in (:mod:`.jobs`)."""
 
 from __future__ import annotations
 
-import os
 import sys
 
-from ..protocol.plan import read_frame, write_frame
-
-
-def main() -> None:
-    jobs, answers = sys.stdin.buffer, os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    sys.stdout = sys.stderr  # a print anywhere must not corrupt the frames
-    from ..protocol.errors import MeshError
-    from . import trace
-
-    while (job := read_frame(jobs)) is not None:
-        kind, args = job
-        try:
-            write_frame(answers, ("ok", getattr(trace, kind)(*args)))
-        except Exception as exc:  # the controller turns it into a MeshError in the cell
-            # A MeshError says what to do already; anything else says what it is.
-            write_frame(answers, ("error", str(exc) if isinstance(exc, MeshError) else f"{type(exc).__name__}: {exc}"))
-
+from .zygote import serve
 
 if __name__ == "__main__":
-    from .zygote import serve
-
     serve(int(sys.argv[1]))

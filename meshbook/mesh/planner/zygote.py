@@ -36,7 +36,7 @@ def serve(fd: int) -> None:
     os.set_blocking(wake, False)
     signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    from . import trace  # noqa: F401 - imported here once, and so in every planner forked
+    from . import jobs  # noqa: F401 - torch and the tracer, imported here once, so in every planner forked
 
     while True:
         ready, _, _ = select.select([sock.fileno(), woken], [], [])
@@ -72,7 +72,7 @@ def _reap(sock: socket.socket) -> None:
 
 def _planner(fds: list[int], cwd: str) -> None:
     """In the forked child: its jobs, answers and log as fds 0-2, then a planner's life."""
-    from .__main__ import main
+    from .jobs import answer_jobs
 
     code: int = 0
     try:
@@ -81,7 +81,7 @@ def _planner(fds: list[int], cwd: str) -> None:
             os.dup2(received, target)
             os.close(received)
         os.chdir(cwd)
-        main()
+        answer_jobs()
     except SystemExit as exc:  # what a build's sys.exit() says, as the interpreter would
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - told in the log, which the controller quotes
