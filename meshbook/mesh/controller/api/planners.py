@@ -121,9 +121,7 @@ class Zygote:
         return self.proc.poll() is None
 
     def death(self) -> str:
-        self.log.seek(0)
-        tail = self.log.read().decode(errors="replace").strip().splitlines()[-3:]
-        return _how(self.proc.poll()) + (": " + " | ".join(tail) if tail else "")
+        return _ended(self.proc.poll(), self.log)
 
     def stop(self) -> None:
         """Close its socket (it exits, and the planners it forked finish their jobs alone)."""
@@ -151,10 +149,7 @@ class Planner:
 
     def death(self) -> str:
         """How it ended, and the last lines of its log."""
-        code = self.zygote.exit_code(self.pid, 5)
-        self.log.seek(0)
-        tail = self.log.read().decode(errors="replace").strip().splitlines()[-3:]
-        return _how(code) + (": " + " | ".join(tail) if tail else "")
+        return _ended(self.zygote.exit_code(self.pid, 5), self.log)
 
     def close(self) -> None:
         for stream in (self.stdin, self.stdout, self.log):
@@ -164,8 +159,12 @@ class Planner:
                 pass
 
 
-def _how(code: int | None) -> str:
-    return f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+def _ended(code: int | None, log: BinaryIO) -> str:
+    """``exit 3`` or ``signal 9``, and the last lines of the process's log."""
+    log.seek(0)
+    tail = log.read().decode(errors="replace").strip().splitlines()[-3:]
+    how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+    return how + (": " + " | ".join(tail) if tail else "")
 
 
 _zygote: Zygote | None = None
