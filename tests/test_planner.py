@@ -148,4 +148,3 @@ class NonzeroNet(models.Residual):
 
     def forward(self, x):  # type: ignore[no-untyped-def]
         return super().forward(x)[x[:, 0].nonzero()]
-

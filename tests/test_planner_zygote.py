@@ -1,7 +1,7 @@
 """The zygote planners are forked from: torch imported once, each plan's planners fresh forks,
 in the notebook's directory; a changed environment gets a new zygote, and none outlives the
-process that started it. (Apart from tests/test_planner.py, whose planner lives through its
-module: the old zygote replaced here would leave it an orphan.)"""
+process that started it. A module of its own: tests/test_planner.py keeps one planner for all
+its tests, which a zygote replaced here would leave without its zygote."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from bench import models
 from meshbook import MeshError
 from meshbook.mesh.controller.api import planners
 from meshbook.mesh.controller.api.planners import Planners
+from meshbook.mesh.protocol.plan import FORK
 
 BUILD = partial(models.gpt, vocab=512, dim=128, layers=4, heads=4)
 
@@ -33,32 +34,40 @@ def test_each_plans_planners_are_fresh_forks_of_one_zygote_and_none_outlives_its
     """The zygote imported torch once: a second plan's planners are new processes (none ran the
     first plan's code), forked from the same zygote, in the directory the notebook is in now."""
     def where():  # type: ignore[no-untyped-def]
-        raise ValueError(f"cwd={os.getcwd()}")
+        import here_only  # a module of the notebook's directory, imported as a planner started there would
+
+        raise ValueError(f"cwd={os.getcwd()} {here_only.SAID}")
 
     with Planners(2) as first:
         pids = _planner_pids(first)
         zygote = first.procs[0].zygote
         assert {psutil.Process(pid).ppid() for pid in pids} == {zygote.proc.pid}
     assert not psutil.Process(zygote.proc.pid).children(), "the plan's planners outlived it"
+    (tmp_path / "here_only.py").write_text("SAID = 'imported'\n")
     here = os.getcwd()
     os.chdir(tmp_path)
     try:
         with Planners(1) as second:
             assert second.procs[0].zygote is zygote and second.procs[0].pid not in pids
-            with pytest.raises(MeshError, match=f"cwd={tmp_path}"):
+            with pytest.raises(MeshError, match=f"cwd={tmp_path} imported"):
                 second.ask(0, "inspect", where)
     finally:
         os.chdir(here)
 
 
-def test_a_planner_killed_says_its_signal_and_a_changed_environment_gets_a_new_zygote(monkeypatch) -> None:
+def test_a_planner_that_dies_says_how_and_a_changed_environment_gets_a_new_zygote(monkeypatch) -> None:
     def killed():  # type: ignore[no-untyped-def]
         os.kill(os.getpid(), signal.SIGKILL)
 
-    with Planners(1) as pool:
+    def exits():  # type: ignore[no-untyped-def]
+        sys.exit("build says: no config")
+
+    with Planners(2) as pool:
         old = pool.procs[0].zygote
         with pytest.raises(MeshError, match=r"a planner process died \(signal 9\)"):
             pool.ask(0, "inspect", killed)
+        with pytest.raises(MeshError, match=r"a planner process died \(exit 1: build says: no config\)"):
+            pool.ask(1, "inspect", exits)
     monkeypatch.setenv("MESHBOOK_TEST_PLANNER_ENV", "changed")  # what a zygote started before would not see
     with Planners(1) as pool:
         assert pool.procs[0].zygote is not old
@@ -66,16 +75,27 @@ def test_a_planner_killed_says_its_signal_and_a_changed_environment_gets_a_new_z
     assert _gone(old.proc.pid)
 
 
-def test_the_zygote_ends_with_the_process_that_started_it() -> None:
-    """Even one that ends without running its exit handlers (killed, or os._exit)."""
-    script = ("import os\nfrom meshbook.mesh.controller.api.planners import Planners\n"
-              "with Planners(1) as pool:\n    print(pool.procs[0].zygote.proc.pid, flush=True)\nos._exit(0)\n")
+@pytest.mark.parametrize("forked", [False, True])
+def test_the_zygote_ends_with_the_process_that_started_it(forked: bool) -> None:
+    """Even one that ends without running its exit handlers (killed, or os._exit), and one
+    whose fork lives on (a DataLoader worker, say), holding the zygote's socket open."""
+    script = ("import os, time\nfrom meshbook.mesh.controller.api.planners import Planners\n"
+              "with Planners(1) as pool:\n    zygote = pool.procs[0].zygote.proc.pid\n"
+              f"child = os.fork() if {forked} else 1\n"
+              "if child == 0:  # off the pipes the test reads to their end\n"
+              "    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)\n    os.dup2(1, 2)\n"
+              "    time.sleep(60)\n    os._exit(0)\n"
+              "print(zygote, child, flush=True)\nos._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    zygote = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while not _gone(zygote) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(zygote), "the zygote outlived the process that started it"
+    zygote, child = map(int, out.stdout.split())
+    try:
+        deadline = time.monotonic() + 10
+        while not _gone(zygote) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(zygote), "the zygote outlived the process that started it"
+    finally:
+        if forked:
+            os.kill(child, signal.SIGKILL)
 
 
 def _gone(pid: int) -> bool:
@@ -92,7 +112,8 @@ def test_a_fork_whose_note_was_never_read_leaves_no_planner_and_misleads_no_late
     jobs_in, jobs_out = os.pipe()
     answers_in, answers_out = os.pipe()
     with tempfile.TemporaryFile() as log:
-        socket.send_fds(zygote.sock, [f"999999\n{os.getcwd()}".encode()], [jobs_in, answers_out, log.fileno()])
+        request = b"\n".join([FORK, b"999999", os.fsencode(os.getcwd())])
+        socket.send_fds(zygote.sock, [request], [jobs_in, answers_out, log.fileno()])
     for fd in (jobs_in, jobs_out, answers_in, answers_out):
         os.close(fd)
     with Planners(1) as pool:

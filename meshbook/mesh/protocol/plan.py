@@ -233,3 +233,6 @@ def read_frame(stream: BinaryIO) -> Any:
 #: subprocess says it).
 FORKED, EXITED = b"F", b"X"
 ZYGOTE_NOTE = struct.Struct("<cii")
+#: What the controller asks of the zygote, a message each: ``FORK\nnumber\ncwd`` (with the
+#: planner's three file descriptors), ``KILL\npid\n``.
+FORK, KILL = b"fork", b"kill"

@@ -347,7 +347,6 @@ class PlanOps:
                 raise MeshError(f"no layout of {len(self.ranks)} ranks is possible for this model: "
                                 f"{reasons or 'only= left none'}")
             resident = _resident(self)
-            # The planners import torch meanwhile.
             measured = probe(self, build, ranks_on_host, warm_up_layouts(layouts))
             jobs = [(build, lay, facts, shape, optimizer, measured.device) for lay in layouts]
             traces: list[Trace] = pool.map("trace", jobs, deadline)

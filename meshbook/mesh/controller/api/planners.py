@@ -7,7 +7,8 @@ code, and forks each planner: a fresh process in milliseconds. It is started at 
 and stopped as this process exits. A zygote is only as fresh as the environment it started
 with, so one started before ``os.environ`` or ``sys.path`` changed is replaced at the next plan
 (as a standby agent is, :mod:`..launch.local`); each planner works in the directory the
-notebook is in when the plan starts.
+notebook is in when the plan starts, which is first on its ``sys.path`` as it was on a planner
+started there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import signal
+import select
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import time
 from typing import Any, BinaryIO
 
 from ...protocol.errors import MeshError
-from ...protocol.plan import EXITED, FORKED, ZYGOTE_NOTE, read_frame, write_frame
+from ...protocol.plan import EXITED, FORK, FORKED, KILL, ZYGOTE_NOTE, read_frame, write_frame
 
 #: Seconds a plan may take before it is given up (planner processes are stopped).
 PLAN_TIMEOUT_S = 600.0
@@ -36,7 +37,7 @@ class Zygote:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = tempfile.TemporaryFile()
         with theirs:
             self.proc = subprocess.Popen([sys.executable, "-m", "meshbook.mesh.planner", str(theirs.fileno())],
@@ -45,7 +46,6 @@ class Zygote:
         self.sock = ours
         self.exits: dict[int, int] = {}
         self._asked = 0
-        self._unread = b""
         self._lock = threading.Lock()
 
     def fork(self, cwd: str) -> "Planner":
@@ -59,7 +59,8 @@ class Zygote:
         try:
             with self._lock:
                 self._asked += 1
-                socket.send_fds(self.sock, [f"{self._asked}\n{cwd}".encode()], [jobs_in, answers_out, log.fileno()])
+                request = b"\n".join([FORK, str(self._asked).encode(), os.fsencode(cwd)])
+                socket.send_fds(self.sock, [request], [jobs_in, answers_out, log.fileno()])
                 pid = self._forked(self._asked)
         except BaseException as exc:
             for fd in (jobs_out, answers_in):
@@ -78,11 +79,17 @@ class Zygote:
         """``pid``'s exit code once the zygote says it exited, waiting up to ``timeout``."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while pid not in self.exits:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._hear(left):
-                    break
+            while pid not in self.exits and self._hear(max(0.0, deadline - time.monotonic())):
+                pass
             return self.exits.get(pid)
+
+    def kill(self, pid: int) -> None:
+        """SIGKILL to planner ``pid``, sent by the zygote, which knows it has not reaped it (a pid
+        reaped may be another process's by now)."""
+        try:
+            self.sock.send(b"\n".join([KILL, str(pid).encode(), b""]))
+        except OSError:
+            pass  # the zygote is gone: its planners end as their stdin closes
 
     def _forked(self, asked: int) -> int:
         """The pid of the planner of request ``asked`` (exits heard meanwhile are kept)."""
@@ -92,39 +99,46 @@ class Zygote:
                 return pid
 
     def _hear(self, timeout: float) -> bool:
-        """One note, if one comes within ``timeout``: False when none did (or the zygote was
-        stopped: its planners' ends are not heard any more)."""
-        if self.sock.fileno() == -1:
-            return False
-        self.sock.settimeout(timeout)
+        """One note, if one comes within ``timeout`` (0: one that came already): False when
+        none did, or the zygote was stopped (its planners' ends are not heard any more)."""
         try:
+            if not select.select([self.sock], [], [], timeout)[0]:
+                return False
             self._read()
             return True
-        except (TimeoutError, OSError, EOFError):
+        except (OSError, ValueError, EOFError):  # ValueError: the socket was closed
             return False
-        finally:
-            self.sock.settimeout(None)
 
     def _read(self) -> tuple[bytes, int, int]:
-        while len(self._unread) < ZYGOTE_NOTE.size:
-            got = self.sock.recv(4096)
-            if not got:
-                raise EOFError("the zygote's socket closed")
-            self._unread += got
-        note = ZYGOTE_NOTE.unpack_from(self._unread)
-        self._unread = self._unread[ZYGOTE_NOTE.size:]
+        """The next note (a message each: never half of one)."""
+        got = self.sock.recv(ZYGOTE_NOTE.size)
+        if not got:
+            raise EOFError("the zygote's socket closed")
+        note = ZYGOTE_NOTE.unpack(got)
         if note[0] == EXITED:
             self.exits[note[1]] = note[2]
+        elif note[0] == FORKED:
+            self.exits.pop(note[1], None)  # a pid used again: the exit kept is an earlier planner's
         return note
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def death(self) -> str:
-        return _ended(self.proc.poll(), self.log)
+        try:
+            code: int | None = self.proc.wait(1)
+        except subprocess.TimeoutExpired:
+            code = None
+        return _ended(code, self.log)
 
     def stop(self) -> None:
-        """Close its socket (it exits, and the planners it forked finish their jobs alone)."""
+        """Close its socket (it exits, and the planners it forked finish their jobs alone).
+        Shut down first: a thread waiting in recv on it wakes, where a close alone leaves it
+        and the zygote waiting."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
         try:
             self.proc.wait(5)
@@ -141,11 +155,8 @@ class Planner:
         self.zygote, self.pid, self.stdin, self.stdout, self.log = zygote, pid, stdin, stdout, log
 
     def kill(self) -> None:
-        if self.zygote.exit_code(self.pid, 0) is None:  # not reaped: the pid is still this planner's
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self.zygote.exit_code(self.pid, 0) is None:
+            self.zygote.kill(self.pid)
 
     def death(self) -> str:
         """How it ended, and the last lines of its log."""
