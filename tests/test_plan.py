@@ -421,6 +421,9 @@ def test_a_plan_interrupted_while_it_measures_the_ranks_leaves_every_rank_idle(m
     threading.Thread(target=interrupt_once_measuring, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         mesh.plan(BUILD, BATCH, checkpointing=("none",), only=lambda lay: lay.family == "FSDP+TP")
+    # Returned once the ranks stopped measuring: a run sent at once is not held back behind the
+    # failed probe (it was, now and then, under load: NotRun on every rank).
+    assert not [r for r in list(mesh.controller.book.runs.values()) if r.what == "plan: measuring the ranks"]
     assert mesh.run("rank").result(timeout=120, echo=False) == {0: 0, 1: 1, 2: 2, 3: 3}
     assert [s.generation for s in mesh.status()] == generations  # none re-forked, no group re-created
     assert planners_left() == []

@@ -11,6 +11,7 @@ rank with the very code the planner traced.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -207,7 +208,16 @@ def probe(mesh: MeshView, build: Callable[[], Any], ranks_on_host: dict[int, int
     run, the worst rank's of each; the memory budget is each rank's share of its host's (or
     container's) memory, from the heartbeats, or its GPU's free memory."""
     run = mesh.controller.call(ops.plan_probe, build, warm, ranks=mesh.ranks, what="plan: measuring the ranks")
-    values = list(run.result(RANK_TIMEOUT_S, echo=False).values())
+    try:
+        values = list(run.result(RANK_TIMEOUT_S, echo=False).values())
+    except KeyboardInterrupt:
+        # result() interrupted the ranks and returned at once. The plan ends once they have
+        # stopped (the step check of their failed probe is queued by then): what the notebook
+        # sends next would otherwise reach them first, and be held back behind that failure.
+        # A second Ctrl-C ends this wait too.
+        with contextlib.suppress(KeyboardInterrupt):
+            run.wait(RANK_TIMEOUT_S)
+        raise
     device = values[0]["device"]
     if device == "cuda":
         memory = min(v["memory"] for v in values)
