@@ -398,32 +398,49 @@ def test_a_planner_process_that_dies_is_reported_and_nothing_is_left(mesh: meshb
     assert mesh.run("rank").result(echo=False) == {0: 0, 1: 1, 2: 2, 3: 3}
 
 
-@pytest.mark.parametrize("after", [0.0, 0.5, 1.5])
+@pytest.mark.parametrize("after", [None, 0.5, 1.5])
 def test_a_plan_interrupted_while_it_measures_the_ranks_leaves_every_rank_idle(mesh: meshbook.Mesh,
-                                                                              after: float) -> None:
+                                                                              after: float | None) -> None:
     """Stopped while the ranks measure (they make process groups as they go): an interrupt that
     landed in one rank's Python while another waited in C for the group it joins left that one
-    waiting for good, and the next cell behind it. They finish measuring, and the mesh works."""
+    waiting for good, and the next cell behind it. They finish measuring, and the mesh works.
+    ``after``: seconds after the ranks were asked; None: while the request is being sent."""
     import signal
     import threading
     import time
 
+    known = set(mesh.controller.book.runs)
+
+    def measuring() -> bool:
+        return any(r.what == "plan: measuring the ranks" and i not in known
+                   for i, r in list(mesh.controller.book.runs.items()))
+
     def interrupt_once_measuring() -> None:
         deadline = time.monotonic() + 120
-        while not any(r.what == "plan: measuring the ranks" for r in list(mesh.controller.book.runs.values())):
+        while not measuring():
             if time.monotonic() > deadline:
                 return
             time.sleep(0.01)
-        time.sleep(after)
+        time.sleep(after or 0.0)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
 
+    def interrupt_as_sent(run: Any) -> None:  # on the main thread, while the request is booked
+        if run.what == "plan: measuring the ranks":
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+
     generations = [s.generation for s in mesh.status()]
-    threading.Thread(target=interrupt_once_measuring, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        mesh.plan(BUILD, BATCH, checkpointing=("none",), only=lambda lay: lay.family == "FSDP+TP")
+    if after is None:
+        mesh.controller.add_run_listener(interrupt_as_sent)
+    else:
+        threading.Thread(target=interrupt_once_measuring, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mesh.plan(BUILD, BATCH, checkpointing=("none",), only=lambda lay: lay.family == "FSDP+TP")
+    finally:
+        mesh.controller.remove_run_listener(interrupt_as_sent)
     # Returned once the ranks stopped measuring: a run sent at once is not held back behind the
     # failed probe (it was, now and then, under load: NotRun on every rank).
-    assert not [r for r in list(mesh.controller.book.runs.values()) if r.what == "plan: measuring the ranks"]
+    assert not measuring()
     assert mesh.run("rank").result(timeout=120, echo=False) == {0: 0, 1: 1, 2: 2, 3: 3}
     assert [s.generation for s in mesh.status()] == generations  # none re-forked, no group re-created
     assert planners_left() == []

@@ -43,6 +43,7 @@ from ...protocol.plan import (
 from ...protocol.text import format_bytes, status_table
 from ...protocol.values import RankValues
 from ...rank import ops
+from ..core.run import interrupted_run
 from .planners import PLAN_TIMEOUT_S, Planners
 from .view import MeshView
 
@@ -207,16 +208,19 @@ def probe(mesh: MeshView, build: Callable[[], Any], ranks_on_host: dict[int, int
     """The ranks' measurements with ``build``'s imports loaded and a step of each of ``warm``
     run, the worst rank's of each; the memory budget is each rank's share of its host's (or
     container's) memory, from the heartbeats, or its GPU's free memory."""
-    run = mesh.controller.call(ops.plan_probe, build, warm, ranks=mesh.ranks, what="plan: measuring the ranks")
+    run = None
     try:
+        run = mesh.controller.call(ops.plan_probe, build, warm, ranks=mesh.ranks, what="plan: measuring the ranks")
         values = list(run.result(RANK_TIMEOUT_S, echo=False).values())
-    except KeyboardInterrupt:
-        # result() interrupted the ranks and returned at once. The plan ends once they have
-        # stopped (the step check of their failed probe is queued by then): what the notebook
-        # sends next would otherwise reach them first, and be held back behind that failure.
-        # A second Ctrl-C ends this wait too.
-        with contextlib.suppress(KeyboardInterrupt):
-            run.wait(RANK_TIMEOUT_S)
+    except KeyboardInterrupt as exc:
+        # The ranks were interrupted (as it was sent, or by result(), which returns at once).
+        # The plan ends once they have stopped (the step check of their failed probe is queued
+        # by then): what the notebook sends next would otherwise reach them first, and be held
+        # back behind that failure. A second Ctrl-C ends this wait too.
+        stopping = interrupted_run(exc) or run
+        if stopping is not None:
+            with contextlib.suppress(KeyboardInterrupt):
+                stopping.wait(RANK_TIMEOUT_S)
         raise
     device = values[0]["device"]
     if device == "cuda":

@@ -58,7 +58,7 @@ from ..launch.network import HostLink, Network
 from .agents import Agents
 from .book import Answer, RankBook, RankState
 from .render import print_late
-from .run import Run, StepReport
+from .run import Run, StepReport, interrupted
 from .transport import Sent, Transport, log
 
 #: Why a mesh stopped when the user stopped it (any other reason: it ended on its own).
@@ -337,7 +337,7 @@ class Controller:
             self.interrupt_run(run)
         self.transport.wait_sent(sent, self._alive)  # the caller may change what it sent once we return
         if held.came:
-            raise KeyboardInterrupt
+            raise interrupted(run)
         return run
 
     def _new_run(self, ranks: list[int], what: str, kind: str, in_step: bool = False,

@@ -41,6 +41,21 @@ STEP_CHECK_WAIT_S = 30.0
 STEP_CHECK_BUSY_S = 3.0
 
 
+def interrupted(run: Run) -> KeyboardInterrupt:
+    """What a Ctrl-C that came while ``run`` was booked and sent raises, once the run was
+    interrupted on every rank it went to: a plain ``KeyboardInterrupt``, as the notebook shows
+    one, that names the run (:func:`interrupted_run`), for meshbook's own multi-step work that
+    must not go on before the ranks stopped."""
+    exc = KeyboardInterrupt()
+    exc.run = run  # type: ignore[attr-defined]
+    return exc
+
+
+def interrupted_run(exc: KeyboardInterrupt) -> Run | None:
+    """The run a Ctrl-C interrupted as it was sent (:func:`interrupted`); None for another."""
+    return getattr(exc, "run", None)
+
+
 class StepReport(Protocol):
     """The check of the ranks' collective positions after a run ended irregularly (done by
     :mod:`..recovery.step`; the run only waits for it and shows what it says)."""
