@@ -21,8 +21,6 @@ from meshbook.mesh.controller.api import planners
 from meshbook.mesh.controller.core.controller import live_controllers
 from meshbook.mesh.controller.launch import base, local
 
-PLANNER_MODULE = "meshbook.mesh.planner"
-
 
 def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -34,7 +32,7 @@ def meshbook_processes() -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if {base.AGENT_MODULE, PLANNER_MODULE} & set(proc.info["cmdline"] or []):
+            if {base.AGENT_MODULE, planners.PLANNER_MODULE} & set(proc.info["cmdline"] or []):
                 found.append(proc)
         except psutil.Error:
             continue

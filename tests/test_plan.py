@@ -23,6 +23,7 @@ import torch
 import meshbook
 from bench import models
 from meshbook import Layout, MeshError, RemoteError
+from meshbook.mesh.controller.api import planners
 from meshbook.mesh.protocol.layout import split_points, stage_of
 
 BUILD = partial(models.gpt, vocab=256, dim=64, layers=4, heads=4)
@@ -58,7 +59,7 @@ def report(mesh: meshbook.Mesh) -> meshbook.PlanReport:
 
 def planners_left() -> list[int]:
     """Planners still there: the zygote's children (the zygote itself is kept for the next plan)."""
-    return [p.pid for zygote in psutil.Process().children() if "meshbook.mesh.planner" in zygote.cmdline()
+    return [p.pid for zygote in psutil.Process().children() if planners.PLANNER_MODULE in zygote.cmdline()
             for p in zygote.children()]
 
 

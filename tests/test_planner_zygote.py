@@ -123,3 +123,29 @@ def test_a_fork_whose_note_was_never_read_leaves_no_planner_and_misleads_no_late
     while psutil.Process(zygote.proc.pid).children() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not psutil.Process(zygote.proc.pid).children(), "the unheard planner was left waiting"
+
+
+def test_a_request_the_zygote_cannot_read_is_dropped_with_its_files_and_it_serves_on() -> None:
+    """A request of another version (or garbage): the files sent with it are closed (a pipe's
+    reader sees its end), and the next plan's planners are forked as ever."""
+    zygote = planners.zygote()
+    reader, writer = os.pipe()
+    for request in (b"bogus\n1\n", FORK + b"\nnot-a-number\n"):
+        socket.send_fds(zygote.sock, [request], [writer])
+    os.close(writer)
+    try:
+        os.set_blocking(reader, False)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                assert os.read(reader, 1) == b"", "nothing writes to this pipe"
+                break  # every writer closed it
+            except BlockingIOError:
+                time.sleep(0.05)
+        else:
+            pytest.fail("the zygote kept a file of a request it dropped")
+    finally:
+        os.close(reader)
+    with Planners(1) as pool:
+        assert pool.ask(0, "inspect", BUILD).blocks == "Block"
+    assert zygote is planners.zygote() and zygote.proc.poll() is None

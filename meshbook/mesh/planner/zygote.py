@@ -62,26 +62,25 @@ def serve(fd: int) -> None:
         if not data:
             return  # the controller's end closed
         what, number, cwd = (data.split(b"\n", 2) + [b"", b""])[:3]
-        if what not in (FORK, KILL) or not number.isdigit():
-            for received in fds:  # not a request of this version: dropped, and the zygote serves on
+        try:
+            if what == KILL and number.isdigit():
+                if int(number) in children:  # not reaped: the pid is still that planner's
+                    os.kill(int(number), signal.SIGKILL)
+            elif what == FORK and number.isdigit():
+                pid = os.fork()
+                if pid == 0:
+                    sock.close()
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    os.close(woken)
+                    os.close(wake)
+                    _planner(fds, cwd)  # never returns
+                children.add(pid)
+                sock.send(ZYGOTE_NOTE.pack(FORKED, pid, int(number)))
+            # anything else is not a request of this version: dropped, and the zygote serves on
+        finally:
+            for received in fds:  # the planner has its own copies
                 os.close(received)
-            continue
-        if what == KILL:
-            if int(number) in children:  # not reaped: the pid is still that planner's
-                os.kill(int(number), signal.SIGKILL)
-            continue
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            os.close(woken)
-            os.close(wake)
-            _planner(fds, cwd)
-        children.add(pid)
-        for received in fds:
-            os.close(received)
-        sock.send(ZYGOTE_NOTE.pack(FORKED, pid, int(number)))
 
 
 def _planner(fds: list[int], cwd: bytes) -> None:

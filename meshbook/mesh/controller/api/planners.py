@@ -30,6 +30,8 @@ from ...protocol.plan import EXITED, FORK, FORKED, KILL, ZYGOTE_NOTE, read_frame
 
 #: Seconds a plan may take before it is given up (planner processes are stopped).
 PLAN_TIMEOUT_S = 600.0
+#: The zygote's module (``python -m``), which its planners' command lines name too.
+PLANNER_MODULE = "meshbook.mesh.planner"
 
 
 class Zygote:
@@ -40,7 +42,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = tempfile.TemporaryFile()
         with theirs:
-            self.proc = subprocess.Popen([sys.executable, "-m", "meshbook.mesh.planner", str(theirs.fileno())],
+            self.proc = subprocess.Popen([sys.executable, "-m", PLANNER_MODULE, str(theirs.fileno())],
                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                          stdout=self.log, stderr=self.log, env=env)
         self.sock = ours
