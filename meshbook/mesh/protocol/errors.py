@@ -208,9 +208,9 @@ def knock_on(failure: "RankFailure") -> bool:
     return failure.type_name in KNOCK_ON_TYPES or broke_its_group(failure)
 
 
-def _blame_order(failure: "RankFailure") -> tuple[bool, bool, bool]:
-    """Where ``failure`` goes among a run's failures: a death, the rank's own error, meshbook's
-    abort, a broken group's bare error."""
+def blame_order(failure: "RankFailure") -> tuple[bool, bool, bool]:
+    """Where ``failure`` goes among a run's failures, the one to look at first first: a death,
+    the rank's own error, meshbook's abort, a broken group's bare error."""
     return failure.died is None, knock_on(failure), broke_its_group(failure)
 
 
@@ -312,7 +312,7 @@ class RemoteError(MeshError):
         # its peers' failures follow from, so the headline names the cause, not gloo's echo of it
         # ("Connection closed by peer ... typically caused by a remote worker crashing").
         self.groups = sorted(group_by_text({r: _alike(f.body()) for r, f in self.failures.items()}),
-                             key=lambda group: _blame_order(self.failures[group[0][0]]))
+                             key=lambda group: blame_order(self.failures[group[0][0]]))
 
     @property
     def ranks(self) -> list[int]:

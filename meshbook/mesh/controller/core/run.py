@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from ...protocol import messages as msg
-from ...protocol.errors import MeshError, MeshTimeout, RankFailure, RemoteError, check_seconds, knock_on
+from ...protocol.errors import MeshError, MeshTimeout, RankFailure, RemoteError, blame_order, check_seconds
 from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
 from ...protocol.text import format_ranks, group_by_text
 from ...protocol.topology import Topology
@@ -249,7 +249,7 @@ class Run:
         parts += [f"[{format_ranks(ranks)}] {text}" for ranks, text in failed]
         # Where an exception was raised there (a death, or an answer meshbook found wrong, has no frames)
         raised = [rank for rank, failure in self._failures.items() if failure.frames and not failure.died]
-        first = min(raised, key=lambda r: (knock_on(self._failures[r]), r), default=None)
+        first = min(raised, key=lambda r: (blame_order(self._failures[r]), r), default=None)
         hint = f" (%mesh debug {first} shows where)" if first is not None else ""
         return f"meshbook: {self.what} ended after the wait for it timed out: {'; '.join(parts)}{hint}"
 
