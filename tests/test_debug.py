@@ -161,6 +161,18 @@ def test_dead_rank_is_shown_as_such_and_restart_brings_it_back(mesh: meshbook.Me
         mesh.run("import os\nos.kill(os.getpid(), 9)", ranks=[2]).result(timeout=30)
     assert mesh.snapshots([2])[2].dead == "SIGKILL"
     assert "[2] not running: SIGKILL" in mesh.stacks().render()
+    # A collective on the live ranks, as the degraded mesh's error suggests: the default group
+    # holds rank 2, so rank 0, left waiting (gloo tells only rank 2's neighbours), is freed and
+    # told that rank 2 is dead. It was told the calls did not match, and that ranks 1 and 3,
+    # which made the same call and failed it, computed something wrong from it.
+    with pytest.raises(RemoteError) as info:
+        mesh.run("t = torch.ones(1)\ndist.all_reduce(t)", ranks=[0, 1, 3]).result(timeout=60, echo=False)
+    aborted = info.value.failures[0]
+    assert aborted.type_name == "CollectiveAborted", aborted
+    assert "rank 2 of its group is dead (SIGKILL), so it could never complete. Restart it with mesh.restart([2]) " \
+           "(or %mesh restart 2)" in aborted.message
+    told = f"{info.value}\n{info.value.hint}"
+    assert "do not match" not in told and "computed from it is wrong" not in told, told
     with pytest.raises(MeshError, match=r"rank 2 is dead \(SIGKILL\): its last exception died with it"):
         mesh.debug(2)
     recovery = mesh.restart([2])

@@ -33,6 +33,10 @@ class Collective:
     def point_to_point(self) -> bool:
         return self.op in ("send", "recv")
 
+    def same_call(self, other: "Collective") -> bool:
+        """The same operation on the same shapes and dtypes: calls that pair as meant."""
+        return (self.op, self.sizes, self.dtypes) == (other.op, other.sizes, other.dtypes)
+
     @property
     def dim(self) -> str | None:
         """The mesh dimension of a DeviceMesh group (``"tp"`` for ``mesh_tp``)."""

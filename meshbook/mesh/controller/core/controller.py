@@ -555,7 +555,8 @@ class Controller:
             causes = "; ".join(f"rank {s.rank}: {s.cause}" for s in dead)
             raise MeshError(f"the mesh is degraded ({causes}). Restart the dead rank(s) with "
                             f"mesh.restart({[s.rank for s in dead]}) (or %mesh restart "
-                            f"{','.join(str(s.rank) for s in dead)}), or select live ranks only")
+                            f"{','.join(str(s.rank) for s in dead)}), or select live ranks only (a collective over a "
+                            f"group that holds a dead rank, the default group included, cannot complete)")
 
     # -- receiving (the receiver thread) -------------------------------------------------------------
 

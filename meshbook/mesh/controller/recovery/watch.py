@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from ...protocol.errors import MeshError
 from ...protocol.reports import Collective
-from ...protocol.text import agreed, group_by_text, ranks_text
+from ...protocol.text import agree, agreed, group_by_text, ranks_text
 from ...rank.ops import collective_called, snapshot
 from ..insight.hangs import deadlocked, missing_members
 from .ladder import abort
@@ -90,36 +90,44 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
     missing = {rank: missing_members(rank, waiting, controller.topology) or [] for rank in waiting}
 
     def gone(m: int) -> bool:
-        return (m not in run.pending if m in run.ranks else run.interrupted and m in alive) \
-            and (not controller.queued(m) or m in held)
+        if m not in alive:  # dead: a group with it in never completes (ranks outside the run too)
+            return True
+        return (m not in run.pending if m in run.ranks else run.interrupted) and (not controller.queued(m) or m in held)
 
     stuck = deadlocked(missing, gone) if run.interrupted else set()
     blocked = {rank: (waiting[rank], out) for rank, members in missing.items()
                if (out := [m for m in members if gone(m) or m in stuck])}
     if not blocked or run.done():
         return
-    called = _called_instead(controller, blocked.values())
-    reasons = {rank: _reason(run, collective, out, waiting, called) for rank, (collective, out) in blocked.items()}
+    called = _called_instead(controller, blocked.values(), alive)
+    dead = {m: controller.ranks[m].cause for _, out in blocked.values() for m in out if m not in alive}
+    reasons = {rank: _reason(run, collective, out, waiting, called, dead)
+               for rank, (collective, out) in blocked.items()}
     run.notes.extend(_mismatches(blocked.values(), called))
     run.forced_resync = True  # before the abort: the run may end (and its check start) at once
     abort(controller, list(reasons), reasons)
 
 
-def _called_instead(controller: "Controller", blocked: Iterable[tuple[Collective, list[int]]]
+def _called_instead(controller: "Controller", blocked: Iterable[tuple[Collective, list[int]]], alive: set[int]
                     ) -> dict[tuple[int, str, int], Collective]:
-    """What each member that went on called as the number the others wait in (rank, group,
-    number): a call that did not match theirs (other sizes, another operation), which gloo
-    may complete on one side. Asked of those members only, once per collective."""
-    asking: dict[tuple[str, int], set[int]] = {}
+    """What each live member that went on called as the number the others wait in (rank,
+    group, number), where it did not match theirs (other sizes, another operation): gloo may
+    complete such a call on one side. (The same call, gone on with, failed: its group broke.)
+    Asked of those members only, once per collective."""
+    asking: dict[tuple[str, int], tuple[Collective, set[int]]] = {}
     for collective, gone in blocked:
         if collective.point_to_point:  # numbered per peer: the collective numbered so is another call
             continue
-        asking.setdefault((collective.group, collective.seq), set()).update(gone)
+        asking.setdefault((collective.group, collective.seq), (collective, set()))[1].update(
+            r for r in gone if r in alive)
     called: dict[tuple[int, str, int], Collective] = {}
-    for (group, seq), ranks in asking.items():
+    for (group, seq), (waited, ranks) in asking.items():
+        if not ranks:
+            continue
         answers = controller.call(collective_called, group, seq, ranks=sorted(ranks), what="what a rank called")
         answers.wait(SNAPSHOT_WAIT_S)
-        called.update({(rank, group, seq): c for rank, c in answers.values().items() if c is not None})
+        called.update({(rank, group, seq): c for rank, c in answers.values().items()
+                       if c is not None and not c.same_call(waited)})
     return called
 
 
@@ -137,8 +145,15 @@ def _mismatches(blocked: Iterable[tuple[Collective, list[int]]], called: dict[tu
 
 
 def _reason(run: "Run", collective: Collective, gone: list[int], waiting: dict[int, Collective],
-            called: dict[tuple[int, str, int], Collective]) -> str:
-    """Why a rank's collective was aborted, for its error."""
+            called: dict[tuple[int, str, int], Collective], dead: dict[int, str]) -> str:
+    """Why a rank's collective was aborted, for its error (``dead``: why each dead member died)."""
+    died = [r for r in gone if r in dead]
+    if died:
+        causes = dead[died[0]] if len(died) == 1 else "; ".join(f"rank {r}: {dead[r]}" for r in died)
+        listed = ",".join(map(str, died))
+        return (f"meshbook aborted its {collective.describe()}: {ranks_text(died)} of its group {agree('is', died)} "
+                f"dead ({causes}), so it could never complete. Restart {'it' if len(died) == 1 else 'them'} with "
+                f"mesh.restart({died}) (or %mesh restart {listed}): the process groups are made anew with every rank")
     mismatched = {r: c for r in gone if (c := called.get((r, collective.group, collective.seq))) is not None}
     if mismatched:
         calls = "; ".join(f"rank {r} called {c.describe()}" for r, c in sorted(mismatched.items()))
