@@ -117,6 +117,11 @@ def test_step_time_prices_flops_exposed_traffic_and_the_bubble() -> None:
     assert ddp.time["communication"] == 1.0
     pp = predict(Trace(Layout(pp=2, microbatches=2), (stage(0, 0, 1e9), stage(1, 0, 1e9)), 0.1), PROBE)
     assert abs(pp.time["bubble"] - 1.0 * (1 / 3) / (2 / 3)) < 1e-9
+    # The pace is the slowest stage's, traffic included: a first stage with few FLOPs but a
+    # link's worth of traffic is slower than a last one with more FLOPs (head and loss).
+    link = predict(Trace(Layout(pp=2, microbatches=2), (stage(0, 0, 1e9, p2p=2 * 10**9), stage(1, 0, 2e9)), 0.1),
+                   PROBE)
+    assert (link.time["compute"], link.time["communication"]) == (1.0, 2.0)
     ac = predict(Trace(Layout(checkpointing="block"), (stage(0, 0, 4e9),), 0.1), PROBE)
     assert ac.time["recompute"] == 1.0 and ac.time["compute"] == 3.0
 

@@ -118,7 +118,9 @@ def test_pipeline_stages_are_traced_each_on_their_rank(planner: Planners, facts:
     pp = trace(planner, facts, Layout(pp=2, microbatches=4))
     assert [s.rank for s in pp.stages] == [0, 1]  # pp is the outermost dimension
     assert sum(kind(pp, "parameters", s) for s in (0, 1)) == facts.param_bytes
-    assert pp.stages[0].comm["p2p"] > 0 and "p2p" not in pp.stages[1].comm
+    # Both ends of the one link send and receive: activations on, gradients back.
+    assert pp.stages[0].comm["p2p"] == pp.stages[1].comm["p2p"] > 0
+    assert pp.stages[0].collectives == pp.stages[1].collectives == 2 * 4
     assert all(s.microbatch_activations > 0 for s in pp.stages)
 
 

@@ -130,16 +130,20 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
                         microbatch_activations=max(held, default=0),
                         at_collective=at_collective, scratch=scratch, flops=float(flops.get_total_flops()),
                         comm=dict(comm.bytes), collectives=comm.calls)
-    return (_pipelined(traced, out, layout, built.last) if layout.pp > 1 else traced), out
+    return (_pipelined(traced, inputs, out, layout, built.last) if layout.pp > 1 else traced), out
 
 
-def _pipelined(traced: StageTrace, out: tuple[tuple[int, ...], torch.dtype], layout: Layout,
-               last: bool) -> StageTrace:
-    """A micro-batch's trace scaled to the step: every micro-batch computes, and a stage
-    sends its output forward and receives its gradient back for each (but the last stage)."""
+Edge = tuple[tuple[int, ...], torch.dtype]
+
+
+def _pipelined(traced: StageTrace, inputs: Edge | None, out: Edge, layout: Layout, last: bool) -> StageTrace:
+    """A micro-batch's trace scaled to the step: every micro-batch computes, and for each a
+    stage receives its input and sends back its gradient (but the first stage), and sends its
+    output and receives back its gradient (but the last). Both ends of a link spend its time:
+    counted on the sending stage only, the last stage (often the one with the most FLOPs: the
+    head and the loss) was priced with no traffic at all."""
     comm, calls = dict(traced.comm), traced.collectives * layout.microbatches
-    if not last:
-        shape, dtype = out
+    for shape, dtype in [*([inputs] if inputs is not None else []), *([out] if not last else [])]:
         comm["p2p"] = comm.get("p2p", 0) + 2 * math.prod(shape) * dtype.itemsize * layout.microbatches
         calls += 2 * layout.microbatches
     return replace(traced, flops=traced.flops * layout.microbatches, comm=comm, collectives=calls)

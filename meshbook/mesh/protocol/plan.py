@@ -184,17 +184,23 @@ def step_time(trace: Trace, probe: Probe) -> dict[str, float]:
     layout = trace.layout
     if not trace.stages:
         return {"compute": 0.0, "communication": 0.0, "bubble": 0.0, "recompute": 0.0}
-    slowest = max(trace.stages, key=lambda s: s.flops)
-    compute = slowest.flops / probe.flops_per_s if probe.flops_per_s else 0.0
-    comm = slowest.comm
-    overlapped = (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0)) / probe.bandwidth
-    exposed = ((comm.get("all_reduce", 0) + comm.get("p2p", 0)) / probe.bandwidth + max(0.0, overlapped - compute)
-               + slowest.collectives * probe.latency)
+    # A pipeline runs at its slowest stage's pace, compute and traffic together.
+    compute, exposed = max((_stage_time(stage, probe) for stage in trace.stages), key=sum)
     recompute = compute * RECOMPUTED[layout.checkpointing]
     busy = compute + exposed
     return {"compute": compute - recompute, "communication": exposed,
             "bubble": busy * bubble(layout) / (1 - bubble(layout)) if layout.pp > 1 else 0.0,
             "recompute": recompute}
+
+
+def _stage_time(stage: StageTrace, probe: Probe) -> tuple[float, float]:
+    """A stage's compute and exposed communication, in seconds per step."""
+    compute = stage.flops / probe.flops_per_s if probe.flops_per_s else 0.0
+    comm = stage.comm
+    overlapped = (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0)) / probe.bandwidth
+    exposed = ((comm.get("all_reduce", 0) + comm.get("p2p", 0)) / probe.bandwidth + max(0.0, overlapped - compute)
+               + stage.collectives * probe.latency)
+    return compute, exposed
 
 
 def mark_dominated(rows: list[Row]) -> None:
