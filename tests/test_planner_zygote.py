@@ -21,7 +21,7 @@ from bench import models
 from meshbook import MeshError
 from meshbook.mesh.controller.api import planners
 from meshbook.mesh.controller.api.planners import Planners
-from meshbook.mesh.protocol.plan import FORK
+from meshbook.mesh.protocol.plan import FORK, KILL
 
 BUILD = partial(models.gpt, vocab=512, dim=128, layers=4, heads=4)
 
@@ -126,11 +126,13 @@ def test_a_fork_whose_note_was_never_read_leaves_no_planner_and_misleads_no_late
 
 
 def test_a_request_the_zygote_cannot_read_is_dropped_with_its_files_and_it_serves_on() -> None:
-    """A request of another version (or garbage): the files sent with it are closed (a pipe's
-    reader sees its end), and the next plan's planners are forked as ever."""
+    """A request of another version (or garbage), and a kill that brought files: the files are
+    closed (a pipe's reader sees its end), and the next plan's planners are forked as ever."""
+    with Planners(1) as pool:  # the zygote has imported torch: the wait below is for the requests only
+        assert pool.ask(0, "inspect", BUILD).blocks == "Block"
     zygote = planners.zygote()
     reader, writer = os.pipe()
-    for request in (b"bogus\n1\n", FORK + b"\nnot-a-number\n"):
+    for request in (b"bogus\n1\n", FORK + b"\nnot-a-number\n", KILL + b"\n1\n"):
         socket.send_fds(zygote.sock, [request], [writer])
     os.close(writer)
     try:

@@ -86,7 +86,8 @@ class DebugCommands:
 def _first_failed(mesh: Mesh) -> int:
     """The lowest rank whose last code (a cell, a function, an endpoint) ended in an exception
     of its own, else the lowest whose code failed from another rank's doing (a collective
-    aborted, a peer gone: see ``knock_on``)."""
+    aborted, a peer gone: see ``knock_on``). A rank's snapshot says only that much of how its
+    code ended, not the finer ``errors.blame_order`` a run's failures are sorted by."""
     snapshots = mesh.snapshots()
     failed = [r for r, s in snapshots.items() if s.last.startswith("stopped with")]
     if not failed:

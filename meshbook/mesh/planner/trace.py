@@ -29,6 +29,8 @@ from ..protocol.layout import Layout, ModelFacts
 from ..protocol.plan import GLOO_SCRATCH, StageTrace, Trace
 from ..rank import parallel, torch_compat
 
+#: A pipeline link's tensor: the shape and dtype of what a stage sends the next (its output).
+Edge = tuple[tuple[int, ...], torch.dtype]
 #: The tracker's kinds (both trackers' names) -> the report's.
 KIND_OF = {"Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
            "Buffer": "parameters", "Gradient": "gradients", "Sharded Grad": "gradients",
@@ -74,7 +76,7 @@ def analytic(facts: ModelFacts, layout: Layout, optimizer: Any) -> StageTrace:
 
 
 def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFacts, batch: tuple[int, ...],
-                optimizer: Any, rank: int, inputs: Any, device_type: str) -> tuple[StageTrace, Any]:
+                optimizer: Any, rank: int, inputs: Edge | None, device_type: str) -> tuple[StageTrace, Edge]:
     """Trace the stage ``rank`` plays. ``inputs``: the shape and dtype of the previous stage's
     output (None for the first); returns this stage's, for the next."""
     torch_compat.init_fake_group(rank, layout.world)
@@ -91,7 +93,10 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
         x, y = parallel.example_batch(facts, batch, layout)
         if layout.pp > 1:
             micro = x.shape[0] // layout.microbatches
-            x = x[:micro] if built.stage == 0 else torch.empty(inputs[0], dtype=inputs[1], requires_grad=True)
+            if built.stage == 0 or inputs is None:
+                x = x[:micro]
+            else:
+                x = torch.empty(inputs[0], dtype=inputs[1], requires_grad=True)
             y = y[:micro] if y is not None else None
         # The first step counts FLOPs, without the memory tracker: the FLOP counter's module
         # hooks hold a step's outputs longer (a peak up to 2x the activations on a big batch).
@@ -131,9 +136,6 @@ def trace_stage(factory: Callable[[], nn.Module], layout: Layout, facts: ModelFa
                         at_collective=at_collective, scratch=scratch, flops=float(flops.get_total_flops()),
                         comm=dict(comm.bytes), collectives=comm.calls)
     return (_pipelined(traced, inputs, out, layout, built.last) if layout.pp > 1 else traced), out
-
-
-Edge = tuple[tuple[int, ...], torch.dtype]
 
 
 def _pipelined(traced: StageTrace, inputs: Edge | None, out: Edge, layout: Layout, last: bool) -> StageTrace:

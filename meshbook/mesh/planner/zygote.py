@@ -62,6 +62,7 @@ def serve(fd: int) -> None:
         if not data:
             return  # the controller's end closed
         what, number, cwd = (data.split(b"\n", 2) + [b"", b""])[:3]
+        note = b""
         try:
             if what == KILL and number.isdigit():
                 if int(number) in children:  # not reaped: the pid is still that planner's
@@ -69,28 +70,32 @@ def serve(fd: int) -> None:
             elif what == FORK and number.isdigit():
                 pid = os.fork()
                 if pid == 0:
-                    sock.close()
-                    signal.set_wakeup_fd(-1)
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    os.close(woken)
-                    os.close(wake)
-                    _planner(fds, cwd)  # never returns
+                    _planner(fds, cwd, (sock, woken, wake))  # never returns
                 children.add(pid)
-                sock.send(ZYGOTE_NOTE.pack(FORKED, pid, int(number)))
+                note = ZYGOTE_NOTE.pack(FORKED, pid, int(number))
             # anything else is not a request of this version: dropped, and the zygote serves on
         finally:
             for received in fds:  # the planner has its own copies
                 os.close(received)
+        if note:  # once the zygote let go of them: the planner's ends are its own
+            sock.send(note)
 
 
-def _planner(fds: list[int], cwd: bytes) -> None:
-    """In the forked child: its jobs, answers and log as fds 0-2, in the notebook's directory
-    (first on ``sys.path`` too, as ``python -m`` started there puts it), then a planner's life;
-    it ends as the interpreter would end it."""
-    from .jobs import answer_jobs
-
+def _planner(fds: list[int], cwd: bytes, zygotes: tuple[socket.socket, int, int]) -> None:
+    """In the forked child: the zygote's socket and wake-up pipe (``zygotes``) let go, its
+    jobs, answers and log as fds 0-2, in the notebook's directory (first on ``sys.path`` too,
+    as ``python -m`` started there puts it), then a planner's life; it ends as the interpreter
+    would end it, whatever fails on the way (never back in the zygote's loop)."""
     code: int = 0
     try:
+        sock, woken, wake = zygotes
+        sock.close()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(woken)
+        os.close(wake)
+        from .jobs import answer_jobs
+
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as a planner started anew has it
         for target, received in enumerate(fds):
             os.dup2(received, target)

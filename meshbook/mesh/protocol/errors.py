@@ -209,8 +209,8 @@ def knock_on(failure: "RankFailure") -> bool:
 
 
 def blame_order(failure: "RankFailure") -> tuple[bool, bool, bool]:
-    """Where ``failure`` goes among a run's failures, the one to look at first first: a death,
-    the rank's own error, meshbook's abort, a broken group's bare error."""
+    """Where ``failure`` goes among a run's failures, the one to look at first in front: a
+    death, the rank's own error, meshbook's abort, a broken group's bare error."""
     return failure.died is None, knock_on(failure), broke_its_group(failure)
 
 

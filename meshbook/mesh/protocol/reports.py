@@ -34,7 +34,9 @@ class Collective:
         return self.op in ("send", "recv")
 
     def same_call(self, other: "Collective") -> bool:
-        """The same operation on the same shapes and dtypes: calls that pair as meant."""
+        """The same operation on the same shapes and dtypes: calls that pair as meant. (Rooted
+        and uneven calls, a scatter's root or an uneven all_to_all, differ in shape from their
+        peers' by design, and count as other calls; a root is not compared.)"""
         return (self.op, self.sizes, self.dtypes) == (other.op, other.sizes, other.dtypes)
 
     @property

@@ -65,6 +65,12 @@ def format_ranks(ranks: Iterable[int]) -> str:
     return ",".join(parts)
 
 
+def restart_hint(ranks: Iterable[int]) -> str:
+    """``mesh.restart([1, 3]) (%mesh restart 1,3)``: how to bring dead ranks back, both ways."""
+    ordered = sorted(set(ranks))
+    return f"mesh.restart({ordered}) (%mesh restart {format_ranks(ordered)})"
+
+
 def ranks_text(ranks: Iterable[int]) -> str:
     """``[2]`` -> ``"rank 2"``, ``[0, 1, 2]`` -> ``"ranks 0-2"``: a rank list in a sentence."""
     ordered = sorted(set(ranks))

@@ -50,7 +50,7 @@ from ...protocol.cell import code_places
 from ...protocol.errors import MeshError, MeshTimeout, RemoteError, SendError
 from ...protocol.events import Error, Result
 from ...protocol.namespaces import SEEDED
-from ...protocol.text import format_ranks
+from ...protocol.text import format_ranks, restart_hint
 from ...protocol.values import RankValues
 from ...rank import ops
 from ..core.controller import Controller
@@ -320,8 +320,7 @@ class ActorMesh(ActorView):
                             f"the kernel that spawned it: spawn it again under another name")
         if state.failed:
             dead = state.controller.dead(sorted(state.lost))
-            restart = (f"Restart the rank(s) with mesh.restart({dead}) (%mesh restart {','.join(map(str, dead))}), "
-                       f"then" if dead else "The rank(s) were restarted:")
+            restart = f"Restart the rank(s) with {restart_hint(dead)}, then" if dead else "The rank(s) were restarted:"
             raise MeshError(f"actor {self.name!r} failed: {state.failed}. {restart} {self.name}.respawn() builds "
                             f"it there again")
         finished, state.broadcasts = partition(state.broadcasts)
@@ -355,7 +354,7 @@ class ActorMesh(ActorView):
         dead = state.controller.dead(lost)
         if dead:
             raise MeshError(f"rank(s) {format_ranks(dead)} of actor {self.name!r} are still dead: restart them "
-                            f"first with mesh.restart({dead}) (%mesh restart {','.join(map(str, dead))})")
+                            f"first with {restart_hint(dead)}")
         _spawn_on(state, lost)
         # A broadcast that failed only by these deaths was answered with them: the deaths failed
         # the actor mesh, and restart + respawn are the answer. Raised by the next call, it

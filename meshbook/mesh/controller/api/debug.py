@@ -14,7 +14,7 @@ from ...protocol import messages as msg
 from ...protocol.cell import is_internal
 from ...protocol.errors import MeshError
 from ...protocol.reports import RankSnapshot
-from ...protocol.text import format_ranks
+from ...protocol.text import format_ranks, restart_hint
 from ...protocol.topology import DimSelector, Topology
 from ...rank import ops
 from ..core.controller import Controller
@@ -84,8 +84,7 @@ class DebugOps:
         live = self.controller.live(chosen)
         if not live:
             text = format_ranks(chosen)
-            raise MeshError(f"rank(s) {text} are dead: nothing to {what}; mesh.restart({chosen}) "
-                            f"(%mesh restart {text}) brings them back")
+            raise MeshError(f"rank(s) {text} are dead: nothing to {what}; {restart_hint(chosen)} brings them back")
         return live
 
     def restart(self, ranks: Sequence[int] | str | int | None = None, timeout: float = 120.0,
@@ -111,8 +110,8 @@ class DebugOps:
         (chosen,) = self.select([rank])
         if self.controller.dead([chosen]):  # not the mesh's advice to restart it: that brings no exception back
             raise MeshError(f"rank {chosen} is dead ({self.controller.ranks[chosen].cause or 'dead'}): its last "
-                            f"exception died with it, and there is nothing to debug. mesh.restart([{chosen}]) "
-                            f"(%mesh restart {chosen}) brings the rank back, without its variables")
+                            f"exception died with it, and there is nothing to debug. {restart_hint([chosen])} "
+                            f"brings the rank back, without its variables")
         return self.controller.call(ops.post_mortem, ranks=[chosen], what=f"post-mortem of rank {rank}",
                                     stdin=self.controller.stdin_probe())
 

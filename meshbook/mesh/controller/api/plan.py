@@ -208,20 +208,7 @@ def probe(mesh: MeshView, build: Callable[[], Any], ranks_on_host: dict[int, int
     """The ranks' measurements with ``build``'s imports loaded and a step of each of ``warm``
     run, the worst rank's of each; the memory budget is each rank's share of its host's (or
     container's) memory, from the heartbeats, or its GPU's free memory."""
-    run = None
-    try:
-        run = mesh.controller.call(ops.plan_probe, build, warm, ranks=mesh.ranks, what="plan: measuring the ranks")
-        values = list(run.result(RANK_TIMEOUT_S, echo=False).values())
-    except KeyboardInterrupt as exc:
-        # The ranks were interrupted (as it was sent, or by result(), which returns at once).
-        # The plan ends once they have stopped (the step check of their failed probe is queued
-        # by then): what the notebook sends next would otherwise reach them first, and be held
-        # back behind that failure. A second Ctrl-C ends this wait too.
-        stopping = interrupted_run(exc) or run
-        if stopping is not None:
-            with contextlib.suppress(KeyboardInterrupt):
-                stopping.wait(RANK_TIMEOUT_S)
-        raise
+    values = list(_to_the_end(mesh, "plan: measuring the ranks", False, ops.plan_probe, build, warm).values())
     device = values[0]["device"]
     if device == "cuda":
         memory = min(v["memory"] for v in values)
@@ -235,6 +222,26 @@ def probe(mesh: MeshView, build: Callable[[], Any], ranks_on_host: dict[int, int
     return Probe(overhead=max(v["overhead"] for v in values), flops_per_s=min(v["flops_per_s"] for v in values),
                  bandwidth=min(v["bandwidth"] for v in values), latency=max(v["latency"] for v in values),
                  per_group=max(v["per_group"] for v in values), budget=int(memory * BUDGET_SHARE), device=device)
+
+
+def _to_the_end(mesh: MeshView, what: str, echo: bool, fn: Callable[..., Any], *args: Any) -> RankValues:
+    """``fn`` on every rank of ``mesh``, one of the operations every rank runs to its end (they
+    make process groups as they go), and its values. Interrupted, it returns once the ranks
+    have stopped (the step check of their failure is queued by then): what the notebook sends
+    next would otherwise reach them first, and be held back behind that failure. So it waits
+    after a Ctrl-C that came as the request was sent, and one that came while ``result()``
+    waited without ``echo`` (which returns at once); with ``echo``, ``result()`` waits itself,
+    and a Ctrl-C that gets out of it was a second one. A second Ctrl-C ends this wait too."""
+    run = None
+    try:
+        run = mesh.controller.call(fn, *args, ranks=mesh.ranks, what=what)
+        return run.result(RANK_TIMEOUT_S, echo=echo)
+    except KeyboardInterrupt as exc:
+        stopping = interrupted_run(exc) or (None if echo else run)
+        if stopping is not None:
+            with contextlib.suppress(KeyboardInterrupt):
+                stopping.wait(RANK_TIMEOUT_S)
+        raise
 
 
 def _order(row: Row) -> tuple[int, float, int, str]:
@@ -424,6 +431,5 @@ class PlanOps:
         predicted = row.stage_peaks if row is not None else {}
         step_s = row.step_s if row is not None else 0.0
         options = {"optimizer": optimizer, "lr": lr, "seed": seed, "init": init, "loss_fn": loss_fn}
-        run = self.controller.call(ops.parallelize, build, chosen, predicted, step_s, tuple(names), options,
-                                   ranks=self.ranks, what=f"parallelize({chosen.describe()})")
-        return run.result(RANK_TIMEOUT_S)
+        return _to_the_end(self, f"parallelize({chosen.describe()})", True, ops.parallelize, build, chosen,
+                           predicted, step_s, tuple(names), options)

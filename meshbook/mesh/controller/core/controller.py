@@ -46,7 +46,7 @@ from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Ou
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.payload import Landing
 from ...protocol.remote import encode_route
-from ...protocol.text import format_ranks, ranks_text
+from ...protocol.text import format_ranks, ranks_text, restart_hint
 from ...protocol.topology import Topology
 from ...protocol.versions import mismatch, versions
 from ...rank.ops import interrupt_request, ready_report, resume, supersede
@@ -58,7 +58,7 @@ from ..launch.network import HostLink, Network
 from .agents import Agents
 from .book import Answer, RankBook, RankState
 from .render import print_late
-from .run import Run, StepReport, interrupted
+from .run import Run, StepReport, interrupt_error
 from .transport import Sent, Transport, log
 
 #: Why a mesh stopped when the user stopped it (any other reason: it ended on its own).
@@ -183,6 +183,11 @@ class Controller:
         """The dead among ``ranks`` (every rank: None), in rank order."""
         with self._lock:
             return [s.rank for s in self.book.dead(ranks)]
+
+    def deaths(self) -> dict[int, str]:
+        """Every dead rank, and why it died, as of now (one look: a restart may reset a cause)."""
+        with self._lock:
+            return {s.rank: s.cause for s in self.book.dead(None)}
 
     @property
     def host_of(self) -> dict[int, int]:
@@ -337,7 +342,7 @@ class Controller:
             self.interrupt_run(run)
         self.transport.wait_sent(sent, self._alive)  # the caller may change what it sent once we return
         if held.came:
-            raise interrupted(run)
+            raise interrupt_error(run)
         return run
 
     def _new_run(self, ranks: list[int], what: str, kind: str, in_step: bool = False,
@@ -554,8 +559,7 @@ class Controller:
         if dead:
             causes = "; ".join(f"rank {s.rank}: {s.cause}" for s in dead)
             raise MeshError(f"the mesh is degraded ({causes}). Restart the dead rank(s) with "
-                            f"mesh.restart({[s.rank for s in dead]}) (or %mesh restart "
-                            f"{','.join(str(s.rank) for s in dead)}), or select live ranks only (a collective over a "
+                            f"{restart_hint(s.rank for s in dead)}, or select live ranks only (a collective over a "
                             f"group that holds a dead rank, the default group included, cannot complete)")
 
     # -- receiving (the receiver thread) -------------------------------------------------------------

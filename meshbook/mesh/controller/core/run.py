@@ -41,7 +41,7 @@ STEP_CHECK_WAIT_S = 30.0
 STEP_CHECK_BUSY_S = 3.0
 
 
-def interrupted(run: Run) -> KeyboardInterrupt:
+def interrupt_error(run: Run) -> KeyboardInterrupt:
     """What a Ctrl-C that came while ``run`` was booked and sent raises, once the run was
     interrupted on every rank it went to: a plain ``KeyboardInterrupt``, as the notebook shows
     one, that names the run (:func:`interrupted_run`), for meshbook's own multi-step work that
@@ -52,7 +52,7 @@ def interrupted(run: Run) -> KeyboardInterrupt:
 
 
 def interrupted_run(exc: KeyboardInterrupt) -> Run | None:
-    """The run a Ctrl-C interrupted as it was sent (:func:`interrupted`); None for another."""
+    """The run a Ctrl-C interrupted as it was sent (:func:`interrupt_error`); None for another."""
     return getattr(exc, "run", None)
 
 

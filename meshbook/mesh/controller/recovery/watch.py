@@ -8,12 +8,15 @@ whatever the member runs next (a wrong result), or fail at the collective timeou
 later: ``if rank != 1: raise ValueError()`` then ``dist.all_reduce(x)`` left rank 1 waiting 300 s
 (torchrun ends such a job in seconds). So meshbook aborts it (the recovery ladder's step 2,
 :func:`~meshbook.mesh.controller.recovery.ladder.abort`): the rank keeps its variables, its error says
-why, and the step check that follows the run re-creates the process groups.
+why, and the step check that follows the run re-creates the process groups. A dead member
+never joins either, whether or not it was in the run: a cell on the live ranks of a degraded
+mesh that calls a collective of the default group is freed with the dead rank named.
 
 The controller's receiver calls :func:`watch` at every tick; it sends nothing. A run whose
 ranks have finished unevenly for ``CHECK_AFTER_S`` (or that was interrupted: a member outside the
 run that is idle would only join from a later cell) is checked on a thread of its own every
-``RECHECK_S``: a snapshot of the ranks still in it (their flight recorders, so collectives issued
+``RECHECK_S`` (on a degraded mesh, every run from ``CHECK_AFTER_S`` after it was sent): a
+snapshot of the ranks still in it (their flight recorders, so collectives issued
 from C++, like DDP's, count too) and, where a collective cannot complete, the abort. The first
 check after an interrupt waits ``FREE_AFTER_S``: a rank stopping at that very moment must not be
 taken for one that will never come.
@@ -28,10 +31,10 @@ from typing import TYPE_CHECKING
 
 from ...protocol.errors import MeshError
 from ...protocol.reports import Collective
-from ...protocol.text import agree, agreed, group_by_text, ranks_text
+from ...protocol.text import agree, agreed, group_by_text, ranks_text, restart_hint
 from ...rank.ops import collective_called, snapshot
 from ..insight.hangs import deadlocked, missing_members
-from .ladder import abort
+from .ladder import abort, recovering
 from .step import held_for
 
 if TYPE_CHECKING:
@@ -51,10 +54,15 @@ SNAPSHOT_WAIT_S = 2.0
 def watch(controller: "Controller", runs: list["Run"]) -> None:
     """Start a check of each user run that is ending unevenly and is due one (receiver thread)."""
     now = time.monotonic()
+    degraded = bool(runs) and bool(controller.dead())
     for run in runs:
-        # Due once a rank finished it (and a moment after an interrupt), or after an interrupt alone.
-        due = [at + wait for at, wait in ((run.first_done_at, CHECK_AFTER_S), (run.interrupted_at, FREE_AFTER_S))
-               if at is not None]
+        # Due once a rank finished it (and a moment after an interrupt), or after an interrupt
+        # alone; on a degraded mesh, a moment after it was sent: a collective over a group that
+        # holds a dead rank never completes, and its live members may all be waiting in it
+        # (NCCL tells none of them; gloo only the dead rank's neighbours).
+        clocks = [(run.first_done_at, CHECK_AFTER_S), (run.interrupted_at, FREE_AFTER_S),
+                  *([(run.submitted_at, CHECK_AFTER_S)] if degraded else [])]
+        due = [at + wait for at, wait in clocks if at is not None]
         if not run.in_step or run.checking or run.done() or not due:
             continue
         if now >= max(*due, run.checked_at + RECHECK_S):
@@ -73,24 +81,25 @@ def _check(controller: "Controller", run: "Run") -> None:
 
 def free_unpairable(controller: "Controller", run: "Run") -> None:
     """Abort the collectives of ``run``'s waiting ranks that a member who finished the run,
-    and runs nothing else, will never join; once the run was interrupted, nor a live member
-    outside it that runs nothing (it could only join from a later cell, whose collectives would
-    then pair with this one's), nor a member that waits, as every rank it waits for does, in
-    another operation: a deadlock (two ranks that each ``recv`` from the other) no single
-    rank's interrupt can end, since gloo does not stop for one."""
+    and runs nothing else, will never join, nor a dead member (in the run or not); once the
+    run was interrupted, nor a live member outside it that runs nothing (it could only join
+    from a later cell, whose collectives would then pair with this one's), nor a member that
+    waits, as every rank it waits for does, in another operation: a deadlock (two ranks that
+    each ``recv`` from the other) no single rank's interrupt can end, since gloo does not stop
+    for one. Not while a recovery runs: it frees them itself, restarting the dead."""
     live = controller.live(run.pending)
-    if not live or controller.stopped:
+    if not live or controller.stopped or recovering(controller):
         return
     asked = controller.call(snapshot, ranks=live, what="stacks")
     asked.wait(SNAPSHOT_WAIT_S)
     held = held_for(controller, run)  # held for its check: they run nothing else before it
-    alive = set(controller.live())
+    deaths = controller.deaths()
     waiting = {rank: snap.pending[-1] for rank, snap in asked.values().items()  # None: a stand-in
                if snap is not None and snap.request == run.id and snap.pending}
     missing = {rank: missing_members(rank, waiting, controller.topology) or [] for rank in waiting}
 
     def gone(m: int) -> bool:
-        if m not in alive:  # dead: a group with it in never completes (ranks outside the run too)
+        if m in deaths:  # a group with it in never completes (ranks outside the run too)
             return True
         return (m not in run.pending if m in run.ranks else run.interrupted) and (not controller.queued(m) or m in held)
 
@@ -99,36 +108,40 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
                if (out := [m for m in members if gone(m) or m in stuck])}
     if not blocked or run.done():
         return
-    called = _called_instead(controller, blocked.values(), alive)
-    dead = {m: controller.ranks[m].cause for _, out in blocked.values() for m in out if m not in alive}
-    reasons = {rank: _reason(run, collective, out, waiting, called, dead)
+    called = _called_instead(controller, blocked.values(), deaths)
+    reasons = {rank: _reason(run, collective, out, waiting, called, deaths)
                for rank, (collective, out) in blocked.items()}
     run.notes.extend(_mismatches(blocked.values(), called))
     run.forced_resync = True  # before the abort: the run may end (and its check start) at once
     abort(controller, list(reasons), reasons)
 
 
-def _called_instead(controller: "Controller", blocked: Iterable[tuple[Collective, list[int]]], alive: set[int]
-                    ) -> dict[tuple[int, str, int], Collective]:
+def _called_instead(controller: "Controller", blocked: Iterable[tuple[Collective, list[int]]],
+                    deaths: dict[int, str]) -> dict[tuple[int, str, int], Collective]:
     """What each live member that went on called as the number the others wait in (rank,
-    group, number), where it did not match theirs (other sizes, another operation): gloo may
-    complete such a call on one side. (The same call, gone on with, failed: its group broke.)
-    Asked of those members only, once per collective."""
-    asking: dict[tuple[str, int], tuple[Collective, set[int]]] = {}
+    group, number): a call that does not match theirs (other sizes, another operation) gloo
+    may complete on one side; the same call, gone on with, failed (its group broke). Asked of
+    those members only, once per collective."""
+    asking: dict[tuple[str, int], set[int]] = {}
     for collective, gone in blocked:
         if collective.point_to_point:  # numbered per peer: the collective numbered so is another call
             continue
-        asking.setdefault((collective.group, collective.seq), (collective, set()))[1].update(
-            r for r in gone if r in alive)
+        asking.setdefault((collective.group, collective.seq), set()).update(r for r in gone if r not in deaths)
     called: dict[tuple[int, str, int], Collective] = {}
-    for (group, seq), (waited, ranks) in asking.items():
+    for (group, seq), ranks in asking.items():
         if not ranks:
             continue
         answers = controller.call(collective_called, group, seq, ranks=sorted(ranks), what="what a rank called")
         answers.wait(SNAPSHOT_WAIT_S)
-        called.update({(rank, group, seq): c for rank, c in answers.values().items()
-                       if c is not None and not c.same_call(waited)})
+        called.update({(rank, group, seq): c for rank, c in answers.values().items() if c is not None})
     return called
+
+
+def _differing(collective: Collective, gone: list[int], called: dict[tuple[int, str, int], Collective]
+               ) -> dict[int, Collective]:
+    """The members of ``gone`` whose call as ``collective``'s number was another call than it."""
+    return {r: c for r in gone if (c := called.get((r, collective.group, collective.seq))) is not None
+            and not c.same_call(collective)}
 
 
 def _mismatches(blocked: Iterable[tuple[Collective, list[int]]], called: dict[tuple[int, str, int], Collective]
@@ -136,25 +149,19 @@ def _mismatches(blocked: Iterable[tuple[Collective, list[int]]], called: dict[tu
     """A note per member whose call did not match: what it computed from it is wrong."""
     notes = {}
     for collective, gone in blocked:
-        for rank in gone:
-            theirs = called.get((rank, collective.group, collective.seq))
-            if theirs is not None:
-                notes[rank] = (f"rank {rank}'s {theirs.describe()} was paired with the others' "
-                               f"{collective.describe()}: whatever rank {rank} computed from it is wrong")
+        for rank, theirs in _differing(collective, gone, called).items():
+            notes[rank] = (f"rank {rank}'s {theirs.describe()} was paired with the others' "
+                           f"{collective.describe()}: whatever rank {rank} computed from it is wrong")
     return [notes[r] for r in sorted(notes)]
 
 
 def _reason(run: "Run", collective: Collective, gone: list[int], waiting: dict[int, Collective],
-            called: dict[tuple[int, str, int], Collective], dead: dict[int, str]) -> str:
-    """Why a rank's collective was aborted, for its error (``dead``: why each dead member died)."""
-    died = [r for r in gone if r in dead]
+            called: dict[tuple[int, str, int], Collective], deaths: dict[int, str]) -> str:
+    """Why a rank's collective was aborted, for its error (``deaths``: why each dead rank died)."""
+    died = [r for r in gone if r in deaths]
     if died:
-        causes = dead[died[0]] if len(died) == 1 else "; ".join(f"rank {r}: {dead[r]}" for r in died)
-        listed = ",".join(map(str, died))
-        return (f"meshbook aborted its {collective.describe()}: {ranks_text(died)} of its group {agree('is', died)} "
-                f"dead ({causes}), so it could never complete. Restart {'it' if len(died) == 1 else 'them'} with "
-                f"mesh.restart({died}) (or %mesh restart {listed}): the process groups are made anew with every rank")
-    mismatched = {r: c for r in gone if (c := called.get((r, collective.group, collective.seq))) is not None}
+        return _dead_reason(collective, died, deaths)
+    mismatched = _differing(collective, gone, called)
     if mismatched:
         calls = "; ".join(f"rank {r} called {c.describe()}" for r, c in sorted(mismatched.items()))
         return (f"meshbook aborted its {collective.describe()}: the calls do not match ({calls}, and went "
@@ -171,3 +178,11 @@ def _reason(run: "Run", collective: Collective, gone: list[int], waiting: dict[i
     how = "failed" if set(gone) <= failed else "finished"
     return (f"meshbook aborted its {collective.describe()}: {ranks_text(gone)} {how} the {run.noun} without "
             f"joining it, so it could never complete (at best it would wait out the collective timeout)")
+
+
+def _dead_reason(collective: Collective, died: list[int], deaths: dict[int, str]) -> str:
+    """Why a collective over a group that holds dead ranks was aborted."""
+    causes = deaths[died[0]] if len(died) == 1 else "; ".join(f"rank {r}: {deaths[r]}" for r in died)
+    return (f"meshbook aborted its {collective.describe()}: {ranks_text(died)} of its group {agree('is', died)} "
+            f"dead ({causes}), so it could never complete. Restart {'it' if len(died) == 1 else 'them'} with "
+            f"{restart_hint(died)}: the process groups are made anew with every rank")
