@@ -66,6 +66,7 @@ from ...protocol.text import format_bytes, format_ranks, group_by_text
 from ...protocol.values import RankValues
 from ...rank import ops
 from ..core.render import write_stream
+from ..core.run import Run, interrupted_run
 from .follow import QUEUED_HINT_S, still_running
 from .view import MeshView, Ranks, Where
 
@@ -73,7 +74,6 @@ if TYPE_CHECKING:
     import torch
 
     from ..core.controller import Controller
-    from ..core.run import Run
 
 #: What a rank may send of a limited pull beyond its share of the limit: the pickle's own bytes
 #: around the data (types, shapes, names: about a hundred bytes a tensor).
@@ -391,18 +391,19 @@ def _deliver(mesh: MeshView, parts: list[tuple[list[int], dict[str, Any]]], what
     with contextlib.ExitStack() as stack:
         payloads = [stack.enter_context(pack(values, controller.agents.same_host, what))
                     for ranks, values in parts]  # every value pickled before anything is sent
-        runs = []
-        for (ranks, _), payload in zip(parts, payloads):
-            if controller.remote and sum(memoryview(b).nbytes for b in payload.buffers) >= 2 * PIECE:
-                payload, sent_ahead = pieces(payload)  # pipelined across the network
-                assert payload.staged is not None  # pieces() names where the pieces go
-                runs += [mesh.call(ops.stage, payload.staged.token, *piece, ranks=ranks, what=what)
-                         for piece in sent_ahead]
-            runs.append(mesh.call(ops.store, payload, ranks=ranks, what=what))
-        try:
+        runs: list[Run] = []
+        try:  # a Ctrl-C as a later part is sent stops the parts sent before it too
+            for (ranks, _), payload in zip(parts, payloads):
+                if controller.remote and sum(memoryview(b).nbytes for b in payload.buffers) >= 2 * PIECE:
+                    payload, sent_ahead = pieces(payload)  # pipelined across the network
+                    assert payload.staged is not None  # pieces() names where the pieces go
+                    for piece in sent_ahead:
+                        runs.append(mesh.call(ops.stage, payload.staged.token, *piece, ranks=ranks, what=what))
+                runs.append(mesh.call(ops.store, payload, ranks=ranks, what=what))
             _wait_saying_what_is_ahead(controller, runs, what)
-        except KeyboardInterrupt:
-            raise _interrupted(runs, parts, everyone, what) from None
+        except KeyboardInterrupt as exc:  # waited for before the files the ranks map are closed
+            sent = interrupted_run(exc)  # interrupted as it was sent
+            raise _interrupted([*runs, *([sent] if sent is not None else [])], parts, everyone, what) from None
     failures = {r: f for run in runs for r, f in getattr(run.exception(), "failures", {}).items()}
     for ranks, values in parts:
         for rank in ranks:
@@ -440,7 +441,9 @@ def _interrupted(runs: list[Run], parts: list[tuple[list[int], dict[str, Any]]],
     for run in runs:
         run.wait(max(0.0, deadline - time.monotonic()))
     unsure = {r for run in runs for r in run.pending}
-    said = f"{what} interrupted: {_landed(parts, everyone, {r for run in runs for r in run.failed_ranks()}, unsure)}"
+    unsent = set(everyone) - {r for run in runs for r in run.ranks}  # the parts the Ctrl-C came before
+    failed = {r for run in runs for r in run.failed_ranks()} | unsent
+    said = f"{what} interrupted: {_landed(parts, everyone, failed, unsure)}"
     return KeyboardInterrupt(said + (f"; rank(s) {format_ranks(unsure)} still busy: look with mesh.who()"
                                      if unsure else ""))
 
