@@ -190,6 +190,12 @@ def test_a_slice_waiting_for_a_dead_rank_is_freed_though_no_rank_of_it_finished(
         _, failures = failed_within(degraded, "t = torch.ones(1)\ndist.all_reduce(t)", 30, ranks=[0])
         assert failures[0].type_name == "CollectiveAborted", failures[0]
         assert "rank 2 of its group is dead (SIGKILL)" in failures[0].message, failures[0].message
+        # Its group broke with that abort: the next collective fails at once with gloo's bare
+        # "Connection closed by peer", and the error says which rank is the cause.
+        with pytest.raises(RemoteError) as info:
+            degraded.run("dist.all_reduce(t)", ranks=[0]).result(timeout=30, echo=False)
+        assert "rank 2 is dead (SIGKILL): a collective over a group that holds it cannot complete. " \
+               "mesh.restart([2]) (%mesh restart 2) brings it back" in info.value.hint, (info.value, info.value.hint)
 
 
 def test_collective_timeout_fails_a_forgotten_hang_on_its_own() -> None:

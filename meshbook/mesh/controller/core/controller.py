@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 from ...protocol import bundle, wire
 from ...protocol import messages as msg
 from ...protocol.cell import native_abort
-from ...protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError
+from ...protocol.errors import MeshError, MeshStoppedError, RankFailure, SendError, broke_its_group
 from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.payload import Landing
@@ -774,10 +774,27 @@ class Controller:
             run.step_check = check(request, run)
             if failed and run.step_check is None:
                 self._resume(ranks, request)  # they hold back what comes next for a check that will not come
+        if isinstance(event, Error) and broke_its_group(event.failure):
+            self._blame_the_dead(run)
         for each in events:
             run.add_event(each)
         with self._lock:
             self.book.settle(request)
+
+    def _blame_the_dead(self, run: Run) -> None:
+        """A rank of ``run`` whose process group broke, on a degraded mesh: gloo says only
+        "Connection closed by peer", and the cause is a rank that died before the run (one that
+        died in it has its own note). Said once per run."""
+        deaths = {r: cause for r, cause in self.deaths().items() if r not in run.deaths}
+        if not deaths:
+            return
+        dead = sorted(deaths)
+        causes = deaths[dead[0]] if len(dead) == 1 else "; ".join(f"rank {r}: {deaths[r]}" for r in dead)
+        note = (f"{ranks_text(dead)} {'is' if len(dead) == 1 else 'are'} dead ({causes}): a collective over a "
+                f"group that holds {'it' if len(dead) == 1 else 'them'} cannot complete. {restart_hint(dead)} "
+                f"brings {'it' if len(dead) == 1 else 'them'} back and re-creates the process groups")
+        if note not in run.notes:
+            run.notes.append(note)
 
     def _wrong_collectives(self, run: Run) -> tuple[dict[int, RankFailure], bool]:
         """The ranks of ``run`` whose collectives paired with another request's on some member
