@@ -360,6 +360,24 @@ def test_a_hand_written_pipeline_whose_stage_fails_mid_step_frees_the_stages_aft
     assert set(mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result().values()) == {4.0}
 
 
+def test_a_deadlock_is_freed_only_once_two_looks_found_it_alike() -> None:
+    """The ranks' snapshots are taken a moment apart: rank 0 caught in all_reduce #5 and rank 1,
+    snapped once #5 completed, in #6 seem to wait on each other. Under load that passed for a
+    deadlock and an interrupted plan's measuring was aborted; a real one looks the same twice."""
+    from types import SimpleNamespace
+
+    from meshbook.mesh.controller.recovery.watch import confirmed_deadlock
+    from meshbook.mesh.protocol.reports import Collective
+
+    run = SimpleNamespace(deadlock_seen={})
+    skewed = {0: Collective("all_reduce", 5, "default_pg"), 1: Collective("all_reduce", 6, "default_pg")}
+    moved_on = {0: Collective("all_reduce", 7, "default_pg"), 1: Collective("all_reduce", 8, "default_pg")}
+    assert confirmed_deadlock(run, skewed, {0, 1}) == set()  # first look: not yet
+    assert confirmed_deadlock(run, moved_on, {0, 1}) == set()  # they went on: it was the skew
+    assert confirmed_deadlock(run, moved_on, {0, 1}) == {0, 1}  # the same twice: a deadlock
+    assert confirmed_deadlock(run, moved_on, set()) == set() and run.deadlock_seen == {}
+
+
 def test_a_send_recv_deadlock_is_diagnosed_and_one_interrupt_frees_it(mesh: meshbook.Mesh, capsys) -> None:
     """Each rank receives from its neighbour first: no rank ever sends. The hint says it is a
     deadlock (it said a rank of the group had not joined), the diagnosis names each pair, and

@@ -126,6 +126,8 @@ class Run:
         self.interrupted_at: float | None = None
         self.checked_at = 0.0
         self.checking = False
+        #: The ranks the watcher's last look found deadlocked, and what each waited in.
+        self.deadlock_seen: dict[int, Any] = {}
         self._topology = topology
         self._interrupt = interrupt
         self._follow = follow

@@ -103,7 +103,7 @@ def free_unpairable(controller: "Controller", run: "Run") -> None:
             return True
         return (m not in run.pending if m in run.ranks else run.interrupted) and (not controller.queued(m) or m in held)
 
-    stuck = deadlocked(missing, gone) if run.interrupted else set()
+    stuck = confirmed_deadlock(run, waiting, deadlocked(missing, gone)) if run.interrupted else set()
     blocked = {rank: (waiting[rank], out) for rank, members in missing.items()
                if (out := [m for m in members if gone(m) or m in stuck])}
     if not blocked or run.done():
@@ -186,3 +186,14 @@ def _dead_reason(collective: Collective, died: list[int], deaths: dict[int, str]
     return (f"meshbook aborted its {collective.describe()}: {ranks_text(died)} of its group {agree('is', died)} "
             f"dead ({causes}), so it could never complete. Restart {'it' if len(died) == 1 else 'them'} with "
             f"{restart_hint(died)}: the process groups are made anew with every rank")
+
+
+def confirmed_deadlock(run: "Run", waiting: dict[int, Collective], stuck: set[int]) -> set[int]:
+    """``stuck``, where the look before found the same ranks waiting in the same operations.
+    The ranks' snapshots are taken a moment apart: one caught in collective #5 and another,
+    snapped after #5 completed, already in #6, seem to wait on each other. Under load that
+    passed for a deadlock, and an interrupted plan's measuring was aborted (its groups
+    re-created). A deadlock stays: it is freed at the next look, ``RECHECK_S`` on."""
+    seen = {rank: waiting[rank] for rank in stuck}
+    before, run.deadlock_seen = run.deadlock_seen, seen
+    return stuck if seen and seen == before else set()
