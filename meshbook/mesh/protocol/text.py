@@ -71,6 +71,13 @@ def restart_hint(ranks: Iterable[int]) -> str:
     return f"mesh.restart({ordered}) (%mesh restart {format_ranks(ordered)})"
 
 
+def why_dead(deaths: dict[int, str]) -> str:
+    """Why ``deaths``' ranks died (rank -> cause): ``SIGKILL`` for one, ``rank 1: SIGKILL;
+    rank 3: exit code 1`` for several."""
+    dead = sorted(deaths)
+    return deaths[dead[0]] if len(dead) == 1 else "; ".join(f"rank {r}: {deaths[r]}" for r in dead)
+
+
 def ranks_text(ranks: Iterable[int]) -> str:
     """``[2]`` -> ``"rank 2"``, ``[0, 1, 2]`` -> ``"ranks 0-2"``: a rank list in a sentence."""
     ordered = sorted(set(ranks))

@@ -46,7 +46,7 @@ from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Ou
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.payload import Landing
 from ...protocol.remote import encode_route
-from ...protocol.text import format_ranks, ranks_text, restart_hint
+from ...protocol.text import agree, format_ranks, ranks_text, restart_hint, why_dead
 from ...protocol.topology import Topology
 from ...protocol.versions import mismatch, versions
 from ...rank.ops import interrupt_request, ready_report, resume, supersede
@@ -789,8 +789,7 @@ class Controller:
         if not deaths:
             return
         dead = sorted(deaths)
-        causes = deaths[dead[0]] if len(dead) == 1 else "; ".join(f"rank {r}: {deaths[r]}" for r in dead)
-        note = (f"{ranks_text(dead)} {'is' if len(dead) == 1 else 'are'} dead ({causes}): a collective over a "
+        note = (f"{ranks_text(dead)} {agree('is', dead)} dead ({why_dead(deaths)}): a collective over a "
                 f"group that holds {'it' if len(dead) == 1 else 'them'} cannot complete. {restart_hint(dead)} "
                 f"brings {'it' if len(dead) == 1 else 'them'} back and re-creates the process groups")
         if note not in run.notes:

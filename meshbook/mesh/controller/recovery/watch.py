@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from ...protocol.errors import MeshError
 from ...protocol.reports import Collective
-from ...protocol.text import agree, agreed, group_by_text, ranks_text, restart_hint
+from ...protocol.text import agree, agreed, group_by_text, ranks_text, restart_hint, why_dead
 from ...rank.ops import collective_called, snapshot
 from ..insight.hangs import deadlocked, missing_members
 from .ladder import abort, recovering
@@ -182,10 +182,10 @@ def _reason(run: "Run", collective: Collective, gone: list[int], waiting: dict[i
 
 def _dead_reason(collective: Collective, died: list[int], deaths: dict[int, str]) -> str:
     """Why a collective over a group that holds dead ranks was aborted."""
-    causes = deaths[died[0]] if len(died) == 1 else "; ".join(f"rank {r}: {deaths[r]}" for r in died)
+    causes, them = why_dead({r: deaths[r] for r in died}), "it" if len(died) == 1 else "them"
     return (f"meshbook aborted its {collective.describe()}: {ranks_text(died)} of its group {agree('is', died)} "
-            f"dead ({causes}), so it could never complete. Restart {'it' if len(died) == 1 else 'them'} with "
-            f"{restart_hint(died)}: the process groups are made anew with every rank")
+            f"dead ({causes}), so it could never complete. Restart {them} with {restart_hint(died)}: the process "
+            f"groups are made anew with every rank")
 
 
 def confirmed_deadlock(run: "Run", waiting: dict[int, Collective], stuck: set[int]) -> set[int]:
