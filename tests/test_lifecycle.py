@@ -161,6 +161,35 @@ def test_an_abort_in_the_collective_library_says_why_and_where_the_rank_was(mesh
     assert dict(mesh2.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result()) == {0: 2.0, 1: 2.0}
 
 
+def test_a_rank_that_dies_takes_what_it_forked_with_it(mesh2: meshbook.Mesh, tmp_path) -> None:
+    """A child the rank forked (a DataLoader worker, the user's own fork) kept its gloo
+    connections open after it died: the rank waiting on it in a collective never heard, and
+    waited out the collective timeout, while the child lived on. Under torchrun, what a dead
+    worker started dies with it; here too (its agent kills the group the rank leads)."""
+    pid_file = tmp_path / "child"
+    code = textwrap.dedent(f"""
+        import os, time
+        if rank == 0:
+            child = os.fork()
+            if child == 0:
+                time.sleep(120)
+                os._exit(0)
+            open({str(pid_file)!r}, "w").write(str(child))
+            time.sleep(0.5)
+            os.abort()
+        else:
+            x = torch.zeros(1)
+            dist.recv(x, src=0)
+    """)
+    with pytest.raises(RemoteError) as info:
+        mesh2.run(code).result(timeout=30, echo=False)
+    assert set(info.value.failures) == {0, 1}, info.value
+    assert info.value.failures[0].died == "SIGABRT"
+    assert wait_gone([int(pid_file.read_text())], 10) == []
+    mesh2.restart([0])
+    assert dict(mesh2.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result()) == {0: 2.0, 1: 2.0}
+
+
 def _spawn_controller(tmp_path, body: str) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(f"""

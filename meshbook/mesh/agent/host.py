@@ -26,6 +26,7 @@ of configuration on stdin (the mesh key never appears on a command line), then:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -183,6 +184,11 @@ class Agent:
             proc = next((p for p in self.procs.values() if p.pid == pid), None)
             if proc is None:
                 continue
+            # What it started dies with it, as under torchrun (the group it leads, see kill): a
+            # forked child (a DataLoader worker, a user's fork) still held its gloo connections
+            # open, and the ranks blocked on it never heard of its death.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
             cause = describe_status(status)
             if cause == "SIGKILL" and killed_by_oom(pid, proc.oom_kills, proc.started):
                 cause = "SIGKILL (killed by the OOM killer)"
