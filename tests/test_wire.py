@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import pickle
 import struct
@@ -202,6 +204,20 @@ def test_the_bomb_goes_off_when_the_message_is_intact() -> None:
     EXPLODED.clear()
     Wire(KEY).unpack(frames)
     assert EXPLODED == [1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(key=st.binary(min_size=16, max_size=200), body=st.binary(max_size=300),
+       sizes=st.lists(st.integers(0, 3) | st.integers(64 * 1024, 80 * 1024), max_size=3))
+def test_the_signature_is_hmac_sha256_as_the_standard_library_computes_it(key: bytes, body: bytes,
+                                                                          sizes: list[int]) -> None:
+    """The envelope's first 32 bytes are HMAC-SHA256 over the rest of it, then the buffers'
+    count and lengths (the module's docstring): the same bytes :func:`hmac.new` makes, for
+    keys shorter and longer than SHA-256's block."""
+    frames = Wire(key).pack({"k": "test"}, raw_body=body, buffers=[bytes(n) for n in sizes])
+    lengths = struct.pack(f"<{len(sizes) + 1}Q", len(sizes), *sizes)
+    assert bytes(frames[0][:32]) == hmac.new(key, bytes(frames[0][32:]) + lengths, hashlib.sha256).digest()
+    assert Wire(key).unpack(frames).raw_body() == body
 
 
 @settings(max_examples=300, deadline=None)
