@@ -5,10 +5,13 @@ whenever the kernel refuses a datagram."""
 from __future__ import annotations
 
 import os
+import socket
+
+import pytest
 
 import meshbook
 from meshbook.mesh.protocol.events import Output
-from meshbook.mesh.protocol.lane import LANE_MAX, lane_path
+from meshbook.mesh.protocol.lane import LANE_MAX, Burst, Lane, lane_path
 
 
 def lane_use(mesh: meshbook.Mesh) -> dict[int, tuple[int, int]]:
@@ -69,3 +72,37 @@ def test_a_refused_datagram_goes_through_zeromq(mesh2: meshbook.Mesh) -> None:
     assert after[0][0] == before[0][0]  # none of rank 0's requests came by the lane
     assert after[1][0] >= before[1][0] + 3  # rank 1 still takes its requests by it
     assert after[0][1] == before[0][1] and after[1][1] == before[1][1]  # nothing went up by it
+
+
+@pytest.mark.skipif(not Burst.available(), reason="sendmmsg is Linux's")
+def test_one_burst_reaches_every_rank_that_takes_it_and_names_the_others(tmp_path) -> None:
+    """A request to many idle ranks leaves in one system call; a rank whose lane is gone, or
+    whose queue is full, is named (its request goes through ZeroMQ), and the ranks after it
+    still get theirs."""
+    lane, receivers = Lane(), {}
+    for rank in range(5):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(str(tmp_path / f"r{rank}l"))
+        sock.setblocking(False)
+        receivers[rank] = sock
+        lane.point(rank, f"ipc://{tmp_path}/r{rank}")
+    os.unlink(tmp_path / "r1l")  # gone
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    try:
+        while True:
+            filler.sendto(b"x" * 1024, str(tmp_path / "r3l"))
+    except BlockingIOError:
+        pass  # rank 3's queue is full
+    lane.point(4, None)  # no longer a rank: not sent to
+    try:
+        assert sorted(lane.send([0, 1, 2, 3, 4], [b"request"])) == [1, 3, 4]
+        for rank in (0, 2):
+            assert receivers[rank].recv(100) == b"request"
+        assert lane.send([0, 2], [b"x" * (LANE_MAX + 1)]) == [0, 2]  # too big: ZeroMQ's
+        assert lane.send([2], [b"alone"]) == [] and receivers[2].recv(100) == b"alone"
+    finally:
+        lane.close()
+        filler.close()
+        for sock in receivers.values():
+            sock.close()

@@ -241,7 +241,8 @@ class Transport:
             # A rank that died since the caller checked has no sockets: its death failed the run.
             live = [r for r in ranks if r in self._down]
             if idle and channel == msg.MAIN:
-                live = [r for r in live if not (r in idle and self._lane.send(r, frames))]
+                missed = set(self._lane.send([r for r in live if r in idle], frames))
+                live = [r for r in live if r not in idle or r in missed]
             trackers = wire.fan_out([self._down[r][channel] for r in live], frames)
         return [([rank], tracker) for rank, tracker in zip(live, trackers)]
 
