@@ -19,8 +19,9 @@ engine imports nothing above it. :class:`~meshbook.mesh.controller.api.mesh.Mesh
 user-facing view; this module is its engine.
 
 Threads and locks (see DESIGN, "The notebook process"): ``_lock`` guards the book (taken by
-callers and the receiver, held briefly: in ``submit`` while a request is queued, never while
-waiting); the transport's ``send_lock``
+callers and the receiver, held briefly: in ``submit`` while a request is booked, never while
+waiting or sending); ``_send_turn`` makes requests leave in the order of their numbers (taken
+under ``_lock`` in ``submit``, held over the send); the transport's ``send_lock``
 guards the sockets callers send on; ``recovery_lock`` is held by whatever re-creates the process
 groups, and is taken before ``_lock``, never after.
 """
@@ -36,6 +37,7 @@ import time
 import weakref
 from _signal import getsignal as _getsignal
 from collections import Counter
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from ...protocol import bundle, wire
@@ -111,6 +113,8 @@ class Controller:
         self.lease: Any = None
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        #: Held from a request's booking (taken under ``_lock``) to its send (see submit).
+        self._send_turn = threading.Lock()
         #: Held by whatever re-creates the process groups (recovery, a step check's resync).
         self.recovery_lock = threading.Lock()
         #: The last minutes of each rank's memory (for sparklines), kept from the start.
@@ -324,20 +328,29 @@ class Controller:
             raw, buffers = wire.dumps(body)
         except Exception as exc:
             raise SendError(f"{what}: {wire.describe_unpicklable(body, exc)}; nothing was sent") from None
-        with self._lock, _SigintHeld() as held:
-            # Again, under the lock that deaths and stops take: pickling a big argument takes
-            # a while, and a run opened after a rank's death or the stop was booked would never
-            # be failed by either (nor answered by the dead rank).
-            self.check_usable(ranks)
-            run = self._new_run(ranks, what, kind, msg.pairs_collectives(kind, body), noun)
-            self.book.open(run, queued=channel == msg.MAIN)
-            for listener in self.run_listeners:
-                listener(run)
-            # Queued before the lock is let go: requests leave in the order of their numbers,
-            # whichever threads submit them. A rank runs them in the order they come, and
-            # decides by their numbers whether an interrupt found one not started yet.
-            frames = self.wire.pack({msg.KIND: kind, msg.ID: run.id}, raw_body=raw, buffers=buffers)
-            sent = self._send_to_ranks(frames, ranks, channel, run.id)
+        with _SigintHeld() as held:
+            with self._lock:
+                # Again, under the lock that deaths and stops take: pickling a big argument takes
+                # a while, and a run opened after a rank's death or the stop was booked would never
+                # be failed by either (nor answered by the dead rank).
+                self.check_usable(ranks)
+                run = self._new_run(ranks, what, kind, msg.pairs_collectives(kind, body), noun)
+                self.book.open(run, queued=channel == msg.MAIN)
+                for listener in self.run_listeners:
+                    listener(run)
+                frames = self.wire.pack({msg.KIND: kind, msg.ID: run.id}, raw_body=raw, buffers=buffers)
+                send = self._addressed(frames, ranks, channel, run.id)
+                # Requests leave in the order of their numbers, whichever threads submit them (a
+                # rank runs them in the order they come, and decides by their numbers whether an
+                # interrupt found one not started yet): the next one is booked only once this
+                # one holds the turn to send. The book's lock is let go before the send, which
+                # wakes the ranks: they take the sender's core, and their answers must not
+                # wait for it to come back to be booked.
+                self._send_turn.acquire()
+            try:
+                sent = send()
+            finally:
+                self._send_turn.release()
         if held.came:  # a Ctrl-C while it was booked and sent: it stops the run, everywhere
             self.interrupt_run(run)
         self.transport.wait_sent(sent, self._alive)  # the caller may change what it sent once we return
@@ -377,17 +390,19 @@ class Controller:
         self.transport.send_to_agents(frames, sorted({self.host_of[r] for r in ranks}))
         return run
 
-    def _send_to_ranks(self, frames: list[Any], ranks: list[int], channel: str,
-                       request: int | None = None) -> Sent:
-        """On this host, one message per rank: by the lane to those with nothing queued before
-        ``request`` (nothing sent to them earlier can still be on its way); to other hosts,
-        one per host (its agent fans it out). Queued; the big buffers of what it returns may
-        still be on their way."""
-        if self.transport.network is None:
+    def _addressed(self, frames: list[Any], ranks: list[int], channel: str,
+                   request: int | None = None) -> Callable[[], Sent]:
+        """The send of ``frames`` to ``ranks``, addressed by the book as it is now (under its
+        lock, for a request just booked). On this host, one message per rank: by the lane to
+        those with nothing queued before ``request`` (nothing sent to them earlier can still be
+        on its way); to other hosts, one per host (its agent fans it out). Queued once it ran;
+        the big buffers of what it returns may still be on their way."""
+        transport = self.transport
+        if transport.network is None:
             first = {r for r in ranks if self.book.current_request(r) == request} if request is not None else set()
-            return self.transport.send_to_ranks(frames, ranks, channel, first)
+            return partial(transport.send_to_ranks, frames, ranks, channel, first)
         live = self.book.live(ranks)
-        return self.transport.send_to_hosts(frames, self._routes(channel, live), live)
+        return partial(transport.send_to_hosts, frames, self._routes(channel, live), live)
 
     def _routes(self, channel: str, ranks: list[int]) -> dict[int, bytes]:
         """Each host's route for ``ranks`` on ``channel``. Kept for the rank lists requests
@@ -414,7 +429,7 @@ class Controller:
         """A line typed in the notebook, for ``rank``'s ``input()`` or debugger (its control
         thread), answering its ``question``; None: the end of input (nobody will answer)."""
         body = {"question": question, "text": text}
-        self._send_to_ranks(self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, body), [rank], msg.CONTROL)
+        self._addressed(self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, body), [rank], msg.CONTROL)()
 
     def kill(self, ranks: list[int], timeout: float = 10.0, why: str = "") -> None:
         """SIGKILL ``ranks`` and wait until their agent reported them dead. ``why``: meshbook
