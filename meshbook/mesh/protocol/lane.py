@@ -33,7 +33,6 @@ the kernel refuses (no one listening, or gone).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import select
 import socket
 import struct
@@ -44,9 +43,7 @@ from typing import Any
 import zmq
 
 from . import wire
-from .proc import let_go_in_children
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+from .proc import LIBC, let_go_in_children
 
 #: The biggest request the lane carries, in bytes (under any system's datagram limit).
 LANE_MAX = 64 * 1024
@@ -77,10 +74,11 @@ class Lane:
 
     def point(self, rank: int, address: str | None) -> None:
         """``rank``'s main channel is now at ``address`` (None: the rank is gone)."""
-        if address is None:
+        path = lane_path(address) if address is not None else ""
+        if 0 < len(path.encode()) < _PATH_MAX:
+            self._paths[rank] = path
+        else:  # gone, or a path no socket binds to: ZeroMQ's
             self._paths.pop(rank, None)
-        else:
-            self._paths[rank] = lane_path(address)
 
     def send(self, ranks: list[int], frames: list[Any]) -> list[int]:
         """Send ``frames`` by the lane to each of ``ranks`` that takes them now; the ranks it
@@ -117,8 +115,12 @@ class _MMsgHdr(ctypes.Structure):
     _fields_ = [("header", _MsgHdr), ("sent", ctypes.c_uint)]
 
 
+#: The longest path a Unix socket address holds, with its closing NUL (Linux's sun_path).
+_PATH_MAX = 108
+
+
 class _SockAddrUn(ctypes.Structure):
-    _fields_ = [("family", ctypes.c_ushort), ("path", ctypes.c_char * 108)]
+    _fields_ = [("family", ctypes.c_ushort), ("path", ctypes.c_char * _PATH_MAX)]
 
 
 class Burst:
@@ -131,6 +133,8 @@ class Burst:
     """
 
     def __init__(self, fd: int) -> None:
+        assert LIBC is not None
+        self._sendmmsg = LIBC.sendmmsg
         self._fd = fd
         self._data = ctypes.create_string_buffer(LANE_MAX)
         self._iov = _IoVec(ctypes.addressof(self._data), 0)
@@ -139,7 +143,7 @@ class Burst:
 
     @staticmethod
     def available() -> bool:
-        return _libc is not None and hasattr(_libc, "sendmmsg")
+        return LIBC is not None and hasattr(LIBC, "sendmmsg")
 
     def send(self, data: bytes, targets: list[tuple[int, str]]) -> list[int]:
         """Send ``data`` to each ``(rank, path)``; the ranks it did not reach."""
@@ -149,7 +153,7 @@ class Burst:
         missed: list[int] = []
         first = 0
         while first < len(targets):
-            sent = _libc.sendmmsg(self._fd, ctypes.byref(headers, first * ctypes.sizeof(_MMsgHdr)),
+            sent = self._sendmmsg(self._fd, ctypes.byref(headers, first * ctypes.sizeof(_MMsgHdr)),
                                   len(targets) - first, 0)
             if sent < 0:  # the first one failed (not bound yet, gone, or its queue full): go on after it
                 missed.append(targets[first][0])

@@ -17,7 +17,8 @@ from typing import Any, Iterator
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True) if sys.platform.startswith("linux") else None
+#: Linux's C library, for what Python has no call for (prctl, fflush, sendmmsg); None elsewhere.
+LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
@@ -27,8 +28,8 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
     thread lives as long as the process (the agent's main thread, which forks the ranks).
     The check after the call closes the race where the parent died before we asked.
     """
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if LIBC is not None:
+        LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if os.getppid() != expected_parent:
         os._exit(1)
 
@@ -159,8 +160,8 @@ def runtime_base() -> str:
 def become_subreaper() -> None:
     """Adopt our orphaned descendants: what a rank's child starts and leaves behind
     (``setsid``, a double fork) stays in our tree, so :func:`kill_descendants` finds it."""
-    if _libc is not None:
-        _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    if LIBC is not None:
+        LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def kill_descendants(timeout: float = 3.0) -> None:
@@ -201,8 +202,8 @@ def exited_children() -> Iterator[tuple[int, int]]:
 
 def flush_c_stdio() -> None:
     """Flush C ``stdio`` buffers, so C-level prints reach the pipe before a result is sent."""
-    if _libc is not None:
-        _libc.fflush(None)
+    if LIBC is not None:
+        LIBC.fflush(None)
 
 
 def describe_status(status: int) -> str:
