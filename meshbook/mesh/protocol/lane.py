@@ -79,6 +79,8 @@ class Lane:
             self._paths[rank] = path
         else:  # gone, or a path no socket binds to: ZeroMQ's
             self._paths.pop(rank, None)
+        if self._burst is not None:
+            self._burst.forget()  # its addresses were made for the paths before
 
     def send(self, ranks: list[int], frames: list[Any]) -> list[int]:
         """Send ``frames`` by the lane to each of ``ranks`` that takes them now; the ranks it
@@ -87,10 +89,10 @@ class Lane:
             return ranks
         paths = self._paths
         reached = [r for r in ranks if r in paths]
-        missed = [r for r in ranks if r not in paths]
-        if self._burst is not None and len(reached) > 1:
-            return missed + self._burst.send(frames[0], [(r, paths[r]) for r in reached])
-        for rank in reached:
+        missed = [r for r in ranks if r not in paths] if len(reached) < len(ranks) else []
+        if self._burst is not None:
+            return missed + self._burst.send(frames[0], reached, paths)
+        for rank in reached:  # one by one where there is no sendmmsg
             try:
                 self._sock.sendto(frames[0], paths[rank])
             except OSError:  # not bound yet, gone, or its queue full
@@ -138,44 +140,46 @@ class Burst:
         self._fd = fd
         self._data = ctypes.create_string_buffer(LANE_MAX)
         self._iov = _IoVec(ctypes.addressof(self._data), 0)
-        #: Message headers per list of ranks (the whole mesh, a slice), made once.
-        self._headers: dict[tuple[tuple[int, str], ...], tuple[Any, list[_SockAddrUn]]] = {}
+        #: Message headers per list of ranks (the whole mesh, a slice), with the addresses they
+        #: point at: made once, until a rank's path changes.
+        self._headers: dict[tuple[int, ...], tuple[Any, list[_SockAddrUn]]] = {}
 
     @staticmethod
     def available() -> bool:
         return LIBC is not None and hasattr(LIBC, "sendmmsg")
 
-    def send(self, data: bytes, targets: list[tuple[int, str]]) -> list[int]:
-        """Send ``data`` to each ``(rank, path)``; the ranks it did not reach."""
-        headers = self._for(targets)
+    def forget(self) -> None:
+        self._headers.clear()
+
+    def send(self, data: bytes, ranks: list[int], paths: dict[int, str]) -> list[int]:
+        """Send ``data`` to each of ``ranks`` (at ``paths``); the ranks it did not reach."""
+        key = tuple(ranks)
+        known = self._headers.get(key)
+        headers = known[0] if known is not None else self._made(key, paths)
         ctypes.memmove(self._data, data, len(data))
         self._iov.length = len(data)
         missed: list[int] = []
         first = 0
-        while first < len(targets):
+        while first < len(ranks):
             sent = self._sendmmsg(self._fd, ctypes.byref(headers, first * ctypes.sizeof(_MMsgHdr)),
-                                  len(targets) - first, 0)
+                                  len(ranks) - first, 0)
             if sent < 0:  # the first one failed (not bound yet, gone, or its queue full): go on after it
-                missed.append(targets[first][0])
+                missed.append(ranks[first])
                 sent = 1
             first += sent
         return missed
 
-    def _for(self, targets: list[tuple[int, str]]) -> Any:
-        key = tuple(targets)
-        known = self._headers.get(key)
-        if known is None:
-            if len(self._headers) >= 64:
-                self._headers.clear()
-            addresses = [_SockAddrUn(socket.AF_UNIX, path.encode()) for _, path in targets]
-            headers = (_MMsgHdr * len(targets))()
-            for header, address, (_, path) in zip(headers, addresses, targets):
-                header.header.name = ctypes.addressof(address)
-                header.header.name_length = 2 + len(path.encode()) + 1
-                header.header.iov = ctypes.pointer(self._iov)
-                header.header.iov_length = 1
-            known = self._headers[key] = (headers, addresses)
-        return known[0]
+    def _made(self, ranks: tuple[int, ...], paths: dict[int, str]) -> Any:
+        if len(self._headers) >= 64:
+            self._headers.clear()
+        addresses = [_SockAddrUn(socket.AF_UNIX, paths[r].encode()) for r in ranks]
+        headers = (_MMsgHdr * len(ranks))()
+        for header, address in zip(headers, addresses):
+            # The whole structure: Linux reads the path up to its NUL.
+            header.header.name, header.header.name_length = ctypes.addressof(address), ctypes.sizeof(address)
+            header.header.iov, header.header.iov_length = ctypes.pointer(self._iov), 1
+        self._headers[ranks] = (headers, addresses)
+        return headers
 
 
 class Inbox:
