@@ -1,6 +1,6 @@
 """The zygote planners are forked from: torch imported once, each plan's planners fresh forks,
 in the notebook's directory; a changed environment gets a new zygote, and none outlives the
-process that started it. A module of its own: tests/test_planner.py keeps one planner for all
+last mesh that planned, nor the process that started it. A module of its own: tests/test_planner.py keeps one planner for all
 its tests, which a zygote replaced here would leave without its zygote."""
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from functools import partial
 import psutil
 import pytest
 
+import meshbook
 from bench import models
 from meshbook import MeshError
 from meshbook.mesh.controller.api import planners
-from meshbook.mesh.controller.api.planners import Planners
+from meshbook.mesh.controller.api.planners import PLANNER_MODULE, Planners
 from meshbook.mesh.protocol.plan import FORK, KILL
 
 BUILD = partial(models.gpt, vocab=512, dim=128, layers=4, heads=4)
@@ -96,6 +97,25 @@ def test_the_zygote_ends_with_the_process_that_started_it(forked: bool) -> None:
     finally:
         if forked:
             os.kill(child, signal.SIGKILL)
+
+
+def test_the_zygote_goes_with_the_last_mesh_that_planned() -> None:
+    """Kept while a mesh that planned runs (the next plan forks at once), stopped with the last
+    of them: nothing a mesh started outlives it."""
+    with meshbook.start(1) as first, meshbook.start(1) as second:
+        for mesh in (first, second):
+            mesh.plan(BUILD, (2, 64), checkpointing="none", planners=1)
+        zygotes = _zygotes()
+        assert len(zygotes) == 1, zygotes
+        first.stop()
+        assert _zygotes() == zygotes, "the zygote stopped while a mesh that planned runs"
+    assert _gone(zygotes[0]), "the zygote outlived the meshes that planned"
+    assert not _zygotes()
+
+
+def _zygotes() -> list[int]:
+    """This process's zygotes (their planners are the zygote's children, not this process's)."""
+    return [proc.pid for proc in psutil.Process().children() if PLANNER_MODULE in " ".join(proc.cmdline())]
 
 
 def _gone(pid: int) -> bool:

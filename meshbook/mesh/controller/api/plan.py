@@ -347,7 +347,7 @@ class PlanOps:
         deadline = started + PLAN_TIMEOUT_S
         limit = None if budget is None else check_bytes(budget, "budget")
         ranks_on_host = Counter(self.controller.host_of.values())
-        with Planners(max(1, min(planners or MAX_PLANNERS, os.cpu_count() or 1))) as pool:
+        with Planners(max(1, min(planners or MAX_PLANNERS, os.cpu_count() or 1)), self.controller) as pool:
             facts = pool.ask(0, "inspect", build)  # first, where a failing build harms nothing
             found = candidates(len(self.ranks), facts, shape[0], min(ranks_on_host.values()))
             dims = _named_dims(self)

@@ -4,7 +4,9 @@ Why: a planner imports torch before it traces anything, seconds on a small machi
 plan (every mistake it reports: a build that raises, a batch of the wrong shape) paid them
 again. The zygote (:mod:`meshbook.mesh.planner.zygote`) imports torch once, runs no plan's
 code, and forks each planner: a fresh process in milliseconds. It is started at the first plan
-and stopped as this process exits. A zygote is only as fresh as the environment it started
+and lives while a mesh that planned runs: the last of them stops it as it stops (nothing a
+mesh started outlives it; a plan after that starts a zygote again), as does this process's
+exit. A zygote is only as fresh as the environment it started
 with, so one started before ``os.environ`` or ``sys.path`` changed is replaced at the next plan
 (as a standby agent is, :mod:`..launch.local`); each planner works in the directory the
 notebook is in when the plan starts, which is first on its ``sys.path`` as it was on a planner
@@ -23,10 +25,14 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, BinaryIO
+import weakref
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ...protocol.errors import MeshError
 from ...protocol.plan import EXITED, FORK, FORKED, KILL, ZYGOTE_NOTE, read_frame, write_frame
+
+if TYPE_CHECKING:
+    from ..core.controller import Controller
 
 #: Seconds a plan may take before it is given up (planner processes are stopped).
 PLAN_TIMEOUT_S = 600.0
@@ -181,14 +187,19 @@ def _ended(code: int | None, log: BinaryIO) -> str:
 
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
+#: The meshes that planned: the zygote lives while one of them runs.
+_holders: "weakref.WeakSet[Controller]" = weakref.WeakSet()
 
 
-def zygote() -> Zygote:
-    """The zygote, started with this process's environment as it is now; one started with
-    another is replaced."""
+def zygote(holder: Controller | None = None) -> Zygote:
+    """The zygote, started with this process's environment as it is now (one started with
+    another is replaced), kept while ``holder``'s mesh runs."""
     global _zygote
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     with _zygote_lock:
+        if holder is not None and holder not in _holders:
+            _holders.add(holder)
+            holder.add_stop_listener(_let_go)
         if _zygote is not None and (not _zygote.alive() or _zygote.env != env):
             _zygote.stop()
             _zygote = None
@@ -197,23 +208,32 @@ def zygote() -> Zygote:
         return _zygote
 
 
-def discard_zygote() -> None:
-    """Stop the zygote, if any (a new one starts at the next plan)."""
+def discard_zygote(unless_held: bool = False) -> None:
+    """Stop the zygote, if any (a new one starts at the next plan); ``unless_held``: only if no
+    mesh that planned still runs."""
     global _zygote
     with _zygote_lock:
+        if unless_held and any(not holder.stopped for holder in _holders):
+            return
         old, _zygote = _zygote, None
     if old is not None:
         old.stop()
+
+
+def _let_go() -> None:
+    """A mesh that planned stopped: the zygote goes with the last of them."""
+    discard_zygote(unless_held=True)
 
 
 atexit.register(discard_zygote)
 
 
 class Planners:
-    """Planner processes for one plan, fed jobs over their stdin; all stopped on leaving."""
+    """Planner processes for one plan, fed jobs over their stdin; all stopped on leaving. Their
+    zygote is kept while ``holder``'s mesh runs (without one, until this process exits)."""
 
-    def __init__(self, n: int) -> None:
-        forks, cwd = zygote(), os.getcwd()
+    def __init__(self, n: int, holder: Controller | None = None) -> None:
+        forks, cwd = zygote(holder), os.getcwd()
         self.procs: list[Planner] = []
         try:
             for _ in range(n):
