@@ -62,7 +62,7 @@ from ...protocol.errors import (
 from ...protocol.limits import DEFAULT_MAX_BYTES
 from ...protocol.namespaces import SEEDED, Layout, Namespaces
 from ...protocol.payload import PIECE, Landing, Overweight, Payload, Slot, WriterExited, pack, pieces
-from ...protocol.text import format_bytes, format_ranks, group_by_text
+from ...protocol.text import format_bytes, format_ranks, group_by_text, restart_hint
 from ...protocol.values import RankValues
 from ...rank import ops
 from ..core.render import write_stream
@@ -359,7 +359,7 @@ def _load(landing: Landing, rank: int, payload: Payload, what: str) -> Any:
         return landing.load(payload, "pull")["value"]
     except WriterExited:
         raise MeshError(f"{what}: rank {rank} died after it answered, before the notebook read its "
-                        f"value; restart it (mesh.restart([{rank}])) and pull again") from None
+                        f"value; restart it with {restart_hint([rank])} and pull again") from None
     except MeshError:
         raise  # out of descriptors: it says what to do
     except RuntimeError as exc:

@@ -428,8 +428,9 @@ class Controller:
     def send_input(self, rank: int, text: str | None, question: int) -> None:
         """A line typed in the notebook, for ``rank``'s ``input()`` or debugger (its control
         thread), answering its ``question``; None: the end of input (nobody will answer)."""
-        body = {"question": question, "text": text}
-        self._addressed(self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, body), [rank], msg.CONTROL)()
+        frames = self.wire.pack({msg.KIND: msg.INPUT, msg.ID: None}, {"question": question, "text": text})
+        send = self._addressed(frames, [rank], msg.CONTROL)
+        send()
 
     def kill(self, ranks: list[int], timeout: float = 10.0, why: str = "") -> None:
         """SIGKILL ``ranks`` and wait until their agent reported them dead. ``why``: meshbook

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 from ...protocol import messages as msg
 from ...protocol.errors import MeshError, MeshTimeout, RankFailure, RemoteError, blame_order, check_seconds
 from ...protocol.events import DebugEnd, Display, Error, Event, InputRequest, Output, Result, Results
+from ...protocol.reports import Collective
 from ...protocol.text import format_ranks, group_by_text
 from ...protocol.topology import Topology
 from ...protocol.values import RankValues
@@ -127,7 +128,7 @@ class Run:
         self.checked_at = 0.0
         self.checking = False
         #: The ranks the watcher's last look found deadlocked, and what each waited in.
-        self.deadlock_seen: dict[int, Any] = {}
+        self.deadlock_seen: dict[int, Collective] = {}
         self._topology = topology
         self._interrupt = interrupt
         self._follow = follow
