@@ -1,7 +1,8 @@
 """The zygote planners are forked from: torch imported once, each plan's planners fresh forks,
 in the notebook's directory; a changed environment gets a new zygote, and none outlives the
-last mesh that planned, nor the process that started it. A module of its own: tests/test_planner.py keeps one planner for all
-its tests, which a zygote replaced here would leave without its zygote."""
+last mesh that planned, nor the process that started it. A module of its own:
+tests/test_planner.py keeps one planner for all its tests, which a zygote replaced here would
+leave without its zygote."""
 
 from __future__ import annotations
 
