@@ -168,6 +168,15 @@ def test_two_clicks_on_stop_free_a_hung_collective(lab: Lab, browser: Any) -> No
 PANELS = ".jp-OutputArea-output:has(div[style^='font-family:monospace'])"
 
 
+#: The tutorial whose panels must show (the test below checks it has one).
+DASHBOARD = NOTEBOOKS / "05_dashboard.ipynb"
+
+
+def test_the_tutorials_checked_include_the_dashboard() -> None:
+    """The test below takes the tutorials it finds: one renamed away must not pass unseen."""
+    assert DASHBOARD.exists(), f"{DASHBOARD.name} is gone: point DASHBOARD at the tutorial with the dashboard"
+
+
 @pytest.mark.parametrize("tutorial", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda path: path.stem)
 def test_tutorials_show_their_widgets_without_errors(lab: Lab, browser: Any, tmp_path: Path, tutorial: Path) -> None:
     # one test per tutorial: each has the whole timeout, and a failure names its notebook
@@ -181,7 +190,7 @@ def test_tutorials_show_their_widgets_without_errors(lab: Lab, browser: Any, tmp
         widgets = page.panel.locator(PANELS)
         for i in range(min(widgets.count(), 2)):
             widgets.nth(i).screenshot(path=str(shots / f"{tutorial.stem}-{i + 1}.png"))
-        if tutorial.stem == "05_dashboard":
+        if tutorial == DASHBOARD:
             assert widgets.count() > 0, "the dashboard tutorial shows no panel"
     finally:
         page.close()

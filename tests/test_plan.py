@@ -58,7 +58,7 @@ def report(mesh: meshbook.Mesh) -> meshbook.PlanReport:
 
 
 def planners_left() -> list[int]:
-    """Planners still there: the zygote's children (the zygote itself is kept for the next plan)."""
+    """Planners still there: the zygote's children (the zygote itself is kept while the mesh runs)."""
     return [p.pid for zygote in psutil.Process().children() if planners.PLANNER_MODULE in zygote.cmdline()
             for p in zygote.children()]
 

@@ -100,17 +100,26 @@ def test_the_zygote_ends_with_the_process_that_started_it(forked: bool) -> None:
             os.kill(child, signal.SIGKILL)
 
 
-def test_the_zygote_goes_with_the_last_mesh_that_planned() -> None:
-    """Kept while a mesh that planned runs (the next plan forks at once), stopped with the last
-    of them: nothing a mesh started outlives it."""
+def test_the_zygote_goes_with_the_last_mesh_that_planned_once_no_plan_is_under_way() -> None:
+    """Kept while a mesh that planned runs (the next plan forks at once), and while a plan is
+    under way: a mesh that stops during its plan leaves the zygote to the plan, which reaps its
+    planners through it. Then stopped: nothing a mesh started outlives it."""
+    def broken():  # type: ignore[no-untyped-def]
+        raise ValueError("no config")  # a plan that fails at once: planned all the same
+
     with meshbook.start(1) as first, meshbook.start(1) as second:
         for mesh in (first, second):
-            mesh.plan(BUILD, (2, 64), checkpointing="none", planners=1)
+            with pytest.raises(MeshError, match="no config"):
+                mesh.plan(broken, (2, 64))
         zygotes = _zygotes()
         assert len(zygotes) == 1, zygotes
         first.stop()
         assert _zygotes() == zygotes, "the zygote stopped while a mesh that planned runs"
-    assert _gone(zygotes[0]), "the zygote outlived the meshes that planned"
+        with Planners(1, second.controller) as pool:  # a plan under way as its mesh stops
+            second.stop()
+            assert _zygotes() == zygotes and not _gone(pool.procs[0].pid), "the plan lost its zygote"
+        planner = pool.procs[0].pid
+    assert _gone(zygotes[0]) and _gone(planner), "the zygote outlived the meshes that planned"
     assert not _zygotes()
 
 

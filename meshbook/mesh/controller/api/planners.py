@@ -4,13 +4,13 @@ Why: a planner imports torch before it traces anything, seconds on a small machi
 plan (every mistake it reports: a build that raises, a batch of the wrong shape) paid them
 again. The zygote (:mod:`meshbook.mesh.planner.zygote`) imports torch once, runs no plan's
 code, and forks each planner: a fresh process in milliseconds. It is started at the first plan
-and lives while a mesh that planned runs: the last of them stops it as it stops (nothing a
-mesh started outlives it; a plan after that starts a zygote again), as does this process's
-exit. A zygote is only as fresh as the environment it started
-with, so one started before ``os.environ`` or ``sys.path`` changed is replaced at the next plan
-(as a standby agent is, :mod:`..launch.local`); each planner works in the directory the
-notebook is in when the plan starts, which is first on its ``sys.path`` as it was on a planner
-started there.
+and lives while a mesh that planned runs, or a plan is under way: the last of those to end
+stops it (nothing a mesh started outlives it; the next plan, after ``%mesh restart`` too,
+starts a zygote again), as does this process's exit. A zygote is only as fresh as the
+environment it started with, so one started before ``os.environ`` or ``sys.path`` changed is
+replaced at the next plan (as a standby agent is, :mod:`..launch.local`); each planner works
+in the directory the notebook is in when the plan starts, which is first on its ``sys.path``
+as it was on a planner started there.
 """
 
 from __future__ import annotations
@@ -187,41 +187,59 @@ def _ended(code: int | None, log: BinaryIO) -> str:
 
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
-#: The meshes that planned: the zygote lives while one of them runs.
+#: The meshes that planned with the zygote: it goes once none of them runs (and no plan is
+#: under way); with none, it is kept until this process exits.
 _holders: "weakref.WeakSet[Controller]" = weakref.WeakSet()
+#: The plans under way (open :class:`Planners`): a mesh that stops meanwhile leaves the zygote
+#: to the plan, which reaps its planners through it.
+_open_plans = 0
 
 
-def zygote(holder: Controller | None = None) -> Zygote:
+def zygote(holder: Controller | None = None, planning: bool = False) -> Zygote:
     """The zygote, started with this process's environment as it is now (one started with
-    another is replaced), kept while ``holder``'s mesh runs."""
-    global _zygote
+    another is replaced), kept while ``holder``'s mesh runs; ``planning``: for a plan that
+    starts now (see :func:`plan_ended`)."""
+    global _zygote, _open_plans
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    stale = None
     with _zygote_lock:
         if holder is not None and holder not in _holders:
             _holders.add(holder)
-            holder.add_stop_listener(_let_go)
+            holder.add_stop_listener(_let_go)  # one that stopped already: the plan's end sees to it
         if _zygote is not None and (not _zygote.alive() or _zygote.env != env):
-            _zygote.stop()
-            _zygote = None
+            stale, _zygote = _zygote, None
         if _zygote is None:
             _zygote = Zygote(env)
-        return _zygote
+        _open_plans += planning
+        found = _zygote
+    if stale is not None:
+        stale.stop()
+    return found
+
+
+def plan_ended() -> None:
+    """A plan (its planners reaped) that :func:`zygote` was asked for with ``planning`` ended."""
+    global _open_plans
+    with _zygote_lock:
+        _open_plans -= 1
+    _let_go()
 
 
 def discard_zygote(unless_held: bool = False) -> None:
-    """Stop the zygote, if any (a new one starts at the next plan); ``unless_held``: only if no
-    mesh that planned still runs."""
+    """Stop the zygote, if any (a new one starts at the next plan); ``unless_held``: only once
+    meshes planned with it, none of them runs, and no plan is under way."""
     global _zygote
     with _zygote_lock:
-        if unless_held and any(not holder.stopped for holder in _holders):
+        if unless_held and (_open_plans or not _holders or any(not holder.stopped for holder in _holders)):
             return
         old, _zygote = _zygote, None
+        _holders.clear()
     if old is not None:
         old.stop()
 
 
 def _let_go() -> None:
-    """A mesh that planned stopped: the zygote goes with the last of them."""
+    """A mesh that planned stopped, or a plan ended: the zygote goes with the last of them."""
     discard_zygote(unless_held=True)
 
 
@@ -230,11 +248,12 @@ atexit.register(discard_zygote)
 
 class Planners:
     """Planner processes for one plan, fed jobs over their stdin; all stopped on leaving. Their
-    zygote is kept while ``holder``'s mesh runs (without one, until this process exits)."""
+    zygote is kept while the plan is under way and while ``holder``'s mesh runs."""
 
     def __init__(self, n: int, holder: Controller | None = None) -> None:
-        forks, cwd = zygote(holder), os.getcwd()
+        forks, cwd = zygote(holder, planning=True), os.getcwd()
         self.procs: list[Planner] = []
+        self._open = True
         try:
             for _ in range(n):
                 self.procs.append(forks.fork(cwd))
@@ -246,11 +265,17 @@ class Planners:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for proc in self.procs:
-            proc.kill()
-        for proc in self.procs:
-            proc.zygote.exit_code(proc.pid, 5)  # reaped: nothing of the plan outlives it
-            proc.close()
+        if not self._open:
+            return
+        self._open = False
+        try:
+            for proc in self.procs:
+                proc.kill()
+            for proc in self.procs:
+                proc.zygote.exit_code(proc.pid, 5)  # reaped: nothing of the plan outlives it
+                proc.close()
+        finally:
+            plan_ended()
 
     def ask(self, i: int, kind: str, *args: Any) -> Any:
         proc = self.procs[i]
