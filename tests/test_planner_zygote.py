@@ -123,6 +123,29 @@ def test_the_zygote_goes_with_the_last_mesh_that_planned_once_no_plan_is_under_w
     assert not _zygotes()
 
 
+def test_a_plan_that_fails_before_its_planners_start_still_lets_the_zygote_go(tmp_path) -> None:
+    """A plan started in a directory that is gone fails before it forks anything; it must not
+    stay counted as under way, which would keep the zygote after the mesh stopped."""
+    def broken():  # type: ignore[no-untyped-def]
+        raise ValueError("no config")
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    here = os.getcwd()
+    with meshbook.start(1) as mesh:
+        with pytest.raises(MeshError, match="no config"):
+            mesh.plan(broken, (2, 64))
+        zygotes = _zygotes()
+        os.chdir(gone)
+        gone.rmdir()
+        try:
+            with pytest.raises(FileNotFoundError):
+                mesh.plan(broken, (2, 64))
+        finally:
+            os.chdir(here)
+    assert len(zygotes) == 1 and _gone(zygotes[0]), "the failed plan kept the zygote"
+
+
 def _zygotes() -> list[int]:
     """This process's zygotes (their planners are the zygote's children, not this process's)."""
     return [proc.pid for proc in psutil.Process().children() if PLANNER_MODULE in " ".join(proc.cmdline())]

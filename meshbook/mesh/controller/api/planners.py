@@ -198,23 +198,24 @@ _open_plans = 0
 def zygote(holder: Controller | None = None, planning: bool = False) -> Zygote:
     """The zygote, started with this process's environment as it is now (one started with
     another is replaced), kept while ``holder``'s mesh runs; ``planning``: for a plan that
-    starts now (see :func:`plan_ended`)."""
+    starts now, counted as the zygote is handed over (see :func:`plan_ended`), so that nothing
+    stops it in between and a failure before leaves no plan counted."""
     global _zygote, _open_plans
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    stale = None
-    with _zygote_lock:
-        if holder is not None and holder not in _holders:
-            _holders.add(holder)
-            holder.add_stop_listener(_let_go)  # one that stopped already: the plan's end sees to it
-        if _zygote is not None and (not _zygote.alive() or _zygote.env != env):
-            stale, _zygote = _zygote, None
-        if _zygote is None:
-            _zygote = Zygote(env)
-        _open_plans += planning
-        found = _zygote
-    if stale is not None:
-        stale.stop()
-    return found
+    while True:
+        with _zygote_lock:
+            if holder is not None and holder not in _holders:
+                _holders.add(holder)
+                holder.add_stop_listener(_let_go)  # one that stopped already: the plan's end sees to it
+            stale = _zygote if _zygote is not None and (not _zygote.alive() or _zygote.env != env) else None
+            if stale is None:
+                if _zygote is None:
+                    _zygote = Zygote(env)
+                if planning:
+                    _open_plans += 1
+                return _zygote
+            _zygote = None
+        stale.stop()  # outside the lock (it waits for the process to end), then a new one under it
 
 
 def plan_ended() -> None:
@@ -251,7 +252,8 @@ class Planners:
     zygote is kept while the plan is under way and while ``holder``'s mesh runs."""
 
     def __init__(self, n: int, holder: Controller | None = None) -> None:
-        forks, cwd = zygote(holder, planning=True), os.getcwd()
+        cwd = os.getcwd()  # first: what fails here (a directory deleted) fails before the plan counts
+        forks = zygote(holder, planning=True)
         self.procs: list[Planner] = []
         self._open = True
         try:
