@@ -76,6 +76,39 @@ def test_ranks_arriving_together_name_no_straggler() -> None:
     assert report.summary()[0].startswith("no straggler: the ranks reach their collectives together")
 
 
+def stalled_loop(times: CollectiveTimes, late: float) -> None:
+    """Three ranks, 12 collectives a tenth of a second apart: rank 1 arrives 2.5 s after the
+    others at the first (one stall: a first DDP step's imports did this on a loaded machine),
+    rank 2 ``late`` s after them at each of the others."""
+    for rank in range(3):
+        entries = []
+        for n in range(1, 13):
+            start = 100.0 + 3.0 * (n > 1) + 0.2 * n
+            entered = start + (2.5 if rank == 1 and n == 1 else late if rank == 2 and n > 1 else 0.0)
+            entries.append((0, n, entered, start + 2.6 + late))
+        times.add(rank, batch(rank, entries))
+
+
+def test_one_stall_does_not_make_a_straggler_nor_hide_one() -> None:
+    """Scored over the whole spread, rank 1's one stall made it the straggler (score 0.69) and
+    hid rank 2, last at the eleven others (0.31): the scores leave the longest spread and each
+    rank's longest lateness out, and the stall is told on its own line."""
+    times = CollectiveTimes(now_ns=lambda: 105 * S)
+    stalled_loop(times, late=0.1)
+    report = straggler_report({}, arrivals=times.lateness(5))
+    assert report.stragglers == [2], str(report)
+    assert report.summary() == [
+        "straggler: rank 2 (score 1.00): it arrived last at 11 of 12 collectives, 92 ms late on average: "
+        "the others waited 1.1 s for it",
+        "stall: rank 1 arrived 2.50 s after the first at one collective (a single stall, left out of the scores)"]
+    times = CollectiveTimes(now_ns=lambda: 105 * S)
+    stalled_loop(times, late=0.0)
+    report = straggler_report({}, arrivals=times.lateness(5))
+    assert report.stragglers == [], str(report)
+    assert report.summary()[0].startswith("no straggler: the ranks reach their collectives together (0%")
+    assert report.summary()[1].startswith("stall: rank 1 arrived 2.50 s"), str(report)
+
+
 def test_an_async_collective_waits_until_the_last_member_came() -> None:
     times = CollectiveTimes(now_ns=lambda: 101 * S)
     times.add(0, batch(0, [(0, 1, 100.0, 0)]))  # async_op=True: no exit seen

@@ -203,17 +203,26 @@ def test_the_slow_rank_is_named_inside_a_loop_with_where_it_spends_its_time(mesh
 def test_a_ddp_straggler_is_named_from_the_flight_recorder(mesh4: meshbook.Mesh) -> None:
     """DDP issues its all_reduce from C++ during backward(): no wrapper sees it, and sampling
     saw no rank waiting ("cannot tell"). The flight recorder does: rank 2, which sleeps before
-    each step, arrives last at its all_reduces, and the others' waiting is told."""
-    run = mesh4.run("import time\nddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 32))\n"
-                    "for step in range(12):\n"
-                    "    time.sleep(0.1 if rank == 2 else 0.0)\n"
-                    "    ddp(torch.ones(4, 32)).sum().backward()\n"
-                    "del ddp")
+    each step, arrives last at its all_reduces, and the others' waiting is told.
+
+    The first run may construct the mesh's first DDP, which imports 800 modules: on a loaded
+    machine one rank finished that 2.5 s after another, a stall at DDP's first collective that
+    once named that rank the straggler and hid rank 2. The verdict must hold all the same; the
+    waiting split is checked on the second run, where no rank waits for another's imports."""
+    loop = ("import time\nddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 32))\n"
+            "for step in range(12):\n"
+            "    time.sleep(0.1 if rank == 2 else 0.0)\n"
+            "    ddp(torch.ones(4, 32)).sum().backward()\n"
+            "del ddp")
+    run = mesh4.run(loop)
     run.result(timeout=120, echo=False)
     report = mesh4.stragglers(run)
     assert report.stragglers == [2], str(report)
     assert re.match(r"straggler: rank 2 \(score \d\.\d\d\): it arrived last at (1[2-9]|2\d) of (1[2-9]|2\d) "
                     r"collectives", str(report)), str(report)
+    run = mesh4.run(loop)
+    run.result(timeout=120, echo=False)
+    assert mesh4.stragglers(run).stragglers == [2], str(mesh4.stragglers(run))
     waiting = mesh4.waiting(run)
     assert waiting is not None and all(waiting[r] > 0.8 for r in (0, 1, 3)) and waiting[2] < 0.6, waiting
 

@@ -10,7 +10,10 @@ member's n-th has arrived, the collective is *complete* here, and:
 * each rank's **lateness** is its entry minus the group's earliest entry: the rank the others
   wait for is the one that arrives last, collective after collective. A rank's share of a run's
   lateness (its lateness over the summed spread, first to last arrival, of the collectives) is
-  its straggler score: about 1 for the rank that is always last, about 0 for the others.
+  its straggler score: about 1 for the rank that is always last, about 0 for the others. The
+  score leaves out the collective with the longest spread: one stall is not a straggler. (A
+  first DDP imports 800 modules; on a loaded machine one rank finished that 2.5 s after
+  another, and that one collective outweighed twelve steps of a rank 0.1 s late.)
 
 Collectives issued outside torch.distributed's Python functions (DDP's, from C++) come from
 the ranks' flight recorders, numbered below 0 in their own sequence: they count for the figures
@@ -50,6 +53,8 @@ class RequestTimes:
     last: dict[int, int] = field(default_factory=dict)  # collectives at which the rank came last
     collectives: dict[int, int] = field(default_factory=dict)
     spread_ns: int = 0  # summed over complete collectives: last arrival minus first
+    longest_spread_ns: int = 0  # the collective with the longest spread, and each rank's lateness there
+    longest_late_ns: dict[int, int] = field(default_factory=dict)
     complete: int = 0
     first_ns: int = 0  # the earliest entry seen, and the latest exit or entry
     last_ns: int = 0
@@ -76,12 +81,22 @@ class Lateness:
     spread_s: float  # summed over the collectives: first arrival to last
     complete: int
     span_s: float  # from the first entry to the last exit
-    waiting_s: dict[int, float] = field(default_factory=dict)  # inside these collectives
+    waiting_s: dict[int, float]  # inside these collectives
+    longest_spread_s: float  # the longest spread of one collective
+    longest_late_s: dict[int, float]  # each rank's lateness at that collective
+
+    @property
+    def steady_spread_s(self) -> float:
+        """The summed spread without the longest one: what a straggler's score is a share of."""
+        return self.spread_s - self.longest_spread_s
 
     def score(self, rank: int) -> float:
-        """``rank``'s share of the waiting its lateness caused: 0 (never late) to 1 (always
-        the last to arrive, by the whole spread)."""
-        return min(1.0, self.late_s.get(rank, 0.0) / self.spread_s) if self.spread_s > 0 else 0.0
+        """``rank``'s share of the waiting its lateness caused, 0 (never late) to 1 (always
+        the last to arrive, by the whole spread), leaving out the collective with the longest
+        spread: a single stall, however long, scores nothing."""
+        steady = self.steady_spread_s
+        late = self.late_s.get(rank, 0.0) - self.longest_late_s.get(rank, 0.0)
+        return min(1.0, max(0.0, late) / steady) if steady > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,9 @@ class CollectiveTimes:
         request = arrived[latest][0]
         times = self._times(request)
         times.spread_ns += last_at - first
+        if last_at - first >= times.longest_spread_ns:
+            times.longest_spread_ns = last_at - first
+            times.longest_late_ns = {rank: late for rank, (late, _) in ranks.items()}
         times.complete += 1
         if last_at > first:
             times.last[latest] = times.last.get(latest, 0) + 1
@@ -236,7 +254,8 @@ class CollectiveTimes:
             return None
         return Lateness({r: ns / 1e9 for r, ns in times.late_ns.items()}, dict(times.last),
                         times.spread_ns / 1e9, times.complete, (times.last_ns - times.first_ns) / 1e9,
-                        {r: ns / 1e9 for r, ns in times.waiting_ns.items()})
+                        {r: ns / 1e9 for r, ns in times.waiting_ns.items()},
+                        times.longest_spread_ns / 1e9, {r: ns / 1e9 for r, ns in times.longest_late_ns.items()})
 
     def recent(self, window_s: float = WINDOW_S) -> tuple[int, Lateness] | None:
         """The last ``window_s`` seconds of the newest request's complete collectives (the live
@@ -246,9 +265,10 @@ class CollectiveTimes:
         request = self._recent[-1][1]
         newest, end = self._recent[-1][0], self._recent[-1][5]
         late: dict[int, int] = {}
+        longest: dict[int, tuple[int, int]] = {}
         waiting: dict[int, int] = {}
         last: dict[int, int] = {}
-        spread = count = 0
+        spread = count = longest_spread = 0
         first = newest
         for at, req, ranks, gap, latest, _ in reversed(self._recent):
             if at < newest - window_s * 1e9:
@@ -258,13 +278,16 @@ class CollectiveTimes:
             first = at
             count += 1
             spread += gap
+            if gap >= longest_spread:
+                longest_spread, longest = gap, ranks
             if gap:
                 last[latest] = last.get(latest, 0) + 1
             for rank, (ns, waited) in ranks.items():
                 late[rank] = late.get(rank, 0) + ns
                 waiting[rank] = waiting.get(rank, 0) + waited
         return request, Lateness({r: ns / 1e9 for r, ns in late.items()}, last, spread / 1e9, count,
-                                 (end - first) / 1e9, {r: ns / 1e9 for r, ns in waiting.items()})
+                                 (end - first) / 1e9, {r: ns / 1e9 for r, ns in waiting.items()},
+                                 longest_spread / 1e9, {r: ns / 1e9 for r, (ns, _) in longest.items()})
 
 
 def _keep(book: "OrderedDict[int, list[Any]]", requests: Collection[int], found: Any) -> None:

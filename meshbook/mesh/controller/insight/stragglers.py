@@ -8,9 +8,10 @@ Three signals, all cheap and all available while work is still running:
   recorder), and the controller lines the members of each
   collective up (:mod:`.clock`). The rank the others wait for is the one that arrives last:
   its score is its share of the collectives' spread (first arrival to last), about 1 for the
-  rank that is always last. A score of at least ``LATE_SCORE`` flags it, when the spread
-  matters (at least ``MATERIAL_SHARE`` of the time, and ``MATERIAL_S``). This is the verdict
-  wherever ranks call torch.distributed's collectives.
+  rank that is always last, leaving out the collective with the longest spread (one stall is
+  not a straggler). A score of at least ``LATE_SCORE`` flags it, when the spread,
+  without its longest, matters (at least ``MATERIAL_SHARE`` of the time, and ``MATERIAL_S``).
+  This is the verdict wherever ranks call torch.distributed's collectives.
 
 * **Sampling** works inside a training loop, where no collective was timed.
   Every heartbeat carries the fraction of the last few seconds a rank's main thread spent
@@ -160,14 +161,26 @@ class StragglerReport:
                          f"median of the others ({s.others_median:.2f} s)")
         if not lines:
             lines.append(self._no_straggler())
+        lines += self._stall()
         lines += [f"sampling stopped on rank {t.rank} ({t.error}): where it spends its time is "
                   f"unknown" for t in self.ranks if t.error]
         return lines
 
+    def _stall(self) -> list[str]:
+        """The longest spread, when it matters on its own: the scores leave it out."""
+        arrivals = self.arrivals
+        if arrivals is None or not arrivals.longest_late_s or not any(t.flagged is not None for t in self.ranks):
+            return []
+        if arrivals.longest_spread_s < max(MATERIAL_S, MATERIAL_SHARE * arrivals.span_s):
+            return []
+        rank = max(arrivals.longest_late_s, key=lambda r: arrivals.longest_late_s[r])
+        return [f"stall: rank {rank} arrived {arrivals.longest_spread_s:.2f} s after the first at one collective "
+                f"(a single stall, left out of the scores)"]
+
     def _no_straggler(self) -> str:
         arrivals = self.arrivals
         if arrivals is not None and any(t.flagged is not None for t in self.ranks):
-            apart = arrivals.spread_s / arrivals.span_s if arrivals.span_s > 0 else 0.0
+            apart = arrivals.steady_spread_s / arrivals.span_s if arrivals.span_s > 0 else 0.0
             return (f"no straggler: the ranks reach their collectives together ({format_percent(apart)} "
                     f"of the time between the first and the last to arrive)")
         scored = [t for t in self.ranks if t.score is not None]
@@ -231,7 +244,7 @@ def slow_by_duration(durations: Mapping[int, float], factor: float = DURATION_FA
 def score_arrivals(ranks: tuple[RankTime, ...], arrivals: Lateness) -> tuple[RankTime, ...]:
     """The exact scores, from when each rank reached its collectives (see :mod:`.clock`):
     a rank's share of the spread, flagged from ``LATE_SCORE`` when the spread matters."""
-    material = arrivals.spread_s >= max(MATERIAL_S, MATERIAL_SHARE * arrivals.span_s)
+    material = arrivals.steady_spread_s >= max(MATERIAL_S, MATERIAL_SHARE * arrivals.span_s)
     known = {t.rank: t for t in ranks}
     out = []
     for rank in sorted(set(known) | set(arrivals.late_s)):
