@@ -1,7 +1,10 @@
 """Every test run proves that no meshbook process outlives it (tests and notebooks alike).
 
 After each test: no mesh the test started is still running, and no host agent or rank
-outlived its controller. After the session (nbval's kernels included): none at all.
+outlived its controller. After the session (nbval's kernels included): none at all. Under
+pytest-xdist (``./dev test`` runs two workers) each worker checks the processes its own tests
+started: they inherit its ``PYTEST_XDIST_WORKER``, and a kept mesh another worker is between
+kernels with is none of its business.
 
 Ctrl-C raises KeyboardInterrupt in the test process whoever started it: a shell without job
 control starts a background command with SIGINT ignored, and the tests that press Ctrl-C
@@ -10,6 +13,7 @@ would then wait for an interrupt that never comes.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Iterator
@@ -26,17 +30,30 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
 def meshbook_processes() -> list[psutil.Process]:
     """Host agents and ranks (ranks are forks of an agent, so they share its command line), and
-    planner zygotes and their planners (forks of a zygote)."""
+    planner zygotes and their planners (forks of a zygote); this worker's, under pytest-xdist."""
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if {base.AGENT_MODULE, planners.PLANNER_MODULE} & set(proc.info["cmdline"] or []):
+            if {base.AGENT_MODULE, planners.PLANNER_MODULE} & set(proc.info["cmdline"] or []) and _ours(proc):
                 found.append(proc)
         except psutil.Error:
             continue
     return found
+
+
+def _ours(proc: psutil.Process) -> bool:
+    """Started under this worker (any process, without pytest-xdist)."""
+    if WORKER is None:
+        return True
+    try:
+        return proc.environ().get("PYTEST_XDIST_WORKER") == WORKER
+    except psutil.AccessDenied:
+        return True  # unreadable: counted, so that nothing is let off
 
 
 def orphans(timeout: float = 10.0) -> list[str]:
