@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -160,6 +161,31 @@ def test_scancel_mid_cell_fails_the_cell(cluster: slurm.Slurm, home: Path) -> No
             run.result(timeout=60)
         assert f"job {job} ended: CANCELLED" in str(info.value)
         assert mesh.job().state.startswith(f"job {job} ended: CANCELLED")
+    finally:
+        mesh.stop()
+    assert gone(cluster, job)
+
+
+def test_a_busy_slurmctld_still_says_how_the_job_ended(cluster: slurm.Slurm, home: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller gave the launcher twice its poll (1 s here) to say why its agents stopped.
+    With squeue answering late (a busy slurmctld; here the real squeue behind a 3 s pause) the
+    job's end came after that, and the cell failed with "the agent of host h1 stopped (terminated
+    by SIGTERM)" (the time-limit test did so under load). It waits for a look at the job begun
+    after the agents stopped."""
+    mesh = meshbook.start(2, launcher=launcher(home, nodes=2), timeout=120)
+    try:
+        job = mesh.job().job
+        slow = tmp_path / "bin"
+        slow.mkdir()
+        (slow / "squeue").write_text(f"#!/bin/sh\nsleep 3\nexec {shutil.which('squeue')} \"$@\"\n")
+        (slow / "squeue").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{slow}{os.pathsep}{os.environ['PATH']}")
+        run = mesh.run("import time\nfor _ in range(600): time.sleep(0.1)")
+        cluster.run(["scancel", job])
+        with pytest.raises(meshbook.RemoteError) as info:
+            run.result(timeout=90)
+        assert f"job {job} ended: CANCELLED" in str(info.value), str(info.value)
     finally:
         mesh.stop()
     assert gone(cluster, job)

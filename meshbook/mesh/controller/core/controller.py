@@ -1072,12 +1072,11 @@ class Controller:
     def _report_stopped_alone(self) -> None:
         """Agents that stopped on their own (terminated, or failed) killed their ranks on their way
         out: their ranks are dead, though their links were never silent long enough to be lost.
-        Said with the launcher's reason where it comes within its ``notice_s`` (``gone()``
-        reported those: "job 12 ended: CANCELLED"), else with the agent's own."""
-        now = time.monotonic()
+        Said with the launcher's reason where it comes in time (``told_since``: "job 12 ended:
+        CANCELLED"), else with the agent's own."""
         with self._lock:
             due = [(host, link, why) for host, (link, since, why) in self._stopped_alone.items()
-                   if now - since >= self.agents.handles[host].notice_s or not self.agents.handles[host].alive()]
+                   if self.agents.handles[host].told_since(since) or not self.agents.handles[host].alive()]
             for host, _, _ in due:
                 del self._stopped_alone[host]
         network = self.transport.network

@@ -57,8 +57,14 @@ class AgentHandle(abc.ABC):
     gpus: int = 0
     #: How long after its agent ended :meth:`alive` may take to say so (a batch job's state is
     #: polled). An agent that says it stopped on its own is reported with :meth:`exit_reason`
-    #: (it knows more: "job 12 ended: CANCELLED") if that comes within this time.
+    #: (it knows more: "job 12 ended: CANCELLED") if that comes in time (:meth:`told_since`).
     notice_s: float = 0.0
+
+    def told_since(self, since: float) -> bool:
+        """Has the launcher had its say on an agent that stopped at ``since`` (``time.monotonic()``)?
+        By default once ``notice_s`` passed; a launcher that polls says so once a poll begun
+        after ``since`` is done (a busy batch system answers late, not wrongly)."""
+        return time.monotonic() - since >= self.notice_s
 
     def configure(self, config: AgentConfig) -> None:
         """Hand an agent on this host its configuration (its stdin). An agent on another host

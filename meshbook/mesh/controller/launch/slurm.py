@@ -56,6 +56,8 @@ UNANSWERED = "UNANSWERED"
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED", UNANSWERED}
 #: How long a COMPLETING job may take to show how it ended (TIMEOUT, CANCELLED, NODE_FAIL).
 COMPLETING_WAIT_S = 30.0
+#: How long a Slurm command may take to answer (slurmctld serves the whole cluster).
+ANSWER_S = 60.0
 #: Less time left than this: a warning in the next cell's output.
 WARN_LEFT_S = 600.0
 #: The keys of ``--slurm`` (``key=value,...``); anything else goes in ``--sbatch``.
@@ -133,7 +135,7 @@ def _cli(argv: list[str], check: bool = True) -> str:
 def _run(argv: list[str]) -> "subprocess.CompletedProcess[str] | None":
     """A Slurm command's outcome; None when it did not answer in 60 s."""
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=ANSWER_S, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         raise MeshError(f"`{argv[0]}` not found: run this where Slurm's commands are installed "
                         f"(a login node), or add them to PATH") from None
@@ -334,6 +336,7 @@ class SlurmJob:
         self.step: subprocess.Popen[bytes] | None = None  # srun, for job=ID
         self.state = JobState("PENDING")
         self.ended: str | None = None  # "job 123 ended: TIMEOUT"
+        self.looked_at = 0.0  # when the watcher's last finished look began (time.monotonic())
         self.was_pending = False
         self.listening = False  # every agent listened: stopping them ends the job
         self.warned = False
@@ -471,20 +474,29 @@ class SlurmJob:
         self._thread.start()
 
     def _watch(self) -> None:
-        completing = None  # since when the job is COMPLETING: its final state comes once its
-        while not self._stop.wait(self.launcher.poll_s):  # processes are gone (KillWait)
-            state = self.refresh()
-            if state.state == "COMPLETING":
-                completing = completing or time.monotonic()
-            if not state.active or completing and time.monotonic() - completing > COMPLETING_WAIT_S:
-                self.ended = f"job {self.id} ended: {state.state}" + \
-                    (f" ({state.reason})" if state.reason else "")
-                return
-            if self.step is not None and self.step.poll() is not None:
-                self.ended = f"the srun step of job {self.id} ended (exit code {self.step.returncode})"
+        completing: list[float] = []  # since when the job is COMPLETING: its final state comes
+        while not self._stop.wait(self.launcher.poll_s):  # once its processes are gone (KillWait)
+            began = time.monotonic()
+            try:
+                state = self._look(completing)
+            finally:  # ended, or running on: an agent's death may be reported (completing: not yet)
+                if self.ended is not None or not completing:
+                    self.looked_at = began
+            if self.ended is not None:
                 return
             if os.path.exists(os.path.join(self.dir, "time-limit")) or self._step_near_limit(state):
-                self._run_hook()
+                self._run_hook()  # after the look is booked: ranks that die meanwhile fail the hook's run
+
+    def _look(self, completing: list[float]) -> JobState:
+        """One look at the job: ``ended`` says how, once it ended."""
+        state = self.refresh()
+        if state.state == "COMPLETING" and not completing:
+            completing.append(time.monotonic())
+        if not state.active or completing and time.monotonic() - completing[0] > COMPLETING_WAIT_S:
+            self.ended = f"job {self.id} ended: {state.state}" + (f" ({state.reason})" if state.reason else "")
+        elif self.step is not None and self.step.poll() is not None:
+            self.ended = f"the srun step of job {self.id} ended (exit code {self.step.returncode})"
+        return state
 
     def _step_near_limit(self, state: JobState) -> bool:
         """In a user's allocation there is no batch script to signal: go by the time left."""
@@ -574,6 +586,12 @@ class SlurmAgent(AgentHandle):
 
     def alive(self) -> bool:
         return self.job.ended is None
+
+    def told_since(self, since: float) -> bool:
+        """Once the watcher looked at the job after the agent stopped and found it running or
+        ended (squeue is asked every ``poll_s`` and answers late when slurmctld is busy: a
+        notice of twice that lost the job's end under load), or Slurm did not answer in time."""
+        return self.job.looked_at >= since or time.monotonic() - since >= self.notice_s + ANSWER_S
 
     def exit_reason(self) -> str:
         return self.job.ended or "running"
