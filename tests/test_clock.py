@@ -76,23 +76,24 @@ def test_ranks_arriving_together_name_no_straggler() -> None:
     assert report.summary()[0].startswith("no straggler: the ranks reach their collectives together")
 
 
-def stalled_loop(times: CollectiveTimes, late: float) -> None:
-    """Three ranks, 12 collectives a tenth of a second apart: rank 1 arrives 2.5 s after the
-    others at the first (one stall: a first DDP step's imports did this on a loaded machine),
-    rank 2 ``late`` s after them at each of the others."""
+def stalled_loop(times: CollectiveTimes, late: float, stall: float = 2.5, steps: int = 12,
+                 period: float = 0.2) -> None:
+    """Three ranks, ``steps`` collectives ``period`` apart: rank 1 arrives ``stall`` s after the
+    others at the first (one stall: a first DDP's imports did this on a loaded machine), rank 2
+    ``late`` s after them at each of the others."""
     for rank in range(3):
         entries = []
-        for n in range(1, 13):
-            start = 100.0 + 3.0 * (n > 1) + 0.2 * n
-            entered = start + (2.5 if rank == 1 and n == 1 else late if rank == 2 and n > 1 else 0.0)
-            entries.append((0, n, entered, start + 2.6 + late))
+        for n in range(1, steps + 1):
+            start = 100.0 + (stall + 0.5) * (n > 1) + period * n
+            entered = start + (stall if rank == 1 and n == 1 else late if rank == 2 and n > 1 else 0.0)
+            entries.append((0, n, entered, start + (stall if n == 1 else late) + 0.001))
         times.add(rank, batch(rank, entries))
 
 
 def test_one_stall_does_not_make_a_straggler_nor_hide_one() -> None:
     """Scored over the whole spread, rank 1's one stall made it the straggler (score 0.69) and
-    hid rank 2, last at the eleven others (0.31): the scores leave the longest spread and each
-    rank's longest lateness out, and the stall is told on its own line."""
+    hid rank 2, last at the eleven others (0.31): the scores leave the longest spread out, and
+    the stall is told on its own line."""
     times = CollectiveTimes(now_ns=lambda: 105 * S)
     stalled_loop(times, late=0.1)
     report = straggler_report({}, arrivals=times.lateness(5))
@@ -107,6 +108,25 @@ def test_one_stall_does_not_make_a_straggler_nor_hide_one() -> None:
     assert report.stragglers == [], str(report)
     assert report.summary()[0].startswith("no straggler: the ranks reach their collectives together (0%")
     assert report.summary()[1].startswith("stall: rank 1 arrived 2.50 s"), str(report)
+
+
+def test_a_long_stall_does_not_make_a_straggler_immaterial() -> None:
+    """The spread must be a tenth of the time to matter: of the time without the stall, or a
+    5 s stall made ten 50 ms arrivals "no straggler"."""
+    times = CollectiveTimes(now_ns=lambda: 110 * S)
+    stalled_loop(times, late=0.05, stall=5.0, steps=11, period=0.25)
+    report = straggler_report({}, arrivals=times.lateness(5))
+    assert report.stragglers == [2], str(report)
+
+
+def test_a_steady_stragglers_longest_arrival_is_no_stall() -> None:
+    """Over four collectives, a rank 150 ms late at each: its longest arrival is one like the
+    others, not a stall to tell."""
+    times = CollectiveTimes(now_ns=lambda: 105 * S)
+    loop(times, steps=4)
+    report = straggler_report({}, arrivals=times.lateness(5))
+    assert report.stragglers == [2] and not any(line.startswith("stall:") for line in report.summary()), \
+        str(report)
 
 
 def test_an_async_collective_waits_until_the_last_member_came() -> None:

@@ -90,6 +90,11 @@ class Lateness:
         """The summed spread without the longest one: what a straggler's score is a share of."""
         return self.spread_s - self.longest_spread_s
 
+    @property
+    def steady_span_s(self) -> float:
+        """The time from the first entry to the last exit, without the longest spread."""
+        return self.span_s - self.longest_spread_s
+
     def score(self, rank: int) -> float:
         """``rank``'s share of the waiting its lateness caused, 0 (never late) to 1 (always
         the last to arrive, by the whole spread), leaving out the collective with the longest

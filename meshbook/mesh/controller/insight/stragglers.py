@@ -51,6 +51,8 @@ LATE_SCORE = 0.5
 MATERIAL_SHARE = 0.1
 MATERIAL_S = 0.1
 MIN_COLLECTIVES = 3
+#: The longest spread is told as a stall when it is this many times the others' average.
+STALL_FACTOR = 3.0
 STRAGGLER_SCORE = 0.3
 MIN_SAMPLES = 5
 DURATION_FACTOR = 2.0
@@ -167,11 +169,13 @@ class StragglerReport:
         return lines
 
     def _stall(self) -> list[str]:
-        """The longest spread, when it matters on its own: the scores leave it out."""
+        """The longest spread, when it matters on its own and stands out from the others (not
+        one more arrival of a steady straggler): the scores leave it out."""
         arrivals = self.arrivals
         if arrivals is None or not arrivals.longest_late_s or not any(t.flagged is not None for t in self.ranks):
             return []
-        if arrivals.longest_spread_s < max(MATERIAL_S, MATERIAL_SHARE * arrivals.span_s):
+        others = arrivals.steady_spread_s / max(1, arrivals.complete - 1)
+        if arrivals.longest_spread_s < max(MATERIAL_S, MATERIAL_SHARE * arrivals.span_s, STALL_FACTOR * others):
             return []
         rank = max(arrivals.longest_late_s, key=lambda r: arrivals.longest_late_s[r])
         return [f"stall: rank {rank} arrived {arrivals.longest_spread_s:.2f} s after the first at one collective "
@@ -180,7 +184,7 @@ class StragglerReport:
     def _no_straggler(self) -> str:
         arrivals = self.arrivals
         if arrivals is not None and any(t.flagged is not None for t in self.ranks):
-            apart = arrivals.steady_spread_s / arrivals.span_s if arrivals.span_s > 0 else 0.0
+            apart = arrivals.steady_spread_s / arrivals.steady_span_s if arrivals.steady_span_s > 0 else 0.0
             return (f"no straggler: the ranks reach their collectives together ({format_percent(apart)} "
                     f"of the time between the first and the last to arrive)")
         scored = [t for t in self.ranks if t.score is not None]
@@ -244,7 +248,7 @@ def slow_by_duration(durations: Mapping[int, float], factor: float = DURATION_FA
 def score_arrivals(ranks: tuple[RankTime, ...], arrivals: Lateness) -> tuple[RankTime, ...]:
     """The exact scores, from when each rank reached its collectives (see :mod:`.clock`):
     a rank's share of the spread, flagged from ``LATE_SCORE`` when the spread matters."""
-    material = arrivals.steady_spread_s >= max(MATERIAL_S, MATERIAL_SHARE * arrivals.span_s)
+    material = arrivals.steady_spread_s >= max(MATERIAL_S, MATERIAL_SHARE * arrivals.steady_span_s)
     known = {t.rank: t for t in ranks}
     out = []
     for rank in sorted(set(known) | set(arrivals.late_s)):
