@@ -477,15 +477,13 @@ class SlurmJob:
         completing: list[float] = []  # since when the job is COMPLETING: its final state comes
         while not self._stop.wait(self.launcher.poll_s):  # once its processes are gone (KillWait)
             began = time.monotonic()
-            try:
-                state = self._look(completing)
-            finally:  # ended, or running on: an agent's death may be reported (completing: not yet)
-                if self.ended is not None or not completing:
-                    self.looked_at = began
+            state = self._look(completing)
+            if self.ended is not None or not completing:  # an agent's death may be reported now
+                self.looked_at = began
             if self.ended is not None:
                 return
             if os.path.exists(os.path.join(self.dir, "time-limit")) or self._step_near_limit(state):
-                self._run_hook()  # after the look is booked: ranks that die meanwhile fail the hook's run
+                self._start_hook()
 
     def _look(self, completing: list[float]) -> JobState:
         """One look at the job: ``ended`` says how, once it ended."""
@@ -503,11 +501,16 @@ class SlurmJob:
         left = state.left_s()
         return self.step is not None and left is not None and left <= self.launcher.signal_s
 
-    def _run_hook(self) -> None:
-        code = self.launcher.on_time_limit
-        if self.hook_ran or not code or self.mesh is None:
+    def _start_hook(self) -> None:
+        """``on_time_limit`` on every rank, once, on a thread of its own: the watcher looks on
+        meanwhile, so ranks that die under the hook are told, and fail its run."""
+        if self.hook_ran or not self.launcher.on_time_limit or self.mesh is None:
             return
         self.hook_ran = True
+        threading.Thread(target=self._run_hook, name=f"slurm-job-{self.id}-hook", daemon=True).start()
+
+    def _run_hook(self) -> None:
+        code = self.launcher.on_time_limit
         self.launcher.announce(f"job {self.id}: Slurm signalled the time limit ({self.state.left} left): "
                                f"running on_time_limit on every rank")
         try:
