@@ -1,10 +1,11 @@
 """Every test run proves that no meshbook process outlives it (tests and notebooks alike).
 
 After each test: no mesh the test started is still running, and no host agent or rank
-outlived its controller. After the session (nbval's kernels included): none at all. Under
-pytest-xdist (``./dev test`` runs two workers) each worker checks the processes its own tests
-started: they inherit its ``PYTEST_XDIST_WORKER``, and a kept mesh another worker is between
-kernels with is none of its business.
+outlived its controller. After the session (nbval's kernels included): none at all. Each
+check looks at the processes of its own run and worker: they inherit ``MESHBOOK_TEST_RUN``
+(set here, once per pytest run) and ``PYTEST_XDIST_WORKER`` (``./dev test`` runs two workers;
+CI runs the hosts and browser groups side by side), so a kept mesh between kernels in another
+run or worker is none of this one's business. A process that carries neither counts as ours.
 
 Ctrl-C raises KeyboardInterrupt in the test process whoever started it: a shell without job
 control starts a background command with SIGINT ignored, and the tests that press Ctrl-C
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from typing import Iterator
 
 import psutil
@@ -30,6 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+RUN = os.environ.setdefault("MESHBOOK_TEST_RUN", uuid.uuid4().hex)  # xdist's workers inherit it
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 
 
@@ -47,13 +50,13 @@ def meshbook_processes() -> list[psutil.Process]:
 
 
 def _ours(proc: psutil.Process) -> bool:
-    """Started under this worker (any process, without pytest-xdist)."""
-    if WORKER is None:
-        return True
+    """Started by this run's tests, under this worker (untagged or unreadable: counted, so
+    that nothing is let off)."""
     try:
-        return proc.environ().get("PYTEST_XDIST_WORKER") == WORKER
+        env = proc.environ()
     except psutil.AccessDenied:
-        return True  # unreadable: counted, so that nothing is let off
+        return True
+    return env.get("MESHBOOK_TEST_RUN", RUN) == RUN and env.get("PYTEST_XDIST_WORKER", WORKER) == WORKER
 
 
 def orphans(timeout: float = 10.0) -> list[str]:

@@ -11,12 +11,14 @@ key (key authentication only, as root), ``authorized_keys``, ``known_hosts`` (ne
 accepted, then pinned) and :attr:`Sshd.ssh_config`, a client config with one ``Host`` alias
 per host (``h1`` -> its address). A launcher under test is given ``ssh -F ssh_config``.
 Each sshd sets the host's ``XDG_RUNTIME_DIR`` and ``TMPDIR`` in its sessions (``SetEnv``),
-because the hosts share one filesystem. The project's Python is reached through ssh by its
+because the hosts share one filesystem, and the test run's tags (conftest.py's leak checks go
+by them). The project's Python is reached through ssh by its
 absolute path (``sys.executable``): the filesystem is shared, a login PATH does not hold it.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -86,7 +88,9 @@ class Sshd(Rig):
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
     def server_config(self, host: Host) -> str:
-        env = " ".join(f"{k}={v}" for k, v in host.env().items())
+        # and the test run's tags (see conftest.py), which sshd would not pass on
+        tags = {k: os.environ[k] for k in ("MESHBOOK_TEST_RUN", "PYTEST_XDIST_WORKER") if k in os.environ}
+        env = " ".join(f"{k}={v}" for k, v in {**host.env(), **tags}.items())
         return "\n".join([
             f"ListenAddress {host.addr}", "Port 22",
             f"HostKey {self.dir / f'host-{host.name}'}",
