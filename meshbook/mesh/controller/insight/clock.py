@@ -53,8 +53,8 @@ class RequestTimes:
     last: dict[int, int] = field(default_factory=dict)  # collectives at which the rank came last
     collectives: dict[int, int] = field(default_factory=dict)
     spread_ns: int = 0  # summed over complete collectives: last arrival minus first
-    longest_spread_ns: int = 0  # the collective with the longest spread, and each rank's lateness there
-    longest_late_ns: dict[int, int] = field(default_factory=dict)
+    longest_spread_ns: int = 0  # the collective with the longest spread, and its {rank: (late, waiting)}
+    longest: dict[int, tuple[int, int]] = field(default_factory=dict)
     complete: int = 0
     first_ns: int = 0  # the earliest entry seen, and the latest exit or entry
     last_ns: int = 0
@@ -192,9 +192,8 @@ class CollectiveTimes:
         request = arrived[latest][0]
         times = self._times(request)
         times.spread_ns += last_at - first
-        if last_at - first >= times.longest_spread_ns:
-            times.longest_spread_ns = last_at - first
-            times.longest_late_ns = {rank: late for rank, (late, _) in ranks.items()}
+        if last_at - first > times.longest_spread_ns:
+            times.longest_spread_ns, times.longest = last_at - first, ranks
         times.complete += 1
         if last_at > first:
             times.last[latest] = times.last.get(latest, 0) + 1
@@ -260,7 +259,7 @@ class CollectiveTimes:
         return Lateness({r: ns / 1e9 for r, ns in times.late_ns.items()}, dict(times.last),
                         times.spread_ns / 1e9, times.complete, (times.last_ns - times.first_ns) / 1e9,
                         {r: ns / 1e9 for r, ns in times.waiting_ns.items()},
-                        times.longest_spread_ns / 1e9, {r: ns / 1e9 for r, ns in times.longest_late_ns.items()})
+                        times.longest_spread_ns / 1e9, {r: ns / 1e9 for r, (ns, _) in times.longest.items()})
 
     def recent(self, window_s: float = WINDOW_S) -> tuple[int, Lateness] | None:
         """The last ``window_s`` seconds of the newest request's complete collectives (the live
@@ -283,7 +282,7 @@ class CollectiveTimes:
             first = at
             count += 1
             spread += gap
-            if gap >= longest_spread:
+            if gap > longest_spread:
                 longest_spread, longest = gap, ranks
             if gap:
                 last[latest] = last.get(latest, 0) + 1

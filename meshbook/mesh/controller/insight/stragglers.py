@@ -140,6 +140,11 @@ class StragglerReport:
     def get(self, rank: int) -> RankTime | None:
         return next((t for t in self.ranks if t.rank == rank), None)
 
+    @property
+    def timed(self) -> bool:
+        """Whether the verdict comes from the ranks' timed arrivals (not from sampling)."""
+        return any(t.flagged is not None for t in self.ranks)
+
     def _straggling(self) -> list[RankTime]:
         return sorted((t for t in self.ranks if t.straggler), key=lambda t: -(t.score or 0.0))
 
@@ -172,7 +177,7 @@ class StragglerReport:
         """The longest spread, when it matters on its own and stands out from the others (not
         one more arrival of a steady straggler): the scores leave it out."""
         arrivals = self.arrivals
-        if arrivals is None or not arrivals.longest_late_s or not any(t.flagged is not None for t in self.ranks):
+        if arrivals is None or not arrivals.longest_late_s or not self.timed:
             return []
         others = arrivals.steady_spread_s / max(1, arrivals.complete - 1)
         if arrivals.longest_spread_s < max(MATERIAL_S, MATERIAL_SHARE * arrivals.span_s, STALL_FACTOR * others):
@@ -183,7 +188,7 @@ class StragglerReport:
 
     def _no_straggler(self) -> str:
         arrivals = self.arrivals
-        if arrivals is not None and any(t.flagged is not None for t in self.ranks):
+        if arrivals is not None and self.timed:
             apart = arrivals.steady_spread_s / arrivals.steady_span_s if arrivals.steady_span_s > 0 else 0.0
             return (f"no straggler: the ranks reach their collectives together ({format_percent(apart)} "
                     f"of the time between the first and the last to arrive)")
@@ -198,7 +203,7 @@ class StragglerReport:
                 f"{self.window:g} s to compare them (run a loop, then ask again)")
 
     def __str__(self) -> str:
-        exact = self.arrivals is not None and any(t.flagged is not None for t in self.ranks)
+        exact = self.arrivals is not None and self.timed
         rows = [{"rank": t.rank, **({"late": f"{t.late_s:.2f} s", "last": t.last} if exact else {"samples": t.samples}),
                  "waiting": format_percent(t.wait) if t.samples or exact else "-",
                  "score": f"{t.score:.2f}" if t.score is not None else "-",
