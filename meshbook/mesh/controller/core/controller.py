@@ -1075,15 +1075,20 @@ class Controller:
         Said with the launcher's reason where it comes in time (``told_since``: "job 12 ended:
         CANCELLED"), else with the agent's own. A handle that died meanwhile, after ``gone()``
         looked, is left to it: its next look says the launcher's reason."""
+        due = []
         with self._lock:
-            due = [(host, link, why) for host, (link, since, why) in self._stopped_alone.items()
-                   if self.agents.handles[host].told_since(since) or not self.agents.handles[host].alive()]
-            for host, _, _ in due:
+            for host, (link, since, why) in list(self._stopped_alone.items()):
+                handle = self.agents.handles[host]
+                alive = handle.alive()
+                if alive and not handle.told_since(since):
+                    continue
                 del self._stopped_alone[host]
+                if alive:
+                    due.append((link, why))
         network = self.transport.network
-        for host, link, why in due:
-            if self.agents.handles[host].alive() and network is not None and network.links.get(link.host) is link:
-                self._agent_stopped(link, why)  # its link not replaced since
+        for link, why in due:
+            if network is not None and network.links.get(link.host) is link:  # not replaced since
+                self._agent_stopped(link, why)
 
     def _agent_stopped(self, link: HostLink, why: str) -> None:
         """``link``'s agent stopped on its own: its ranks that are not dead yet die with it."""

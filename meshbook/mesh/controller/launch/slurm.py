@@ -474,27 +474,22 @@ class SlurmJob:
         self._thread.start()
 
     def _watch(self) -> None:
-        completing: list[float] = []  # since when the job is COMPLETING: its final state comes
-        while not self._stop.wait(self.launcher.poll_s):  # once its processes are gone (KillWait)
+        completing = None  # since when the job is COMPLETING: its final state comes once its
+        while not self._stop.wait(self.launcher.poll_s):  # processes are gone (KillWait)
             began = time.monotonic()
-            state = self._look(completing)
+            state = self.refresh()
+            if state.state == "COMPLETING":
+                completing = completing or time.monotonic()
+            if not state.active or completing and time.monotonic() - completing > COMPLETING_WAIT_S:
+                self.ended = f"job {self.id} ended: {state.state}" + (f" ({state.reason})" if state.reason else "")
+            elif self.step is not None and self.step.poll() is not None:
+                self.ended = f"the srun step of job {self.id} ended (exit code {self.step.returncode})"
             if self.ended is not None or not completing:  # an agent's death may be reported now
                 self.looked_at = began
             if self.ended is not None:
                 return
             if os.path.exists(os.path.join(self.dir, "time-limit")) or self._step_near_limit(state):
                 self._start_hook()
-
-    def _look(self, completing: list[float]) -> JobState:
-        """One look at the job: ``ended`` says how, once it ended."""
-        state = self.refresh()
-        if state.state == "COMPLETING" and not completing:
-            completing.append(time.monotonic())
-        if not state.active or completing and time.monotonic() - completing[0] > COMPLETING_WAIT_S:
-            self.ended = f"job {self.id} ended: {state.state}" + (f" ({state.reason})" if state.reason else "")
-        elif self.step is not None and self.step.poll() is not None:
-            self.ended = f"the srun step of job {self.id} ended (exit code {self.step.returncode})"
-        return state
 
     def _step_near_limit(self, state: JobState) -> bool:
         """In a user's allocation there is no batch script to signal: go by the time left."""
