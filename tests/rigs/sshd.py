@@ -12,8 +12,8 @@ accepted, then pinned) and :attr:`Sshd.ssh_config`, a client config with one ``H
 per host (``h1`` -> its address). A launcher under test is given ``ssh -F ssh_config``.
 Each sshd sets the host's ``XDG_RUNTIME_DIR`` and ``TMPDIR`` in its sessions (``SetEnv``),
 because the hosts share one filesystem, and the test run's tags (conftest.py's leak checks go
-by them). The project's Python is reached through ssh by its
-absolute path (``sys.executable``): the filesystem is shared, a login PATH does not hold it.
+by them). The project's Python is reached through ssh by its absolute path
+(``sys.executable``): the filesystem is shared, a login PATH does not hold it.
 """
 
 from __future__ import annotations
