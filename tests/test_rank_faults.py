@@ -270,6 +270,10 @@ def test_an_idle_interrupt_under_python_s_own_handler_stops_nothing() -> None:
     waited for its next request raised KeyboardInterrupt there, and the rank died of it."""
     with meshbook.start(2) as mesh:
         mesh.run("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\nkept = rank").result()
+        # Put back once the cell ended: an interrupt that came as rank 1 sent its answer (under
+        # load) raised there, after the notebook had the answer, and the rank died.
+        handler = mesh.run("signal.getsignal(signal.SIGINT) is signal.default_int_handler").result(echo=False)
+        assert handler == {0: False, 1: False}, handler
         mesh.interrupt()
         time.sleep(1.0)
         assert [s.state for s in mesh.status()] == ["idle", "idle"]

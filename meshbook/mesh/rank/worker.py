@@ -514,6 +514,11 @@ class Worker:
 
     def _finish(self, request: int, value: Any = None, failure: RankFailure | None = None,
                 reply: Callable[[list[Any]], None] | None = None) -> None:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            # The user's code installed Python's own (as scripts do). In user code this rank's
+            # raises alike; in meshbook's own work Python's raised too: in the answer's send,
+            # after the notebook had it, and the rank died of it, out of the mesh.
+            signal.signal(signal.SIGINT, self._on_sigint)
         # Not user code from here on, whatever a block left: an interrupt that lands as a block
         # ends (before its __exit__ restored this) raises there and leaves it set.
         self.executing = False
