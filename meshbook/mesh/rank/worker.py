@@ -378,7 +378,7 @@ class Worker:
                 traceback.clear_frames(exc.__traceback__)
             self.last_exception = exc
             reason = self.abort_reasons.pop(request, "")
-            if reason:
+            if reason and not _interrupted_in_python(exc):
                 failure = replace(failure, type_name="CollectiveAborted", message=reason, detail="")
             self._finish(request, failure=_stopped_pipeline(exc, failure), reply=reply)
         else:
@@ -750,6 +750,14 @@ def _described(message: wire.Message) -> str:
                 else f"a call of {body.get('actor')}.{body.get('endpoint')}")
     name = body.get("name")
     return f"cell [{name}]" if isinstance(name, int) else "an earlier run"
+
+
+def _interrupted_in_python(exc: BaseException) -> bool:
+    """Did an interrupt stop this rank in Python, where an abort of its collectives came too
+    (a recovery aborts those of every rank still busy after a moment, in Python or not)? A
+    ``KeyboardInterrupt`` raised while a collective's error unwound has that error as its
+    context: that rank was freed by the abort."""
+    return isinstance(exc, KeyboardInterrupt) and exc.__context__ is None
 
 
 def describe_outcome(failure: RankFailure | None) -> str:

@@ -38,7 +38,7 @@ import weakref
 from _signal import getsignal as _getsignal
 from collections import Counter
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ...protocol import bundle, wire
 from ...protocol import messages as msg
@@ -487,6 +487,12 @@ class Controller:
     def own_work(self, request: int | None) -> str:
         with self._lock:
             return self.book.own_work(request)
+
+    def runs_of(self, requests: Iterable[int | None]) -> dict[int, Run]:
+        """The runs of ``requests`` still in flight, by request (a recovery reads how each of
+        its ranks ended once it is over, when the book has let the run go)."""
+        with self._lock:
+            return {q: self.book.runs[q] for q in requests if q is not None and q in self.book.runs}
 
     def nouns(self) -> dict[int, str]:
         """What a user calls each run still booked, by request ("cell", "call"...)."""

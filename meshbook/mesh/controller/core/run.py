@@ -322,6 +322,11 @@ class Run:
         """Ranks whose part of the run failed (so far)."""
         return set(self._failures)
 
+    def failure(self, rank: int) -> RankFailure | None:
+        """How ``rank``'s part failed (None: it succeeded, or has not answered yet)."""
+        with self._cond:
+            return self._failures.get(rank)
+
     def values(self) -> RankValues:
         """Results of the ranks that have succeeded so far."""
         return RankValues(self._values, self._topology)

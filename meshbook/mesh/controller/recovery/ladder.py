@@ -193,6 +193,7 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
     reason = (f"meshbook aborted the collective it waited in, to free the ranks ({cause}); "
               f"the process group was re-created")
     doing = {r: running.get(r) or controller.current_request(r) for r in interrupted}
+    runs = controller.runs_of(doing.values())  # how each ended says whether the interrupt or the abort stopped it
     # Told first, before the kill: ranks that leave the old group, and the ranks killed, free a
     # collective with a closed connection, which said only gloo's "Connection closed by peer".
     in_python = _outside_collectives(controller, doing, reason)  # ranks that wait in no collective
@@ -255,12 +256,30 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
         time.sleep(0.02)
     controller.wait_generation(generation, list(controller.ranks), timeout, "recovery")
     stopped = [r for r in interrupted if r not in restarted]
-    python = [r for r in stopped if r in in_python and r not in aborted]
     kept = [r for r in controller.ranks if r not in restarted]
-    joined.wait(5)  # each rank's list of objects bound to the old groups
+    joined.wait(5)  # each rank's list of objects bound to the old groups (answered after its run)
+    python = _stopped_by_interrupt(stopped, doing, runs, in_python - set(aborted))
     bound = {r: stale for r, stale in joined.values().items() if r in kept}
     return Recovery(sorted(restarted), [r for r in stopped if r not in python], kept, generation,
                     time.monotonic() - started, python, bound)
+
+
+def _stopped_by_interrupt(stopped: list[int], doing: dict[int, int | None], runs: "Mapping[int, Run]",
+                          said: set[int]) -> list[int]:
+    """The ranks of ``stopped`` that the interrupt stopped, not the abort: those whose run ended
+    in a ``KeyboardInterrupt``. How soon a rank stopped does not tell: one slow to leave its
+    interrupt (a loaded machine, a cleanup) has its sockets shut as well. Where the run's end is
+    not known here (an endpoint another rank's actor called), those ``said`` to run Python and
+    stopped before the abort."""
+    def by_interrupt(rank: int) -> bool:
+        request = doing[rank]
+        run = runs.get(request) if request is not None else None
+        failure = run.failure(rank) if run is not None else None
+        if failure is None or failure.type_name not in ("KeyboardInterrupt", "CollectiveAborted"):
+            return rank in said
+        return failure.type_name == "KeyboardInterrupt"
+
+    return [r for r in stopped if by_interrupt(r)]
 
 
 def _outside_collectives(controller: "Controller", doing: dict[int, int | None], reason: str) -> set[int]:
