@@ -755,9 +755,15 @@ def _described(message: wire.Message) -> str:
 def _interrupted_in_python(exc: BaseException) -> bool:
     """Did an interrupt stop this rank in Python, where an abort of its collectives came too
     (a recovery aborts those of every rank still busy after a moment, in Python or not)? A
-    ``KeyboardInterrupt`` raised while a collective's error unwound has that error as its
-    context: that rank was freed by the abort."""
-    return isinstance(exc, KeyboardInterrupt) and exc.__context__ is None
+    ``KeyboardInterrupt`` raised while a collective's error (a ``RuntimeError``) unwound has
+    that error in its context: that rank was freed by the abort. One raised in the cleanup of
+    an earlier interrupt has only that one there."""
+    if not isinstance(exc, KeyboardInterrupt):
+        return False
+    context = exc.__context__
+    while context is not None and not isinstance(context, RuntimeError):
+        context = context.__context__
+    return context is None
 
 
 def describe_outcome(failure: RankFailure | None) -> str:
