@@ -211,6 +211,30 @@ def test_the_time_limit_runs_the_hook_then_ends_the_job(cluster: slurm.Slurm, ho
         mesh.stop()
 
 
+def test_a_kept_mesh_attached_again_runs_its_time_limit_hook(cluster: slurm.Slurm, home: Path, tmp_path: Path,
+                                                             capfd: pytest.CaptureFixture[str]) -> None:
+    """The kernel that attached a kept mesh is the one left to run the hook its job was
+    submitted with: the mesh file keeps the code."""
+    lines: list[str] = []
+    first = meshbook.start(2, launcher=launcher(home, lines, nodes=2, time="1", signal_s=30,
+                                                on_time_limit="save()"), keep="10m", timeout=120)
+    job, mesh_id = first.job().job, first.controller.lease.id
+    try:
+        first.run(f"def save():\n    open('{tmp_path}/saved-' + str(rank), 'w').write('step 7')").result()
+        mesh = meshbook.attach(mesh_id)  # this process's handle lets go of it, as a new kernel's attach does
+    except BaseException:
+        first.stop()
+        raise
+    try:
+        assert first.controller.stopped and mesh.job().job == job
+        wait_until(lambda: len(list(tmp_path.glob("saved-*"))) == 2, "the attached kernel to run the hook")
+        assert f"job {job}: Slurm signalled the time limit" in capfd.readouterr().out  # the attached one's
+        assert not any("signalled" in line for line in lines), lines  # not the first's
+    finally:
+        mesh.stop()
+    assert gone(cluster, job)
+
+
 def test_a_mesh_inside_an_allocation_the_user_has(cluster: slurm.Slurm, home: Path) -> None:
     allocation = cluster.run(["sbatch", "--parsable", "-N2", "--wrap", "sleep 300"]).stdout.strip()
     try:

@@ -191,6 +191,8 @@ class Agents:
         if detach:
             if self.transport.network is not None:
                 self.transport.network.hand_over(self.signer, 5.0)
+            for handle in handles:
+                handle.let_go()
             return
         if self.transport.network is not None:
             self.transport.network.stop_agents(self.signer, 5.0)

@@ -83,6 +83,10 @@ class AgentHandle(abc.ABC):
     def terminate(self, timeout: float) -> None:
         """End it: it stops its ranks and exits (forced after ``timeout``)."""
 
+    def let_go(self) -> None:
+        """This process no longer drives it (a kept mesh detached: another kernel attached it,
+        or this one ends), and it runs on: stop what watches it here. By default nothing does."""
+
 
 @dataclass
 class LaunchContext:
@@ -187,12 +191,17 @@ class Launcher(abc.ABC):
         with the record's keys and its next epoch."""
         launcher = cls.__new__(cls)
         Launcher.__init__(launcher)
+        launcher.find_again(record)
+        return launcher
+
+    def find_again(self, record: MeshRecord) -> None:
+        """Dial the agents of ``record``'s kept mesh, with its keys and its next epoch, instead
+        of launching any (for a ``from_record`` that makes its launcher with options of its own)."""
         from ...protocol.net import Keys
 
-        launcher.keys = (Keys.from_json(record.server), Keys.from_json(record.controller))
-        launcher.epoch = record.epoch
-        launcher.record = record
-        return launcher
+        self.keys = (Keys.from_json(record.server), Keys.from_json(record.controller))
+        self.epoch = record.epoch
+        self.record = record
 
     def dial_recorded(self, plans: list[HostPlan], ctx: LaunchContext, same_host: bool = False) -> list[AgentHandle]:
         """``launch`` of a launcher made by ``from_record``: connect to the recorded agents

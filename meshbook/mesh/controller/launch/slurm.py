@@ -227,8 +227,8 @@ class Slurm(Launcher):
         assert network is not None
         if self.record is not None:
             self.dial_recorded(plans, ctx)
-            self.current = SlurmJob.resume(self.record.launcher_state["job"], self.record.launcher_state["dir"],
-                                           len(plans), network)
+            self.current = SlurmJob.resume(self, self.record.launcher_state["job"],
+                                           self.record.launcher_state["dir"], len(plans), network)
             return [SlurmAgent(self.current, p.host) for p in plans]
         job = SlurmJob(self, len(plans), network)
         self.current = job
@@ -265,14 +265,17 @@ class Slurm(Launcher):
     def to_record(self) -> dict[str, Any]:
         job = self.current
         assert job is not None
-        return {"job": job.id or "", "dir": job.dir}
+        # The hook too: the job was submitted to signal it, and a kernel that attaches the
+        # mesh later is the one that must run it.
+        return {"job": job.id or "", "dir": job.dir, "on_time_limit": self.on_time_limit,
+                "signal_s": self.signal_s}
 
     @classmethod
     def from_record(cls, record: MeshRecord) -> "Launcher":
-        launcher = super().from_record(record)
-        assert isinstance(launcher, Slurm)
-        launcher.workdir = os.path.dirname(record.launcher_state["dir"])
-        launcher.poll_s, launcher.current = 5.0, None
+        state = record.launcher_state
+        launcher = cls(workdir=os.path.dirname(state["dir"]), on_time_limit=state.get("on_time_limit"),
+                       signal_s=state.get("signal_s", 300))
+        launcher.find_again(record)
         return launcher
 
     @classmethod
@@ -347,10 +350,11 @@ class SlurmJob:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def resume(cls, job_id: str, job_dir: str, nodes: int, network: Network) -> "SlurmJob":
-        """The job of a kept mesh that another kernel submitted (``attach``): watched as ours,
-        and ended (then cancelled if need be) when the mesh is stopped."""
-        job = cls(Slurm(nodes, workdir=os.path.dirname(job_dir)), nodes, network, job_dir)
+    def resume(cls, launcher: Slurm, job_id: str, job_dir: str, nodes: int, network: Network) -> "SlurmJob":
+        """The job of a kept mesh that another kernel submitted (``attach``): watched as ours
+        (its time-limit hook run by this kernel), and ended (then cancelled if need be) when
+        the mesh is stopped."""
+        job = cls(launcher, nodes, network, job_dir)
         job.id, job.listening = job_id, True
         job.refresh()
         job.watch()
@@ -534,11 +538,14 @@ class SlurmJob:
         if self.handles <= 0:
             self.close(timeout)
 
-    def close(self, timeout: float) -> None:
-        """Stop watching; end the srun step or cancel the job we submitted; remove the directory."""
+    def stop_watching(self, timeout: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def close(self, timeout: float) -> None:
+        """Stop watching; end the srun step or cancel the job we submitted; remove the directory."""
+        self.stop_watching(timeout)
         if self.step is not None:
             _end(self.step, timeout)
         elif self.id is not None:
@@ -598,3 +605,8 @@ class SlurmAgent(AgentHandle):
         if not self.released:
             self.released = True
             self.job.release(timeout)
+
+    def let_go(self) -> None:
+        """The job runs on for whoever attaches the mesh: its watcher here would still run the
+        time-limit hook on a mesh this process no longer drives."""
+        self.job.stop_watching()
