@@ -174,7 +174,8 @@ def prepare_abort(worker: "Worker", stuck_in: dict[int, int], reasons: dict[int,
     waiting = bool(flight_records())
     if worker.rank in reasons and request is not None and request == stuck_in.get(worker.rank) \
             and (waiting or not if_waiting):
-        worker.abort_reasons[request] = reasons[worker.rank]
+        _, waited = worker.abort_reasons.get(request, ("", False))
+        worker.abort_reasons[request] = (reasons[worker.rank], waited or waiting)
     return listening_ports(worker), waiting
 
 

@@ -144,8 +144,9 @@ class Worker:
         self.last_knock_on = False
         self.last_user_request: int | None = None
         self.running_user_code = False
-        #: Why meshbook aborted a request's collective (request -> reason), for its error.
-        self.abort_reasons: dict[int, str] = {}
+        #: Why meshbook aborted a request's collective, for its error, and whether the rank waited
+        #: in one when told (request -> (reason, waited)).
+        self.abort_reasons: dict[int, tuple[str, bool]] = {}
         #: The cell or function this rank failed (its request, and "failed cell [3]"), from its failure
         #: until a step check lets it go (``hold``), its groups are re-created (``reinit``) or the
         #: controller says no check will come for it (``resume``): cells and functions sent
@@ -377,8 +378,8 @@ class Worker:
             if _out_of_memory(exc):  # its frames hold the tensors that filled the memory: let go
                 traceback.clear_frames(exc.__traceback__)
             self.last_exception = exc
-            reason = self.abort_reasons.pop(request, "")
-            if reason and not _interrupted_in_python(exc):
+            reason, waited = self.abort_reasons.pop(request, ("", False))
+            if reason and (waited or not _interrupted_in_python(exc)):
                 failure = replace(failure, type_name="CollectiveAborted", message=reason, detail="")
             self._finish(request, failure=_stopped_pipeline(exc, failure), reply=reply)
         else:
@@ -753,11 +754,13 @@ def _described(message: wire.Message) -> str:
 
 
 def _interrupted_in_python(exc: BaseException) -> bool:
-    """Did an interrupt stop this rank in Python, where an abort of its collectives came too
-    (a recovery aborts those of every rank still busy after a moment, in Python or not)? A
-    ``KeyboardInterrupt`` raised while a collective's error (a ``RuntimeError``) unwound has
-    that error in its context: that rank was freed by the abort. One raised in the cleanup of
-    an earlier interrupt has only that one there."""
+    """Did an interrupt stop this rank in Python, where an abort of its collectives came too (a
+    recovery aborts those of every rank still busy after a moment, in Python or not), and it
+    waited in none when told? A ``KeyboardInterrupt`` raised while a collective's error (a
+    ``RuntimeError``: gloo's, or a send or recv no flight recorder lists) unwound has that
+    error in its context: that rank was freed by the abort. One raised in the cleanup of an
+    earlier interrupt has only that one there. (An NCCL wait the abort ends returns without an
+    error: such a rank said it waited.)"""
     if not isinstance(exc, KeyboardInterrupt):
         return False
     context = exc.__context__

@@ -267,10 +267,12 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
 def _stopped_by_interrupt(stopped: list[int], doing: dict[int, int | None], runs: "Mapping[int, Run]",
                           said: set[int]) -> list[int]:
     """The ranks of ``stopped`` that the interrupt stopped, not the abort: those whose run ended
-    in a ``KeyboardInterrupt``. How soon a rank stopped does not tell: one slow to leave its
-    interrupt (a loaded machine, a cleanup) has its sockets shut as well. Where the run's end is
-    not known here (an endpoint another rank's actor called), those ``said`` to run Python and
-    stopped before the abort."""
+    in a ``KeyboardInterrupt`` (a rank keeps it only where it waited in no collective, see the
+    rank's worker). How soon a rank stopped does not tell: one slow to leave its interrupt (a
+    loaded machine, a cleanup) has its sockets shut as well. Where the run's end is not known
+    here (an endpoint another rank's actor called, the kernel before's request, an answer held
+    back for the collective clock) or is neither, those ``said`` to run Python and stopped
+    before the abort."""
     def by_interrupt(rank: int) -> bool:
         request = doing[rank]
         run = runs.get(request) if request is not None else None
