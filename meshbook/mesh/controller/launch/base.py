@@ -17,7 +17,8 @@ from its own package, without patching meshbook:
 * ``watch`` the mesh once it runs, and describe its ``job`` (a Slurm job's state and time left);
 * keep a mesh past the kernel: ``keep`` it (its agents then listen, detached, for ``lease_s``
   after a controller was last heard), describe it in ``to_record`` for the mesh file, and
-  ``from_record`` build the launcher that finds its agents again (``%mesh attach``);
+  ``from_record`` build the launcher that finds its agents again (``%mesh attach``); a
+  handle's ``let_go`` stops what watches an agent once its mesh is detached;
 * ``add_arguments``/``from_args``: the options ``%mesh start`` gets from it.
 """
 

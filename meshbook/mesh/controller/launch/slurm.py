@@ -28,6 +28,7 @@ than 10 minutes are left is printed once, at the start of the next cell.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -60,6 +61,9 @@ COMPLETING_WAIT_S = 30.0
 ANSWER_S = 60.0
 #: Less time left than this: a warning in the next cell's output.
 WARN_LEFT_S = 600.0
+#: The file the batch script touches when Slurm signals the time limit (the watcher runs the
+#: hook then); renamed once the hook ran to its end.
+SIGNALLED = "time-limit"
 #: The keys of ``--slurm`` (``key=value,...``); anything else goes in ``--sbatch``.
 SPEC_KEYS = ("job", "nodes", "per-node", "gpus-per-node", "time", "partition")
 
@@ -267,14 +271,12 @@ class Slurm(Launcher):
         assert job is not None
         # The hook too: the job was submitted to signal it, and a kernel that attaches the
         # mesh later is the one that must run it.
-        return {"job": job.id or "", "dir": job.dir, "on_time_limit": self.on_time_limit,
-                "signal_s": self.signal_s}
+        return {"job": job.id or "", "dir": job.dir, "on_time_limit": self.on_time_limit}
 
     @classmethod
     def from_record(cls, record: MeshRecord) -> "Launcher":
         state = record.launcher_state
-        launcher = cls(workdir=os.path.dirname(state["dir"]), on_time_limit=state.get("on_time_limit"),
-                       signal_s=state.get("signal_s", 300))
+        launcher = cls(workdir=os.path.dirname(state["dir"]), on_time_limit=state.get("on_time_limit"))
         launcher.find_again(record)
         return launcher
 
@@ -381,7 +383,7 @@ class SlurmJob:
         """``sbatch`` a script that runs one agent per node with ``srun``."""
         opts = self.launcher
         script = os.path.join(self.dir, "job.sh")
-        signal_line = (f"trap 'touch {shlex.quote(os.path.join(self.dir, 'time-limit'))}' USR1\n"
+        signal_line = (f"trap 'touch {shlex.quote(os.path.join(self.dir, SIGNALLED))}' USR1\n"
                        if opts.on_time_limit else "")
         with open(script, "w") as f:
             f.write("#!/bin/bash\n# a meshbook mesh: one host agent per node\n"
@@ -492,7 +494,7 @@ class SlurmJob:
                 self.looked_at = began
             if self.ended is not None:
                 return
-            if os.path.exists(os.path.join(self.dir, "time-limit")) or self._step_near_limit(state):
+            if os.path.exists(os.path.join(self.dir, SIGNALLED)) or self._step_near_limit(state):
                 self._start_hook()
 
     def _step_near_limit(self, state: JobState) -> bool:
@@ -503,7 +505,7 @@ class SlurmJob:
     def _start_hook(self) -> None:
         """``on_time_limit`` on every rank, once, on a thread of its own: the watcher looks on
         meanwhile, so ranks that die under the hook are told, and fail its run."""
-        if self.hook_ran or not self.launcher.on_time_limit or self.mesh is None:
+        if self.hook_ran or not self.launcher.on_time_limit or self.mesh is None or self._stop.is_set():
             return
         self.hook_ran = True
         threading.Thread(target=self._run_hook, name=f"slurm-job-{self.id}-hook", daemon=True).start()
@@ -517,6 +519,10 @@ class SlurmJob:
             self.launcher.announce(f"job {self.id}: on_time_limit done")
         except Exception as exc:  # the job is ending anyway: say why the checkpoint failed
             self.launcher.announce(f"job {self.id}: on_time_limit failed: {exc}")
+        # Run to its end: a kernel that attaches this (kept) mesh later must not run it again.
+        # One that died before this line, mid-hook, leaves it to the next.
+        with contextlib.suppress(OSError):
+            os.replace(os.path.join(self.dir, SIGNALLED), os.path.join(self.dir, SIGNALLED + "-handled"))
 
     def warn_once(self) -> None:
         left = self.state.left_s()
@@ -538,9 +544,10 @@ class SlurmJob:
         if self.handles <= 0:
             self.close(timeout)
 
-    def stop_watching(self, timeout: float = 5.0) -> None:
+    def stop_watching(self, timeout: float | None) -> None:
+        """Stop the watcher, waiting up to ``timeout`` for it (None: not at all)."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if timeout is not None and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def close(self, timeout: float) -> None:
@@ -608,5 +615,6 @@ class SlurmAgent(AgentHandle):
 
     def let_go(self) -> None:
         """The job runs on for whoever attaches the mesh: its watcher here would still run the
-        time-limit hook on a mesh this process no longer drives."""
-        self.job.stop_watching()
+        time-limit hook on a mesh this process no longer drives. Not waited for: a watcher
+        stuck in a slow squeue would hold the detach (at kernel exit too)."""
+        self.job.stop_watching(None)
