@@ -165,12 +165,19 @@ def kernel_with_mesh(start: str = "%mesh start --dims dp=2,tp=2") -> Iterator[Ke
         kernel.close()
 
 
+def running(pid: int) -> bool:
+    """Is ``pid`` a live process (a zombie is not)? One that exits while asked is not either."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
     """The pids still alive (zombies count as gone) after waiting up to ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if running(p)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 import zmq
-from jupyter_kernels import wait_gone
+from jupyter_kernels import running, wait_gone
 
 import meshbook
 from meshbook import MeshError, MeshStoppedError, MeshTimeout, RemoteError
@@ -46,8 +46,7 @@ def test_context_manager_stops_and_stopped_mesh_refuses_work() -> None:
         assert dict(mesh.run("rank").result()) == {0: 0, 1: 1}
         pids = [s.pid for s in mesh.status()]
     assert mesh.stopped
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                   for p in pids)
+    assert not any(running(p) for p in pids)
     with pytest.raises(MeshStoppedError, match="start a new one"):
         mesh.run("1")
 
