@@ -520,9 +520,11 @@ class SlurmJob:
         except Exception as exc:  # the job is ending anyway: say why the checkpoint failed
             self.launcher.announce(f"job {self.id}: on_time_limit failed: {exc}")
         # Run to its end: a kernel that attaches this (kept) mesh later must not run it again.
-        # One that died before this line, mid-hook, leaves it to the next.
-        with contextlib.suppress(OSError):
-            os.replace(os.path.join(self.dir, SIGNALLED), os.path.join(self.dir, SIGNALLED + "-handled"))
+        # One that died before this line, mid-hook, leaves it to the next; so does one that let
+        # go of the mesh meanwhile (its run failed for that: the next kernel runs it).
+        if not self._stop.is_set():
+            with contextlib.suppress(OSError):
+                os.replace(os.path.join(self.dir, SIGNALLED), os.path.join(self.dir, SIGNALLED + "-handled"))
 
     def warn_once(self) -> None:
         left = self.state.left_s()
