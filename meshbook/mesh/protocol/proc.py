@@ -21,6 +21,13 @@ _PR_SET_CHILD_SUBREAPER = 36
 LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity where the system has one (a login node
+    or a container may cap a user to a few of the machine's), else every core."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` when our parent dies; exit now if it already has.
 

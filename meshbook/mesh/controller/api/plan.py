@@ -12,7 +12,6 @@ rank with the very code the planner traced.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import warnings
 from collections import Counter
@@ -40,6 +39,7 @@ from ...protocol.plan import (
     mark_dominated,
     predict,
 )
+from ...protocol.proc import usable_cores
 from ...protocol.text import format_bytes, status_table
 from ...protocol.values import RankValues
 from ...rank import ops
@@ -347,7 +347,7 @@ class PlanOps:
         deadline = started + PLAN_TIMEOUT_S
         limit = None if budget is None else check_bytes(budget, "budget")
         ranks_on_host = Counter(self.controller.host_of.values())
-        with Planners(max(1, min(planners or MAX_PLANNERS, os.cpu_count() or 1)), self.controller) as pool:
+        with Planners(max(1, min(planners or MAX_PLANNERS, usable_cores())), self.controller) as pool:
             facts = pool.ask(0, "inspect", build)  # first, where a failing build harms nothing
             found = candidates(len(self.ranks), facts, shape[0], min(ranks_on_host.values()))
             dims = _named_dims(self)

@@ -17,7 +17,6 @@ links; the rank sockets and the ROUTER are used under ``send_lock`` by whichever
 
 from __future__ import annotations
 
-import os
 import select
 import shutil
 import tempfile
@@ -32,7 +31,7 @@ from ...protocol import messages as msg
 from ...protocol import wire
 from ...protocol.errors import MeshError
 from ...protocol.lane import Intake, Lane
-from ...protocol.proc import owned_prefix, remove_stale, runtime_base
+from ...protocol.proc import owned_prefix, remove_stale, runtime_base, usable_cores
 from ..launch.network import HostLink, Network
 
 #: How often the receiver looks at the agents, pings remote ones and lets the run watcher look.
@@ -46,7 +45,7 @@ STALE_KINDS = ("mb", "meshbook-ssh")
 #: they only time-share the cores with the receiver thread. Measured on 2 cores, a no-op to
 #: 1,024 ranks on 128 hosts: 18 ms of the controller's CPU per round trip with one, 23 ms with
 #: four (the receiver's share grows too: 10.5 ms against 12.9).
-NETWORK_IO_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4))  # the cores this process may use
+NETWORK_IO_THREADS = max(1, min(4, usable_cores() // 4))
 #: The one I/O thread (a bit mask) of every ipc socket: a request to 8 local ranks wakes one
 #: thread, not up to four, each a thread switch on the request's way (see DESIGN.md, threads).
 LOCAL_IO = 1
