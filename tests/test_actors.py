@@ -442,10 +442,15 @@ def test_respawn_drops_the_broadcasts_only_the_deaths_failed(tmp_path: Path) -> 
         odd = mesh.spawn("odd", Odd, 2)
         odd.slice(rank=1).hold.broadcast(str(tmp_path / "started"))
         odd.slice(rank=0).fail.broadcast("said once")
-        with contextlib.suppress(RemoteError):  # held back, as sent before the step check of that failure
-            mesh.run("None", ranks=[0]).result()  # after the broadcast on rank 0: its failure is in
+        after = mesh.run("None", ranks=[0])
+        # The failure on rank 0 is in once the run after it ended there (failed, if it was sent
+        # before the step check of that failure), or waits behind that check: the check asks
+        # rank 1 too, so it waits for the hold there, until the kill.
+        _until(lambda: after.done() or "step check" in mesh.queued(after).get(0, ""))
         _until(lambda: (tmp_path / "started.1").exists())
         mesh.kill([1])
+        with contextlib.suppress(RemoteError):
+            after.result()
         _until(lambda: odd.failed)
         mesh.restart([1])
         odd.respawn()
