@@ -150,9 +150,12 @@ def test_startup_waits_for_every_rank_of_the_generation_and_names_the_failed() -
                                 "(exit code 1)")
     b.respawning([1])
     generation = b.new_generation()
+    assert b.not_ready([0, 1], generation) == [0, 1]
     b.ready(1, generation, "cpu", 11, "")
     b.ready(0, generation, "cpu", 10, "")
     assert b.startup([0, 1], generation) == (True, []) and b.ranks[1].lost_namespace
+    b.respawning([0])  # re-forked after it joined (a recovery gave up on it): of the generation, not ready
+    assert b.not_ready([0, 1], generation) == [0] and b.startup([0, 1], generation) == (False, [])
 
 
 def test_attaching_adopts_the_newest_generation_and_the_ranks_that_died_meanwhile() -> None:

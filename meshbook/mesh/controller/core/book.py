@@ -262,7 +262,12 @@ class RankBook:
         """Are ``ranks`` ready in ``generation``; and which failed (dead, or their group did not start)?"""
         states = [self.ranks[r] for r in ranks]
         failed = [s for s in states if s.state == "dead" or (s.generation == generation and s.state == "failed")]
-        return all(s.generation == generation and s.state != "starting" for s in states), failed
+        return not self.not_ready(ranks, generation), failed
+
+    def not_ready(self, ranks: list[int], generation: int) -> list[int]:
+        """The ``ranks`` yet to say they are ready in ``generation`` (a rank re-forked into it
+        is of it, and starting)."""
+        return [r for r in ranks if self.ranks[r].generation != generation or self.ranks[r].state == "starting"]
 
     # -- what runs where -----------------------------------------------------------------------
 

@@ -310,9 +310,9 @@ class Controller:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    waiting = [r for r in ranks if self.ranks[r].generation != generation]
                     raise MeshError(
-                        f"{what} timed out after {timeout:g} s: rank(s) {waiting} never became ready. "
+                        f"{what} timed out after {timeout:g} s: rank(s) "
+                        f"{format_ranks(self.book.not_ready(ranks, generation))} never became ready. "
                         f"{self.agents.report()}Pass a larger timeout= if the machine is slow.")
                 self._changed.wait(min(left, 0.25))
                 self._check_agents()
