@@ -564,6 +564,26 @@ def test_recover_interrupts_a_rank_running_python_where_it_killed_it(mesh: meshb
     assert dict(mesh.run("keep").result()) == {0: 0, 1: 1, 2: 2, 3: 3}  # nobody lost a variable
 
 
+def test_recover_leaves_a_group_whose_async_collective_a_peer_never_joined(mesh: meshbook.Mesh) -> None:
+    """Ranks 0-2 issued an ``async_op`` all_reduce that rank 3 never joins, and sleep with it
+    pending. Leaving that group must not wait for it: gloo's destroy waits for pending work until
+    the collective timeout, while the ranks that joined the new group gave up on the slow one
+    and the recovery re-forked it. Every rank keeps its variables; the pending work fails."""
+    mesh.run("keep = rank").result()
+    run = mesh.run("import time\nt = torch.ones(1)\nif rank != 3:\n    work = dist.all_reduce(t, async_op=True)\n"
+                   "time.sleep(60)")
+    wait_until(lambda: all(mesh.snapshots([r])[r].pending for r in (0, 1, 2)) and mesh.snapshots([3])[3].busy)
+    recovery = mesh.recover()
+    assert (recovery.restarted, recovery.interrupted, recovery.aborted) == ([], [3], [0, 1, 2]), recovery.render()
+    with pytest.raises(RemoteError):
+        run.result(echo=False)
+    assert dict(mesh.run("keep").result()) == {0: 0, 1: 1, 2: 2, 3: 3}  # nobody lost a variable
+    failed = mesh.run("try:\n    work.wait()\nexcept RuntimeError:\n    failed = True\nfailed", ranks=[0, 1, 2])
+    assert dict(failed.result(echo=False)) == {0: True, 1: True, 2: True}
+    total = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result(timeout=60, echo=False)
+    assert set(total.values()) == {4.0}
+
+
 def test_a_rank_slow_to_leave_its_interrupt_is_told_as_interrupted_not_aborted(mesh: meshbook.Mesh) -> None:
     """How a rank stopped is read from how its run ended, not from how soon it stopped: rank 1
     cleans up for 0.6 s after the Ctrl-C, longer than a recovery waits before it aborts the

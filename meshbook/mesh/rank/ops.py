@@ -11,8 +11,6 @@ loading the rank's machinery.
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +24,7 @@ from ..protocol.namespaces import VarInfo, describe, inventory, local_shard
 from ..protocol.payload import Overweight, Payload, Slot, pickled_for_pull
 from ..protocol.reports import Collective, GroupPosition, Positions, RankSnapshot
 from ..protocol.wire import TooBig
+from .connections import shut_down
 from .devices import on_device, walk
 from .groups import replica_prints, stale_objects
 from .torch_compat import (
@@ -176,15 +175,7 @@ def prepare_abort(worker: "Worker", stuck_in: dict[int, int], reasons: dict[int,
             and (waiting or not if_waiting):
         _, waited = worker.abort_reasons.get(request, ("", False))
         worker.abort_reasons[request] = (reasons[worker.rank], waited or waiting)
-    return listening_ports(worker), waiting
-
-
-def listening_ports(worker: "Worker") -> list[int]:
-    """TCP ports this rank listens on (its gloo/NCCL endpoints; control thread)."""
-    import psutil
-
-    return sorted({c.laddr.port for c in psutil.Process().net_connections("tcp")
-                   if c.status == psutil.CONN_LISTEN})
+    return worker.group_ports(), waiting
 
 
 @rank_op(channel=msg.CONTROL)
@@ -201,32 +192,13 @@ def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: li
     the rank is still stuck in the request ``stuck_in[rank]``: once it moved on it may be
     building the new process group, whose connections must live.
     """
-    import psutil
-
     if worker.request != stuck_in.get(worker.rank):
         return 0
     if "nccl" in worker.cfg.backend:
         abort_process_groups()
-    own = set(listening_ports(worker))
-    peers = set(peer_ports)
-    closed = 0
-    for conn in psutil.Process().net_connections("tcp"):
-        if worker.request != stuck_in.get(worker.rank):
-            break  # freed meanwhile: it may be building the new group's connections now
-        if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.fd < 0:
-            continue
-        if conn.raddr.port in peers or conn.laddr.port in own or conn.raddr.ip in lost_hosts:
-            try:
-                with socket.socket(fileno=os.dup(conn.fd)) as sock:
-                    # The main thread may have closed that fd and reused its number for a new
-                    # socket since the listing: only shut down the connection we listed.
-                    if sock.getsockname()[:2] == tuple(conn.laddr) and \
-                            sock.getpeername()[:2] == tuple(conn.raddr):
-                        sock.shutdown(socket.SHUT_RDWR)
-                        closed += 1
-            except OSError:
-                pass
-    return closed
+    # Stopped once freed meanwhile: it may be building the new group's connections now.
+    return shut_down(worker.group_ports(), peer_ports, lost_hosts,
+                     still=lambda: worker.request == stuck_in.get(worker.rank))
 
 
 # -- step checks (mesh/controller/step.py): in request order, on the main thread -----------------
