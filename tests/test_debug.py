@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import sys
 import threading
 import time
@@ -582,6 +583,19 @@ def test_recover_leaves_a_group_whose_async_collective_a_peer_never_joined(mesh:
     assert dict(failed.result(echo=False)) == {0: True, 1: True, 2: True}
     total = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result(timeout=60, echo=False)
     assert set(total.values()) == {4.0}
+
+
+def test_a_server_of_the_users_in_a_rank_keeps_its_clients_when_the_groups_are_re_created(mesh: meshbook.Mesh) -> None:
+    """Only a rank with work pending on its old groups shuts down the connections on its
+    listening ports as it leaves them (it cannot tell a group's from a server of the user's):
+    a server on rank 0 serves on across the re-creation that a restart of rank 1 makes."""
+    served = mesh.run("import socket\nserver = socket.create_server(('127.0.0.1', 0))\nserver.getsockname()[1]",
+                      ranks=[0]).result(echo=False)
+    with socket.create_connection(("127.0.0.1", dict(served)[0]), timeout=60) as client:
+        mesh.run("conn, _ = server.accept()", ranks=[0]).result(echo=False)
+        mesh.restart([1])
+        mesh.run("conn.sendall(b'still here')\nconn.close()\nserver.close()", ranks=[0]).result(echo=False)
+        assert client.recv(64) == b"still here"
 
 
 def test_a_rank_slow_to_leave_its_interrupt_is_told_as_interrupted_not_aborted(mesh: meshbook.Mesh) -> None:

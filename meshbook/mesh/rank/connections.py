@@ -2,16 +2,18 @@
 
 Why: a gloo collective that waits on a peer ends only when its connection closes (or at the
 collective timeout), whatever else the rank does. A recovery shuts down the connections of a
-rank stuck in one (from its control thread, :func:`meshbook.mesh.rank.ops.abort_collectives`),
-and a rank of a gloo mesh leaving its groups for a new generation shuts down its own first
-(the worker's ``init_distributed``): gloo's ``destroy_process_group`` waits for work still
-pending on a group (an ``async_op`` collective a peer never joined, say) until the collective
-timeout, while the other ranks give up joining the new group long before.
+rank stuck in one (from its control thread, :func:`meshbook.mesh.rank.ops.abort_collectives`).
+And a rank of a gloo mesh that leaves its groups with work still pending on them (an
+``async_op`` collective a peer never joined, left unwaited when the ranks were interrupted)
+shuts down its connections first (the worker's ``init_distributed``): gloo's
+``destroy_process_group`` waits for that work until the collective timeout, while the other
+ranks give up joining the new group long before. A rank with nothing pending destroys its
+groups as it is, which closes its ends; so every pair a pending rank is in closes.
 
-A rank listens on TCP for its process groups only (its requests come over Unix sockets), so
-a connection on one of its listening ports is a peer's, except on ports it listened on before
-its first group: those it inherited from the agent that forked it (the worker's
-``group_ports``), left alone.
+A rank listens on TCP for its process groups (its requests come over Unix sockets, and it
+keeps no file descriptor of its agent's), so a connection on one of its listening ports is a
+peer's, unless the user runs a server in the rank: that one's clients are cut too, which is
+why leaving a group does this only where work is pending (the destroy would hang instead).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from ..protocol.namespaces import VarInfo, describe, inventory, local_shard
 from ..protocol.payload import Overweight, Payload, Slot, pickled_for_pull
 from ..protocol.reports import Collective, GroupPosition, Positions, RankSnapshot
 from ..protocol.wire import TooBig
-from .connections import shut_down
+from .connections import listening_ports, shut_down
 from .devices import on_device, walk
 from .groups import replica_prints, stale_objects
 from .torch_compat import (
@@ -175,7 +175,7 @@ def prepare_abort(worker: "Worker", stuck_in: dict[int, int], reasons: dict[int,
             and (waiting or not if_waiting):
         _, waited = worker.abort_reasons.get(request, ("", False))
         worker.abort_reasons[request] = (reasons[worker.rank], waited or waiting)
-    return worker.group_ports(), waiting
+    return listening_ports(), waiting
 
 
 @rank_op(channel=msg.CONTROL)
@@ -185,7 +185,9 @@ def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: li
     every connection to ``lost_hosts`` (hosts whose ranks can no longer list their ports).
 
     A gloo collective blocked on such a connection fails at once ("Connection closed by
-    peer"); the rank's other connections (the notebook's, the user's own) are left alone. An
+    peer"); the rank's other connections (the notebook's, the user's own outgoing ones) are left
+    alone, but a server of the user's in the rank loses its clients too (see
+    :mod:`.connections`). An
     NCCL one may wait on NVLink or shared memory, which no socket closes: its communicators
     are aborted instead (a CUDA sync waiting on it returns, and the next process group is made
     without destroying this one, which would wait for the unpaired kernel). Only done while
@@ -197,7 +199,7 @@ def abort_collectives(worker: "Worker", stuck_in: dict[int, int], peer_ports: li
     if "nccl" in worker.cfg.backend:
         abort_process_groups()
     # Stopped once freed meanwhile: it may be building the new group's connections now.
-    return shut_down(worker.group_ports(), peer_ports, lost_hosts,
+    return shut_down(listening_ports(), peer_ports, lost_hosts,
                      still=lambda: worker.request == stuck_in.get(worker.rank))
 
 

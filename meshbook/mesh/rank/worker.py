@@ -72,7 +72,7 @@ from .ipython import route_display
 from .memory import CudaStats, host_memory_probe
 from .sampling import MainThreadSampler, see_through
 from .streams import FdPump, RankStream, install_thread_tagging
-from .torch_compat import FLIGHT_RECORDER_ENTRIES, forget_device_meshes, oldest_nccl_pending
+from .torch_compat import FLIGHT_RECORDER_ENTRIES, flight_records, forget_device_meshes, oldest_nccl_pending
 
 TICK_S = 0.2
 #: How often a control thread whose ticks keep failing says so again: the first failure is
@@ -177,9 +177,6 @@ class Worker:
         self.generation = cfg.generation
         #: The DeviceMesh of the mesh's dims (``device_mesh`` in the namespace, which user code may rebind).
         self.device_mesh: Any = None
-        #: The TCP ports this rank listened on before it made its first process group: not a
-        #: group's, so leaving the groups leaves their connections alone (see :mod:`.connections`).
-        self.not_group_ports: list[int] | None = None
         self._ctx = zmq.Context()
         self._out = self._ctx.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 2000)
@@ -285,11 +282,9 @@ class Worker:
 
         cfg = self.cfg
         self.failed_before = None  # new groups: every rank at their first collective
-        if self.not_group_ports is None:
-            self.not_group_ports = connections.listening_ports()
         if dist.is_initialized():
-            if "nccl" not in cfg.backend:  # or gloo's destroy waits for work still pending (NCCL: not tried)
-                connections.shut_down(self.group_ports())
+            if "nccl" not in cfg.backend and flight_records():  # else gloo's destroy waits for that work
+                connections.shut_down(connections.listening_ports())  # (see there; NCCL: not tried)
             self.destroy_group()
             forget_device_meshes()  # DTensor's decisions name the old groups
         self.group_since_ns = time.time_ns()  # the flight recorder's calls of these groups come after
@@ -320,11 +315,6 @@ class Worker:
             coords=topo.coords(self.rank), device=device, torch=torch, dist=dist,
             device_mesh=device_mesh, display=self.display)
         self.namespace.setdefault("__builtins__", __builtins__)
-
-    def group_ports(self) -> list[int]:
-        """The TCP ports this rank's process groups listen on: all it listens on, but those it
-        did before its first group (inherited from the agent that forked it)."""
-        return sorted(set(connections.listening_ports()) - set(self.not_group_ports or ()))
 
     # -- the main loop ---------------------------------------------------------------------
 
