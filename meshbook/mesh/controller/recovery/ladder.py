@@ -5,10 +5,11 @@ end it is its connection to a peer closing. :func:`recover` uses that, in escala
 and stops at the first that frees every rank:
 
 1. every free rank re-creates its process group (``destroy_process_group`` closes its
-   connections): ranks waiting for a free rank fail at once and follow. No namespace is lost;
-2. ranks still stuck after :data:`ABORT_AFTER_S` (they wait only on other stuck ranks, e.g.
-   mismatched collectives) get their inter-rank sockets shut down from their control thread,
-   which fails their collective in the same way. No namespace is lost;
+   connections), and every rank that said it waits in a collective gets its inter-rank
+   sockets shut down from its control thread at once, which fails the collective in the same
+   way. No namespace is lost;
+2. ranks still stuck after :data:`ABORT_AFTER_S` (they said nothing in time, or entered a
+   collective since) are aborted the same way, with what they say then. No namespace is lost;
 3. ranks still stuck after that (C code that holds on regardless) are killed and re-forked
    under the same rank id: only these lose their variables.
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from ..core.controller import Controller
     from ..core.run import Run
 
-#: How long free ranks get to release stuck ones before their sockets are shut down.
+#: How long ranks not aborted at once get to join before their sockets are shut down.
 ABORT_AFTER_S = 0.2
 #: How long shut-down sockets get to end a collective before the rank is re-forked.
 KILL_AFTER_S = 2.0
@@ -196,7 +197,8 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
     runs = controller.runs_of(doing.values())  # how each ended says whether the interrupt or the abort stopped it
     # Told first, before the kill: ranks that leave the old group, and the ranks killed, free a
     # collective with a closed connection, which said only gloo's "Connection closed by peer".
-    in_python = _outside_collectives(controller, doing, reason)  # ranks that wait in no collective
+    told = _tell_why(controller, doing, reason)  # rank -> (its listening ports, whether it waits in a collective)
+    in_python = {r for r, (_, waiting) in told.items() if not waiting}
     controller.kill(restart, why=f"by {cause}")
     restarted = controller.dead()
     generation = controller.new_generation()
@@ -212,6 +214,7 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
     controller.respawn(restarted, generation)
     joined = controller.call(reinit, generation, controller.store_addr, ranks=survivors,
                              what="re-create the process group") if survivors else None
+    _abort_waiting(controller, {r: doing[r] for r, (_, waiting) in told.items() if waiting and r in doing}, told)
     if joined is None:
         controller.wait_generation(generation, list(controller.ranks), timeout, "recovery")
         return Recovery(sorted(restarted), [], [], generation, time.monotonic() - started)
@@ -284,16 +287,33 @@ def _stopped_by_interrupt(stopped: list[int], doing: dict[int, int | None], runs
     return [r for r in stopped if by_interrupt(r)]
 
 
-def _outside_collectives(controller: "Controller", doing: dict[int, int | None], reason: str) -> set[int]:
-    """The ranks of ``doing`` (rank -> the request it runs) that wait in no collective now, as
-    they say within :data:`ASK_RUNNING_S`; those that do wait in one learn ``reason`` first,
-    so their error says why it ends even if a peer's closed connection ends it first."""
+def _tell_why(controller: "Controller", doing: dict[int, int | None],
+              reason: str) -> dict[int, tuple[list[int], bool]]:
+    """Each rank of ``doing`` (rank -> the request it runs) that answers within
+    :data:`ASK_RUNNING_S`: its listening ports, and whether it waits in a collective now. Those
+    that do learn ``reason`` first, so their error says why it ends even if a peer's closed
+    connection ends it first."""
     if not doing:
-        return set()
+        return {}
     told = controller.call(prepare_abort, doing, dict.fromkeys(doing, reason), True, ranks=list(doing),
                            what="why collectives end")
     told.wait(ASK_RUNNING_S)
-    return {r for r, (_, waiting) in told.values().items() if not waiting}
+    return {r: (ports, waiting) for r, (ports, waiting) in told.values().items()}
+
+
+def _abort_waiting(controller: "Controller", waiting: dict[int, int | None],
+                   told: Mapping[int, tuple[list[int], bool]]) -> None:
+    """Shut down the connections of the ranks ``waiting`` in a collective (rank -> the request
+    they wait in) at once, with the ports the ranks ``told``, without waiting for the answers.
+    Every rank leaves the old group in a recovery, so nothing is lost: waiting for the free
+    ranks to release them first (the ladder's first step) cost the abort's delay, and the
+    report reads how each run ended either way. A rank that moved on meanwhile is left alone
+    (``abort_collectives``); one still stuck after :data:`ABORT_AFTER_S` is aborted again."""
+    ranks = controller.live(list(waiting))
+    if ranks:
+        ports = sorted({p for listened, _ in told.values() for p in listened})
+        controller.call(abort_collectives, {r: waiting[r] for r in ranks}, ports, ranks=ranks,
+                        what="abort collectives")
 
 
 def resync(controller: "Controller", held: "Run", ahead: list[int],
