@@ -758,10 +758,10 @@ def _described(message: wire.Message) -> str:
 
 def _interrupted_in_python(exc: BaseException) -> bool:
     """Did an interrupt stop this rank in Python, where an abort of its collectives came too (a
-    recovery aborts those of every rank still busy after a moment, in Python or not), and it
-    waited in none when told? A ``KeyboardInterrupt`` raised while a collective's error (a
-    ``RuntimeError``: gloo's, or a send or recv no flight recorder lists) unwound has that
-    error in its context: that rank was freed by the abort. One raised in the cleanup of an
+    recovery aborts those of every rank still busy after a moment, in Python or not)? The caller
+    also asks whether it waited in a collective when told. A ``KeyboardInterrupt`` raised while
+    a collective's error (a ``RuntimeError``: gloo's, or a send or recv no flight recorder
+    lists) unwound has that error in its context: that rank was freed by the abort. One raised in the cleanup of an
     earlier interrupt has only that one there. (An NCCL wait the abort ends returns without an
     error: such a rank said it waited.)"""
     if not isinstance(exc, KeyboardInterrupt):

@@ -270,13 +270,16 @@ class Slurm(Launcher):
         job = self.current
         assert job is not None
         # The hook too: the job was submitted to signal it, and a kernel that attaches the
-        # mesh later is the one that must run it.
-        return {"job": job.id or "", "dir": job.dir, "on_time_limit": self.on_time_limit}
+        # mesh later is the one that must run it; and how early, which its watcher also goes by
+        # where the signal's file never comes (``_step_near_limit``).
+        return {"job": job.id or "", "dir": job.dir, "on_time_limit": self.on_time_limit,
+                "signal_s": self.signal_s}
 
     @classmethod
     def from_record(cls, record: MeshRecord) -> "Launcher":
         state = record.launcher_state
-        launcher = cls(workdir=os.path.dirname(state["dir"]), on_time_limit=state.get("on_time_limit"))
+        launcher = cls(workdir=os.path.dirname(state["dir"]), on_time_limit=state.get("on_time_limit"),
+                       signal_s=state.get("signal_s", 300))
         launcher.find_again(record)
         return launcher
 

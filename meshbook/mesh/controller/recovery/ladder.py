@@ -20,6 +20,7 @@ every rank joins a new process group (a new generation in a new store), rebuilds
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -310,10 +311,11 @@ def _abort_waiting(controller: "Controller", waiting: dict[int, int | None],
     report reads how each run ended either way. A rank that moved on meanwhile is left alone
     (``abort_collectives``); one still stuck after :data:`ABORT_AFTER_S` is aborted again."""
     ranks = controller.live(list(waiting))
-    if ranks:
-        ports = sorted({p for listened, _ in told.values() for p in listened})
-        controller.call(abort_collectives, {r: waiting[r] for r in ranks}, ports, ranks=ranks,
-                        what="abort collectives")
+    ports = sorted({p for listened, _ in told.values() for p in listened})
+    with contextlib.suppress(MeshError):  # one died meanwhile: the loop after sees to the rest
+        if ranks:
+            controller.call(abort_collectives, {r: waiting[r] for r in ranks}, ports, ranks=ranks,
+                            what="abort collectives")
 
 
 def resync(controller: "Controller", held: "Run", ahead: list[int],
