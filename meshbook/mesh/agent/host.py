@@ -262,6 +262,8 @@ class Agent:
         self.kill(ranks, body["sig"])
 
     def _spawn(self, ranks: list[int], body: dict[str, Any], request: int) -> None:
+        if body.get("store") is not None:  # host 0 re-formed elsewhere took the store with it
+            self.cfg.store = list(body["store"])
         for rank in ranks:
             self.spawn(rank, body["generation"])
 

@@ -469,14 +469,22 @@ class Controller:
         with self._lock:
             self.book.respawning(ranks)
         gone = self.agents.hosts_gone(ranks)
-        for host in gone:
+        for i, host in enumerate(gone):
             try:
                 self.agents.relaunch(host, generation)
             except BaseException as exc:  # nothing will start them: say so, never leave "starting"
                 self._ranks_died([r for r in self.agents.plans[host].ranks if r in ranks],
                                  {"cause": f"could not start a new agent for them: {exc}"})
+                # Nor the ones to be forked after every new agent (one may bring the store).
+                later = [r for r in ranks if self.host_of[r] not in gone[:i + 1]]
+                if later:
+                    self._ranks_died(later, {"cause": f"not started again: the agent of host {host} "
+                                                      f"could not start ({exc})"})
                 raise
-        self.agent_op(msg.AgentOp.SPAWN, [r for r in ranks if self.host_of[r] not in gone], generation=generation)
+        # With where the ranks meet: host 0 re-formed elsewhere moved the store, which the other
+        # hosts' agents learnt only at their start.
+        self.agent_op(msg.AgentOp.SPAWN, [r for r in ranks if self.host_of[r] not in gone], generation=generation,
+                      store=self.agents.store_addr)
 
     # -- what runs where (for recovery, stacks and the step check) ---------------------------------
 
