@@ -74,6 +74,57 @@ def test_a_host_cut_off_is_lost_and_re_formed_on_another() -> None:
             mesh.stop()
 
 
+#: Run on a rank: its TCP connections to other hosts, as (remote address, accepted on a port of
+#: this process's own): gloo connects each pair once, one of the two dialling the other.
+CONNECTIONS = ("import psutil\n"
+               "_own = {c.laddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'LISTEN'}\n"
+               "sorted({(c.raddr.ip, c.laddr.port in _own) for c in psutil.Process().net_connections('tcp')\n"
+               "        if c.status == 'ESTABLISHED' and c.raddr and c.raddr.ip != c.laddr.ip})")
+
+
+def test_ranks_with_work_pending_on_a_silent_hosts_ranks_leave_their_groups_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks 2 and 3 (h2) leave an ``async_op`` all_reduce unwaited that ranks 0 and 1 (h1)
+    never join, then h1 goes silent: no FIN ever closes a connection to it. gloo's destroy
+    waits for the pending work until the collective timeout, so ranks 2 and 3, leaving their
+    groups at the restart, shut the connections they opened to h1 too, not only those on their
+    own ports: the restart waited for them, then re-forked them, and their variables were lost.
+
+    h1 is host 0, which keeps the store: re-formed on h3, it moves the store, and a rank of h2
+    forked after that meets the others there (its agent learnt the old place at its start)."""
+    need(netns.missing, sshd.missing)
+    monkeypatch.setenv("MESHBOOK_HOST_SUSPECT_S", "2")
+    monkeypatch.setenv("MESHBOOK_HOST_LOST_S", "6")
+    with netns.Hosts(3) as hosts, sshd.Sshd(hosts) as ssh:
+        launcher = meshbook.SSH(ssh.aliases[:2], per_host=2, python=sys.executable,
+                                ssh_options=["-F", str(ssh.ssh_config)])
+        mesh = meshbook.start(launcher=launcher, timeout=120, collective_timeout=60)
+        try:
+            mesh.run("kept = rank\nt = torch.ones(1)\n"
+                     "w = dist.all_reduce(t, async_op=True) if rank >= 2 else None").result()
+            # gloo pairs two ranks with one connection, dialled by the one of the higher address
+            dialled = mesh.run(CONNECTIONS, ranks=[2, 3]).result()
+            assert all((hosts["h1"].addr, False) in dialled[r] for r in (2, 3)), \
+                f"the case under test: ranks 2 and 3 dialled ranks 0 and 1 ({dialled})"
+            hosts.link_down(hosts["h1"])
+            deadline = time.monotonic() + 60
+            while [h.state for h in mesh.hosts()] != ["lost", "ok"]:
+                assert time.monotonic() < deadline, f"h1 never found lost: {mesh.hosts()}"
+                time.sleep(0.2)
+            recovery = mesh.restart([0, 1], on="h3", timeout=40)
+            assert recovery.restarted == [0, 1] and recovery.seconds < 30, recovery.render()
+            kept = mesh.run("kept", ranks=[2, 3]).result()
+            assert [kept[r] for r in (2, 3)] == [2, 3]
+            failed = mesh.run("try:\n    w.wait()\nexcept RuntimeError:\n    failed = True\nelse:\n    failed = False\n"
+                              "failed", ranks=[2, 3]).result()
+            assert set(failed.values()) == {True}, "the pending work failed, it did not complete"
+            assert mesh.restart([2], timeout=40).restarted == [2]  # forked by h2's agent, at the new store
+            total = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result()
+            assert set(total.values()) == {4.0}
+        finally:
+            mesh.stop()
+
+
 def test_from_a_notebook(ssh_hosts: sshd.Sshd, monkeypatch: pytest.MonkeyPatch) -> None:
     """A mesh across hosts driven from a real kernel; a host cut off fails its cell and the
     kernel carries on. (ssh reads the config of the user's passwd home, not $HOME, so the

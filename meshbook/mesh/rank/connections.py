@@ -8,7 +8,9 @@ And a rank of a gloo mesh that leaves its groups with work still pending on them
 shuts down its connections first (the worker's ``init_distributed``): gloo's
 ``destroy_process_group`` waits for that work until the collective timeout, while the other
 ranks give up joining the new group long before. A rank with nothing pending destroys its
-groups as it is, which closes its ends; so every pair a pending rank is in closes.
+groups as it is, which closes its ends; so every pair a pending rank is in closes, except a
+pair with a rank of a host found lost: it went silent, no FIN will ever close that
+connection, so a pending rank also shuts the connections it opened to such hosts.
 
 A rank listens on TCP for its process groups (its requests come over Unix sockets, and it
 keeps no file descriptor of its agent's), so a connection on one of its listening ports is a

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -149,14 +149,17 @@ def _collective(entry: dict[str, Any], members: dict[str, tuple[int, ...]] | Non
 # -- recovery (mesh/controller/recovery.py) -----------------------------------------------------
 
 
-def reinit(worker: "Worker", generation: int, store: tuple[str, int] | None = None) -> list[tuple[str, str]]:
+def reinit(worker: "Worker", generation: int, store: tuple[str, int] | None = None,
+           lost_hosts: Sequence[str] = ()) -> list[tuple[str, str]]:
     """Leave the old process group and join generation ``generation``'s (exec thread), at
     ``store`` when a mesh across hosts has its store somewhere new (its host was re-formed).
-    Returns the variables still bound to the old groups, as :func:`hold` does."""
+    ``lost_hosts``: addresses of hosts found lost, whose connections the rank shuts if it
+    leaves with work pending (see :mod:`meshbook.mesh.rank.connections`). Returns the
+    variables still bound to the old groups, as :func:`hold` does."""
     if store is not None:
         worker.move_store((store[0], store[1]))  # a tuple, whatever sequence crossed the wire
     with worker.shielded():
-        worker.reinit(generation)
+        worker.reinit(generation, lost_hosts)
     return stale_objects(worker.namespace)
 
 

@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import replace
 from functools import partial
 from types import FunctionType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import psutil
 import zmq
@@ -258,11 +258,11 @@ class Worker:
         """Meet the other ranks at ``store`` from the next generation on (across hosts)."""
         self.cfg = replace(self.cfg, store_addr=store)
 
-    def reinit(self, generation: int) -> None:
+    def reinit(self, generation: int, lost_hosts: Sequence[str] = ()) -> None:
         """Join process-group ``generation`` and tell the controller (start and recovery)."""
         header: dict[str, Any] = {msg.GENERATION: generation}  # header fields, not emit's options
         try:
-            self.init_distributed(generation)
+            self.init_distributed(generation, lost_hosts)
         except BaseException as exc:
             self.emit(msg.INIT_FAILED, None, failure_from(self.rank, exc), **header)
             raise
@@ -274,8 +274,10 @@ class Worker:
         return {"device": str(self.namespace["device"]), "pid": os.getpid(), "threads": self.cfg.threads_note,
                 "running": self.request}
 
-    def init_distributed(self, generation: int) -> None:
-        """(Re)create the process group and the namespace's ``device_mesh``."""
+    def init_distributed(self, generation: int, lost_hosts: Sequence[str] = ()) -> None:
+        """(Re)create the process group and the namespace's ``device_mesh``; leaving the old
+        one with work pending, shut the connections that would keep gloo's destroy waiting:
+        those on this rank's listening ports, and those it opened to ``lost_hosts``."""
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -284,7 +286,7 @@ class Worker:
         self.failed_before = None  # new groups: every rank at their first collective
         if dist.is_initialized():
             if "nccl" not in cfg.backend and flight_records():  # else gloo's destroy waits for that work
-                connections.shut_down(connections.listening_ports())  # (see there; NCCL: not tried)
+                connections.shut_down(connections.listening_ports(), hosts=lost_hosts)  # (see there; NCCL: not tried)
             self.destroy_group()
             forget_device_meshes()  # DTensor's decisions name the old groups
         self.group_since_ns = time.time_ns()  # the flight recorder's calls of these groups come after

@@ -980,7 +980,9 @@ class Controller:
         for host, agent in self.agents.gone():
             ranks = self.agents.plans[host].ranks
             if self.remote:  # the other hosts' ranks live on: the mesh is degraded, not stopped
-                self._ranks_died(ranks, {"cause": agent.exit_reason()})
+                # Its host may have gone silent (an ssh keepalive ended the agent's session
+                # first): the connections to it are freed as a lost host's.
+                self._ranks_died(ranks, {"cause": agent.exit_reason(), "lost_hosts": self.agents.addresses([host])})
                 continue
             reason = f"host agent {host} died ({agent.exit_reason()})"
             self._ranks_died(ranks, {"cause": reason, "ends": True})

@@ -211,11 +211,14 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
         # Python stops and keeps its variables, where only the kill below would free it (the
         # abort frees collectives, not a sleep, a loop, or the cleanup of a first interrupt).
         controller.interrupt_where({r: q for r, q in doing.items() if q is not None})
+    lost_before = controller.agents.lost_addresses()  # a host re-formed elsewhere replaces its link
     # Re-forked first: a host re-formed elsewhere brings the store with it (across hosts).
     controller.respawn(restarted, generation)
-    joined = controller.call(reinit, generation, controller.store_addr, ranks=survivors,
+    lost_hosts = sorted({*lost_before, *controller.agents.lost_addresses()})  # (and one lost meanwhile)
+    joined = controller.call(reinit, generation, controller.store_addr, lost_hosts, ranks=survivors,
                              what="re-create the process group") if survivors else None
-    _abort_waiting(controller, {r: doing[r] for r, (_, waiting) in told.items() if waiting and r in doing}, told)
+    _abort_waiting(controller, {r: doing[r] for r, (_, waiting) in told.items() if waiting and r in doing}, told,
+                   lost_hosts)
     if joined is None:
         controller.wait_generation(generation, list(controller.ranks), timeout, "recovery")
         return Recovery(sorted(restarted), [], [], generation, time.monotonic() - started)
@@ -241,8 +244,8 @@ def _recover(controller: "Controller", restart: list[int], timeout: float, cause
             # says (a request on its way to it, or one whose answer is on its way here). A rank
             # that said it ran Python may be slow to leave the interrupt, or blocked in a gloo
             # send or recv, which no flight recorder lists: the abort frees the latter.
-            abort(controller, aborted, reason, stuck_in={r: running.get(r) or controller.current_request(r)
-                                                          for r in aborted})
+            abort(controller, aborted, reason, lost_hosts,
+                  stuck_in={r: running.get(r) or controller.current_request(r) for r in aborted})
         elif aborted and waited >= ABORT_AFTER_S + KILL_AFTER_S:
             hopeless = still_stuck()
             for in_none, why in ((True, "did not stop on an interrupt, and waits in nothing torch's flight "
@@ -303,9 +306,10 @@ def _tell_why(controller: "Controller", doing: dict[int, int | None],
 
 
 def _abort_waiting(controller: "Controller", waiting: dict[int, int | None],
-                   told: Mapping[int, tuple[list[int], bool]]) -> None:
+                   told: Mapping[int, tuple[list[int], bool]], lost_hosts: Sequence[str]) -> None:
     """Shut down the connections of the ranks ``waiting`` in a collective (rank -> the request
-    they wait in) at once, with the ports the ranks ``told``, without waiting for the answers.
+    they wait in) at once, with the ports the ranks ``told`` and to ``lost_hosts``, without
+    waiting for the answers.
     Every rank leaves the old group in a recovery, so nothing is lost: waiting for the free
     ranks to release them first (the ladder's first step) cost the abort's delay, and the
     report reads how each run ended either way. A rank that moved on meanwhile is left alone
@@ -314,7 +318,7 @@ def _abort_waiting(controller: "Controller", waiting: dict[int, int | None],
     ports = sorted({p for listened, _ in told.values() for p in listened})
     with contextlib.suppress(MeshError):  # one died meanwhile: the loop after sees to the rest
         if ranks:
-            controller.call(abort_collectives, {r: waiting[r] for r in ranks}, ports, ranks=ranks,
+            controller.call(abort_collectives, {r: waiting[r] for r in ranks}, ports, list(lost_hosts), ranks=ranks,
                             what="abort collectives")
 
 
@@ -351,10 +355,12 @@ def abort(controller: "Controller", ranks: list[int], reason: str | Mapping[int,
     """Shut down the inter-rank connections of ``ranks``, while they still run the request
     they run now (``stuck_in``, where the ranks said; else the controller's book): a
     collective blocked on them fails at once (with ``reason`` as its error). Connections to
-    ``lost_hosts`` (addresses of hosts found lost) go too."""
+    ``lost_hosts`` (addresses of hosts found lost) and to every host found lost by now go too:
+    no FIN ever closes a connection to a silent host."""
     ranks = controller.live(ranks)
     if not ranks:
         return
+    lost_hosts = sorted({*lost_hosts, *controller.agents.lost_addresses()})
     reasons = {r: reason if isinstance(reason, str) else reason[r] for r in ranks}
     stuck_in = {r: stuck_in[r] if stuck_in and r in stuck_in else controller.current_request(r) for r in ranks}
     live = controller.live()
