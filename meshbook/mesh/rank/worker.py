@@ -763,9 +763,9 @@ def _interrupted_in_python(exc: BaseException) -> bool:
     recovery aborts those of every rank still busy after a moment, in Python or not)? The caller
     also asks whether it waited in a collective when told. A ``KeyboardInterrupt`` raised while
     a collective's error (a ``RuntimeError``: gloo's, or a send or recv no flight recorder
-    lists) unwound has that error in its context: that rank was freed by the abort. One raised in the cleanup of an
-    earlier interrupt has only that one there. (An NCCL wait the abort ends returns without an
-    error: such a rank said it waited.)"""
+    lists) unwound has that error in its context: that rank was freed by the abort. One raised
+    in the cleanup of an earlier interrupt has only that one there. (An NCCL wait the abort
+    ends returns without an error: such a rank said it waited.)"""
     if not isinstance(exc, KeyboardInterrupt):
         return False
     context = exc.__context__

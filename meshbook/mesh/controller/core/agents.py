@@ -151,19 +151,15 @@ class Agents:
         if network is None:
             return []
         hosts = sorted({self.host_of[r] for r in ranks})
-        return [h for h in hosts if self._gone(network, h)]
-
-    def _gone(self, network: Network, host: int) -> bool:
-        return network.links[host].state in ("lost", "stopped") or not self.handles[host].alive()
+        handles = self.handles  # stop() swaps in an empty list (an abort's thread may ask meanwhile)
+        return [h for h in hosts if network.links[h].state in ("lost", "stopped")
+                or (h < len(handles) and not handles[h].alive())]
 
     def lost_addresses(self) -> list[str]:
-        """The addresses of the hosts whose agent is gone (lost, stopped, its process ended): a
-        rank freed from a collective, or leaving its groups with work pending on them, shuts its
+        """The addresses of the hosts whose agent is gone (:meth:`hosts_gone`): a rank freed
+        from a collective, or leaving its groups with work pending on them, shuts its
         connections to these too. Nothing else ends them where a host went silent (no FIN came)."""
-        network = self.transport.network
-        if network is None:
-            return []
-        return self.addresses([h for h in network.links if h < len(self.handles) and self._gone(network, h)])
+        return self.addresses(self.hosts_gone(list(self.host_of)))
 
     def addresses(self, hosts: list[int]) -> list[str]:
         """The addresses ``hosts``' agents advertised (their ranks' connections come from there)."""

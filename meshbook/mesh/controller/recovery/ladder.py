@@ -315,11 +315,12 @@ def _abort_waiting(controller: "Controller", waiting: dict[int, int | None],
     report reads how each run ended either way. A rank that moved on meanwhile is left alone
     (``abort_collectives``); one still stuck after :data:`ABORT_AFTER_S` is aborted again."""
     ranks = controller.live(list(waiting))
+    if not ranks:
+        return
     ports = sorted({p for listened, _ in told.values() for p in listened})
     with contextlib.suppress(MeshError):  # one died meanwhile: the loop after sees to the rest
-        if ranks:
-            controller.call(abort_collectives, {r: waiting[r] for r in ranks}, ports, list(lost_hosts), ranks=ranks,
-                            what="abort collectives")
+        controller.call(abort_collectives, {r: waiting[r] for r in ranks}, ports, list(lost_hosts), ranks=ranks,
+                        what="abort collectives")
 
 
 def resync(controller: "Controller", held: "Run", ahead: list[int],
